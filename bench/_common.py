@@ -1,0 +1,389 @@
+"""Shared pieces of the end-to-end training benchmarks (`e2e.py`, `peer_tfra.py`).
+
+Nothing here imports Keras at module level: the same helpers serve Keras 3 and
+the legacy `tf_keras` (TFRA's peer process), so the Keras module in use is
+passed in where one is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+# The end-to-end workload of BENCH.md.
+BATCH_SIZE = 4096
+EMBEDDING_DIM = 16
+TOP_MLP = (512, 256)
+BOTTOM_MLP = (64, 16)  # `elastic_emb.models.build_dlrm`'s default
+LEARNING_RATE = 0.05
+NUM_DENSE = 13
+NUM_CATEGORICAL = 26
+
+Arrays = dict[str, np.ndarray]  # "dense" float32[N, 13], "categorical" int64[N, 26], "labels"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def make_data(
+    num_examples: int, *, seed: int = 0, vocab_size: int | None = None
+) -> tuple[Arrays, list[int]]:
+    """Generates Criteo-format data with `elastic_emb.data` and reads it into memory.
+
+    Dense counts become `log1p(max(count, 0))`, the usual Criteo transform, so
+    plain SGD stays stable.
+
+    Args:
+        num_examples: int, number of examples to generate.
+        seed: int, seed of `generate_criteo`.
+        vocab_size: int or None, vocabulary size of every categorical feature;
+            None keeps `elastic_emb.data.DEFAULT_VOCAB_SIZES`.
+
+    Returns:
+        `(arrays, vocab_sizes)`: the arrays of `Arrays`, and the 26 vocabulary
+        sizes (every id is in `[0, vocab_sizes[f])`).
+    """
+    from elastic_emb import data as ee_data
+
+    vocab_sizes = None if vocab_size is None else [vocab_size] * NUM_CATEGORICAL
+    with tempfile.TemporaryDirectory(prefix="ee-bench-") as tmp:
+        path = os.path.join(tmp, "train.tsv")
+        info = ee_data.generate_criteo(path, num_examples, seed=seed, vocab_sizes=vocab_sizes)
+        dense, categorical, labels = ee_data.read_criteo(path)
+    arrays = {
+        "dense": np.log1p(np.maximum(dense, 0.0)).astype(np.float32),
+        "categorical": categorical.astype(np.int64),
+        "labels": labels.astype(np.float32),
+    }
+    return arrays, [int(v) for v in info["vocab_sizes"]]
+
+
+def save_data(path: str, arrays: Arrays, vocab_sizes: Sequence[int]) -> None:
+    """Writes `make_data`'s result to an `.npz` file (for benchmark subprocesses)."""
+    np.savez(path, vocab_sizes=np.asarray(vocab_sizes, np.int64), **arrays)
+
+
+def load_data(path: str) -> tuple[Arrays, list[int]]:
+    """Reads back what `save_data` wrote."""
+    with np.load(path) as f:
+        arrays = {k: f[k] for k in ("dense", "categorical", "labels")}
+        return arrays, [int(v) for v in f["vocab_sizes"]]
+
+
+class BatchStream:
+    """Hands out consecutive windows of whole batches from in-memory arrays.
+
+    Every window starts where the previous one stopped (wrapping around), so a
+    model sees fresh batches in each timed window instead of replaying the first
+    ones, as it would if each `fit` call restarted the dataset. `fork()` gives
+    another model its own position over the same data.
+    """
+
+    def __init__(self, tf: ModuleType, arrays: Arrays, batch_size: int):
+        num_batches = len(arrays["labels"]) // batch_size
+        if num_batches < 1:
+            raise ValueError(
+                f"Need at least one batch of {batch_size} examples. "
+                f"Received: {len(arrays['labels'])} examples"
+            )
+        n = num_batches * batch_size
+
+        def batched(a: np.ndarray) -> np.ndarray:
+            return a[:n].reshape(num_batches, batch_size, *a.shape[1:])
+
+        # One dataset element is one whole batch: no per-example work in tf.data.
+        self._dataset = tf.data.Dataset.from_tensor_slices(
+            (
+                {
+                    "dense": batched(arrays["dense"]),
+                    "categorical": batched(arrays["categorical"]),
+                },
+                batched(arrays["labels"]),
+            )
+        )
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self._next = 0
+
+    def fork(self) -> BatchStream:
+        """A stream over the same batches, starting again from the first one."""
+        other = object.__new__(BatchStream)
+        other.__dict__.update(self.__dict__, _next=0)
+        return other
+
+    def window(self, steps: int) -> Any:
+        """A dataset of the next `steps` batches (repeated, so it never runs dry)."""
+        start = self._next
+        self._next = (start + steps) % self.num_batches
+        return self._dataset.repeat().skip(start).prefetch(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keras 3 models
+
+
+def build_keras3_dlrm(
+    kind: str,
+    optimizer: str,
+    vocab_sizes: Sequence[int],
+    *,
+    learning_rate: float = LEARNING_RATE,
+    jit_compile: bool | str = "auto",
+) -> Any:
+    """The compiled DLRM of `elastic_emb.models.build_dlrm`, with either embedding layer.
+
+    Args:
+        kind: str, `"ee"` for `ee.Embedding` (sparse optimizer in the table),
+            `"keras"` for `keras.layers.Embedding(vocab_sizes[i], ...)`, or
+            `"floor"` for layers that output zeros: the same dense network with
+            no embedding work at all, the ceiling of any embedding layer.
+        optimizer: str, `"adagrad"` or `"sgd"`: used for the embeddings and,
+            as the Keras optimizer, for the dense weights.
+        vocab_sizes: sequence of int, the stock layers' `input_dim`s.
+        learning_rate: float, of every optimizer.
+        jit_compile: `model.compile`'s argument (Keras's `"auto"` turns XLA
+            on for the stock model; `ee.Embedding` opts out of it).
+
+    Returns:
+        A compiled `keras.Model`.
+    """
+    import keras
+
+    from elastic_emb.models import build_dlrm
+
+    if optimizer not in ("adagrad", "sgd"):
+        raise ValueError(f"`optimizer` must be 'adagrad' or 'sgd'. Received: {optimizer!r}")
+    if kind == "ee":
+        import elastic_emb as ee
+
+        def factory(i: int) -> Any:
+            if optimizer == "adagrad":
+                table_opt = ee.optimizers.Adagrad(learning_rate=learning_rate)
+            else:
+                table_opt = ee.optimizers.SGD(learning_rate=learning_rate)
+            # Table names are unique per process: several models live in one process.
+            return ee.Embedding(
+                output_dim=EMBEDDING_DIM,
+                optimizer=table_opt,
+                embeddings_initializer="uniform",
+                name=f"c{i}_{optimizer}",
+            )
+
+    elif kind == "keras":
+
+        def factory(i: int) -> Any:
+            return keras.layers.Embedding(
+                vocab_sizes[i], EMBEDDING_DIM, embeddings_initializer="uniform", name=f"c{i}"
+            )
+
+    elif kind == "floor":
+
+        class ZeroEmbedding(keras.layers.Layer):
+            def call(self, ids: Any) -> Any:
+                return keras.ops.zeros((keras.ops.shape(ids)[0], EMBEDDING_DIM))
+
+        def factory(i: int) -> Any:
+            return ZeroEmbedding(name=f"c{i}")
+
+    else:
+        raise ValueError(f"`kind` must be 'ee', 'keras' or 'floor'. Received: {kind!r}")
+    model = build_dlrm(factory, bottom_mlp=BOTTOM_MLP, top_mlp=TOP_MLP)
+    if optimizer == "adagrad":
+        dense_opt = keras.optimizers.Adagrad(learning_rate=learning_rate)
+    else:
+        dense_opt = keras.optimizers.SGD(learning_rate=learning_rate)
+    model.compile(optimizer=dense_opt, loss="binary_crossentropy", jit_compile=jit_compile)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+@dataclass
+class Window:
+    """One timed stretch of training."""
+
+    examples_per_s: float
+    loss: float
+
+
+def make_timer(keras_module: ModuleType) -> Any:
+    """A `keras_module.callbacks.Callback` that times batches and keeps the last loss.
+
+    The window runs from the end of the first batch to the end of the last one,
+    which leaves `fit`'s own start-up (iterator, first-call tracing) outside it.
+    """
+
+    class BatchTimer(keras_module.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+            self.loss = float("nan")
+
+        def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+            self.times.append(time.perf_counter())
+
+        def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+            self.loss = float((logs or {}).get("loss", float("nan")))
+
+    return BatchTimer
+
+
+class FitRunner:
+    """Trains one compiled model window by window with `model.fit`."""
+
+    def __init__(self, keras_module: ModuleType, model: Any, stream: BatchStream):
+        self._timer_cls = make_timer(keras_module)
+        self.model = model
+        self.stream = stream
+
+    def __call__(self, steps: int) -> Window:
+        """Trains `steps` batches; returns examples/s over batches 2..`steps`."""
+        if steps < 2:
+            raise ValueError(f"`steps` must be at least 2. Received: steps={steps}")
+        timer = self._timer_cls()
+        self.model.fit(
+            self.stream.window(steps),
+            epochs=1,
+            steps_per_epoch=steps,
+            shuffle=False,
+            verbose=0,
+            callbacks=[timer],
+        )
+        seconds = timer.times[-1] - timer.times[0]
+        return Window((len(timer.times) - 1) * self.stream.batch_size / seconds, timer.loss)
+
+
+@dataclass
+class Result:
+    """Timed windows of one variant."""
+
+    windows: list[Window] = field(default_factory=list)
+
+    @property
+    def examples_per_s(self) -> float:
+        """Median examples/s over the timed windows."""
+        return statistics.median(w.examples_per_s for w in self.windows)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the windows' examples/s: how noisy the figure is."""
+        xs = [w.examples_per_s for w in self.windows]
+        return (max(xs) - min(xs)) / statistics.median(xs)
+
+    @property
+    def loss(self) -> float:
+        """The training loss at the end of the last window."""
+        return self.windows[-1].loss
+
+
+def paired_ratio(a: Result, b: Result) -> float:
+    """Median over rounds of a's examples/s divided by b's in the same round.
+
+    Rounds pair windows run close together, so a burst of load from other
+    processes on a shared machine tends to hit both sides of a pair.
+    """
+    return statistics.median(
+        x.examples_per_s / y.examples_per_s for x, y in zip(a.windows, b.windows, strict=True)
+    )
+
+
+def interleave(
+    runners: dict[str, Callable[[int], Window]],
+    *,
+    steps: int,
+    rounds: int,
+    warmup_steps: int,
+    log: Callable[[str], None] = print,
+) -> dict[str, Result]:
+    """Runs every variant `rounds` times, taking turns, after one warm-up window each.
+
+    The order rotates from round to round, so no variant always runs right
+    after the same other one. The figure of a variant is the median of its
+    rounds.
+    """
+    names = list(runners)
+    for name in names:
+        t0 = time.perf_counter()
+        runners[name](warmup_steps)
+        log(f"warm-up {name}: {time.perf_counter() - t0:.1f} s")
+    results = {name: Result() for name in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            w = runners[name](steps)
+            results[name].windows.append(w)
+            log(f"round {r + 1}/{rounds} {name}: {w.examples_per_s:,.0f} ex/s, loss {w.loss:.4f}")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo (or `platform.processor()`)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine(gpu: bool = False) -> str:
+    """One-cell machine description: cores, CPU model, whether a GPU was used."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cores} cores, {cpu_model()}, GPU: {'yes' if gpu else 'no'}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table; cells are converted with `str`."""
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "| " + " | ".join("---" for _ in headers) + " |",
+    ]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt_rate(x: float) -> str:
+    """Examples/s with thousands separators."""
+    return f"{x:,.0f}"
+
+
+def fmt_ratio(x: float) -> str:
+    """A ratio such as `4.12×`."""
+    return f"{x:.2f}×"
+
+
+def details_table(results: dict[str, Result], extra: dict[str, str] | None = None) -> str:
+    """Per-variant details: median, spread, windows, final loss (and `extra` notes)."""
+    rows = [
+        [
+            name,
+            fmt_rate(r.examples_per_s),
+            f"{100 * r.spread:.0f}%",
+            len(r.windows),
+            f"{r.loss:.4f}",
+            (extra or {}).get(name, ""),
+        ]
+        for name, r in results.items()
+    ]
+    return markdown_table(
+        ["variant", "median ex/s", "spread (max-min)/median", "windows", "final loss", "notes"],
+        rows,
+    )

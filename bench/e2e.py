@@ -1,0 +1,158 @@
+"""End-to-end CTR training throughput: `ee.Embedding` vs `keras.layers.Embedding`.
+
+The DLRM-style model of `elastic_emb.models.build_dlrm` (13 dense + 26
+categorical Criteo features, embedding dim 16, top MLP 512-256-1, batch 4096)
+is trained with `model.fit` on generated Criteo data, once with `ee.Embedding`
+layers and once with stock `keras.layers.Embedding` layers sized to the
+vocabulary, with Adagrad and with SGD. All variants live in this one process
+and take turns window by window; each figure is the median examples/s of its
+windows. Prints Markdown tables (see bench/README or BENCH.md).
+
+Usage:
+    python bench/e2e.py --quick          # about 1-2 minutes
+    python bench/e2e.py                  # the full run
+    python bench/e2e.py --variants keras # stock Keras only
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+import _common as c
+
+# Targets of the issue, printed next to the ratios (not asserted).
+TARGETS = {"adagrad": 4.0, "sgd": 2.0}
+OPTIMIZER_NAMES = {"adagrad": "Adagrad", "sgd": "SGD"}
+VARIANT_NAMES = {"ee": "elastic_emb", "keras": "keras", "floor": "no-embedding"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a short run (about 1-2 minutes)")
+    p.add_argument("--steps", type=int, help="batches per timed window (default 20, quick 6)")
+    p.add_argument("--rounds", type=int, help="timed windows per variant (default 9, quick 4)")
+    p.add_argument("--warmup-steps", type=int, help="warm-up batches (default 10, quick 4)")
+    p.add_argument(
+        "--examples",
+        type=int,
+        help="examples to generate (default: enough that no batch is trained twice)",
+    )
+    p.add_argument("--batch-size", type=int, default=c.BATCH_SIZE)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        help="vocabulary of every categorical feature (default: elastic_emb.data's, ~1M ids)",
+    )
+    p.add_argument("--optimizers", default="adagrad,sgd", help="comma-separated: adagrad,sgd")
+    p.add_argument(
+        "--variants",
+        default="ee,keras,floor",
+        help="comma-separated: ee (ee.Embedding), keras (keras.layers.Embedding), floor (the\n"
+        "same model with zero-output embedding layers: the dense network's own cost)",
+    )
+    p.add_argument(
+        "--jit-compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="model.compile(jit_compile=...) (auto: what Keras picks)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="data seed")
+    args = p.parse_args(argv)
+    defaults = (6, 4, 4) if args.quick else (20, 9, 10)
+    for name, default in zip(("steps", "rounds", "warmup_steps"), defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.examples is None:
+        args.examples = (args.warmup_steps + args.rounds * args.steps) * args.batch_size
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs the benchmark and prints its tables."""
+    args = parse_args(argv)
+    optimizers = args.optimizers.split(",")
+    variants = args.variants.split(",")
+    jit = {"auto": "auto", "on": True, "off": False}[args.jit_compile]
+
+    import keras
+    import tensorflow as tf
+
+    t0 = time.perf_counter()
+    arrays, vocab_sizes = c.make_data(args.examples, seed=args.seed, vocab_size=args.vocab_size)
+    print(
+        f"data: {args.examples:,} examples, {sum(vocab_sizes):,} ids in all vocabularies, "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    stream = c.BatchStream(tf, arrays, args.batch_size)
+
+    runners: dict[str, c.FitRunner] = {}
+    notes: dict[str, str] = {}
+    for opt in optimizers:
+        for kind in variants:
+            name = f"{VARIANT_NAMES[kind]}/{opt}"
+            model = c.build_keras3_dlrm(kind, opt, vocab_sizes, jit_compile=jit)
+            runners[name] = c.FitRunner(keras, model, stream.fork())
+            notes[name] = f"jit_compile={model.jit_compile}"
+    results = c.interleave(
+        runners, steps=args.steps, rounds=args.rounds, warmup_steps=args.warmup_steps
+    )
+
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    rows = []
+
+    def rate(name: str) -> str:
+        return c.fmt_rate(results[name].examples_per_s) if name in results else "-"
+
+    for opt in optimizers:
+        ee_name, ref_name = f"elastic_emb/{opt}", f"keras/{opt}"
+        ratio = "-"
+        if ee_name in results and ref_name in results:
+            ratio = c.fmt_ratio(c.paired_ratio(results[ee_name], results[ref_name]))
+        workload = (
+            f"DLRM train, {OPTIMIZER_NAMES[opt]} lr {c.LEARNING_RATE}, batch {args.batch_size}, "
+            f"dim {c.EMBEDDING_DIM}, {sum(vocab_sizes):,} ids"
+        )
+        rows.append(
+            [
+                workload,
+                rate(ee_name),
+                rate(ref_name),
+                ratio,
+                f"≥ {TARGETS[opt]:.0f}×",
+                rate(f"no-embedding/{opt}"),
+                c.machine(gpu),
+            ]
+        )
+    print()
+    print(f"`{shlex.join([sys.executable, *sys.argv])}`")
+    print(
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}; "
+        f"{args.rounds} windows of {args.steps} batches per variant after {args.warmup_steps} "
+        "warm-up batches; ratio: median over rounds of elastic_emb / keras.layers.Embedding "
+        "ex/s within the round; "
+        "the ceiling is the same model with zero-output embedding layers"
+    )
+    print()
+    print(
+        c.markdown_table(
+            [
+                "workload",
+                "elastic_emb ex/s",
+                "keras.layers.Embedding ex/s",
+                "ratio",
+                "target",
+                "no-embedding ceiling ex/s",
+                "machine",
+            ],
+            rows,
+        )
+    )
+    print()
+    print(c.details_table(results, notes))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+#include "table.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "check.h"
+#include "thread_pool.h"
+
+namespace elastic_emb {
+namespace {
+
+constexpr int kChunkRowsLog2 = 8;  // 256 rows per arena chunk
+constexpr uint32_t kChunkRows = 1u << kChunkRowsLog2;
+constexpr size_t kInitialSlots = 16;
+// Batches smaller than this run on the calling thread.
+constexpr int64_t kParallelThreshold = 4096;
+// How many keys ahead of use the index slot or row is prefetched.
+constexpr int64_t kPrefetchDistance = 16;
+
+inline uint64_t KeyHash(int64_t key) { return Mix64(static_cast<uint64_t>(key)); }
+
+inline uint32_t GetWord(const float* p) {
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+inline void SetWord(float* p, uint32_t w) { std::memcpy(p, &w, sizeof(w)); }
+
+// One index slot: 12 bytes, so a probe usually touches one cache line.
+#pragma pack(push, 4)
+struct IndexSlot {
+  int64_t key;
+  uint32_t row;  // kEmptyRow marks a free slot
+};
+#pragma pack(pop)
+
+constexpr uint32_t kEmptyRow = 0xFFFFFFFFu;
+
+}  // namespace
+
+struct Table::Shard {
+  mutable std::mutex mu;
+  // Index: open addressing with linear probing over the low hash bits (the
+  // shard is chosen by the top bits). Capacity is a power of two, load at
+  // most 3/4.
+  std::vector<IndexSlot> index;
+  int64_t size = 0;
+  // Arena: fixed-size chunks, never moved; freed rows are reused.
+  std::vector<std::unique_ptr<float[]>> chunks;
+  uint32_t next_row = 0;
+  std::vector<uint32_t> free_rows;
+
+  Shard() : index(kInitialSlots, IndexSlot{0, kEmptyRow}) {}
+  uint64_t mask() const { return index.size() - 1; }
+  void Prefetch(uint64_t hash) const { __builtin_prefetch(&index[hash & mask()]); }
+};
+
+void TableOptions::Validate() const {
+  EE_CHECK(dim > 0, "dim must be positive, got " << dim);
+  EE_CHECK(shard_bits >= 0 && shard_bits <= 12, "shard_bits must be in [0, 12], got " << shard_bits);
+  initializer.Validate();
+  optimizer.Validate();
+}
+
+Table::Table(const TableOptions& options) : options_(options) {
+  options_.Validate();
+  num_slots_ = options_.optimizer.NumSlots();
+  row_floats_ = options_.dim * (1 + num_slots_) + 2;
+  const int shards = 1 << options_.shard_bits;
+  shards_.reserve(shards);
+  for (int i = 0; i < shards; ++i) shards_.push_back(std::make_unique<Shard>());
+}
+
+Table::~Table() = default;
+
+template <typename Fn>
+void Table::ForEachShard(int64_t n, const int64_t* keys, Fn fn) const {
+  const int bits = options_.shard_bits;
+  const int64_t num_shards = static_cast<int64_t>(shards_.size());
+  std::vector<uint64_t> hashes(n);
+  // Counting sort of key positions by shard (stable: input order kept).
+  std::vector<int64_t> start(num_shards + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    hashes[i] = KeyHash(keys[i]);
+    ++start[(bits == 0 ? 0 : hashes[i] >> (64 - bits)) + 1];
+  }
+  for (int64_t s = 0; s < num_shards; ++s) start[s + 1] += start[s];
+  std::vector<int64_t> order(n);
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n; ++i) order[fill[bits == 0 ? 0 : hashes[i] >> (64 - bits)]++] = i;
+  }
+  auto run = [&](int64_t s) {
+    const int64_t begin = start[s], end = start[s + 1];
+    if (begin == end) return;
+    Shard& shard = *shards_[s];
+    std::lock_guard<std::mutex> lock(shard.mu);
+    fn(shard, order.data() + begin, end - begin, hashes.data());
+  };
+  if (n < kParallelThreshold) {
+    for (int64_t s = 0; s < num_shards; ++s) run(s);
+  } else {
+    ParallelFor(num_shards, run);
+  }
+}
+
+uint32_t Table::Find(const Shard& s, int64_t key, uint64_t hash) {
+  const uint64_t mask = s.mask();
+  for (uint64_t pos = hash & mask;; pos = (pos + 1) & mask) {
+    const IndexSlot& slot = s.index[pos];
+    if (slot.row == kEmptyRow) return kEmpty;
+    if (slot.key == key) return slot.row;
+  }
+}
+
+float* Table::Row(const Shard& s, uint32_t row) const {
+  return s.chunks[row >> kChunkRowsLog2].get() +
+         static_cast<size_t>(row & (kChunkRows - 1)) * row_floats_;
+}
+
+void Table::InitRow(int64_t key, float* row) const {
+  const int dim = options_.dim;
+  InitialValue(options_.initializer, key, dim, row);
+  options_.optimizer.InitSlots(dim, row + dim);
+  SetWord(row + row_floats_ - 2, 0);
+  SetWord(row + row_floats_ - 1, 0);
+}
+
+uint32_t Table::FindOrInsert(Shard& s, int64_t key, uint64_t hash) {
+  uint32_t row = Find(s, key, hash);
+  if (row != kEmpty) return row;
+  if ((s.size + 1) * 4 > static_cast<int64_t>(s.index.size()) * 3) {
+    // Grow the index; rows stay where they are.
+    std::vector<IndexSlot> index(s.index.size() * 2, IndexSlot{0, kEmptyRow});
+    const uint64_t mask = index.size() - 1;
+    for (const IndexSlot& slot : s.index) {
+      if (slot.row == kEmptyRow) continue;
+      uint64_t pos = KeyHash(slot.key) & mask;
+      while (index[pos].row != kEmptyRow) pos = (pos + 1) & mask;
+      index[pos] = slot;
+    }
+    s.index.swap(index);
+  }
+  if (!s.free_rows.empty()) {
+    row = s.free_rows.back();
+    s.free_rows.pop_back();
+  } else {
+    EE_CHECK(s.next_row < kEmpty - 1, "internal shard is full (2^32 rows)");
+    row = s.next_row++;
+    if ((row >> kChunkRowsLog2) >= s.chunks.size()) {
+      s.chunks.emplace_back(new float[static_cast<size_t>(kChunkRows) * row_floats_]);
+    }
+  }
+  const uint64_t mask = s.mask();
+  uint64_t pos = hash & mask;
+  while (s.index[pos].row != kEmptyRow) pos = (pos + 1) & mask;
+  s.index[pos] = IndexSlot{key, row};
+  ++s.size;
+  InitRow(key, Row(s, row));
+  return row;
+}
+
+uint32_t* Table::LookupRows(Shard& s, const int64_t* keys, const uint64_t* hashes,
+                            const int64_t* pos, int64_t count, bool insert,
+                            std::vector<uint32_t>& rows) {
+  rows.resize(count);
+  for (int64_t k = 0; k < count; ++k) {
+    if (k + kPrefetchDistance < count) s.Prefetch(hashes[pos[k + kPrefetchDistance]]);
+    const int64_t i = pos[k];
+    rows[k] = insert ? FindOrInsert(s, keys[i], hashes[i]) : Find(s, keys[i], hashes[i]);
+  }
+  return rows.data();
+}
+
+void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
+  const int dim = options_.dim;
+  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
+    thread_local std::vector<uint32_t> scratch;
+    const uint32_t* rows = LookupRows(s, keys, h, pos, count, train, scratch);
+    for (int64_t k = 0; k < count; ++k) {
+      if (k + kPrefetchDistance < count && rows[k + kPrefetchDistance] != kEmpty) {
+        __builtin_prefetch(Row(s, rows[k + kPrefetchDistance]));
+      }
+      const int64_t i = pos[k];
+      float* dst = out + i * dim;
+      if (rows[k] == kEmpty) {
+        InitialValue(options_.initializer, keys[i], dim, dst);
+      } else {
+        std::memcpy(dst, Row(s, rows[k]), sizeof(float) * dim);
+      }
+    }
+  });
+}
+
+void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate,
+                 int64_t step) {
+  EE_CHECK(step >= 1 && step <= 0xFFFFFFFFll, "step must be in [1, 2^32), got " << step);
+  const StepScalars scalars = MakeStepScalars(options_.optimizer, learning_rate, step);
+  const int dim = options_.dim;
+  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
+    thread_local std::vector<uint32_t> scratch;
+    thread_local std::vector<uint64_t> by_row;
+    thread_local std::vector<float> sum;
+    const uint32_t* rows = LookupRows(s, keys, h, pos, count, /*insert=*/true, scratch);
+    // Sort (row, k) so equal keys are adjacent; among equal keys the input
+    // order is kept, so the float sums are reproducible.
+    by_row.resize(count);
+    for (int64_t k = 0; k < count; ++k) {
+      by_row[k] = (static_cast<uint64_t>(rows[k]) << 32) | static_cast<uint64_t>(k);
+    }
+    std::sort(by_row.begin(), by_row.end());
+    sum.resize(dim);
+    for (int64_t a = 0; a < count;) {
+      const uint32_t row = static_cast<uint32_t>(by_row[a] >> 32);
+      int64_t b = a + 1;
+      while (b < count && static_cast<uint32_t>(by_row[b] >> 32) == row) ++b;
+      if (b + kPrefetchDistance < count) {
+        __builtin_prefetch(Row(s, static_cast<uint32_t>(by_row[b + kPrefetchDistance] >> 32)));
+      }
+      const float* grad = grads + pos[by_row[a] & 0xFFFFFFFFu] * dim;
+      if (b - a > 1) {
+        std::copy(grad, grad + dim, sum.begin());
+        for (int64_t c = a + 1; c < b; ++c) {
+          const float* g = grads + pos[by_row[c] & 0xFFFFFFFFu] * dim;
+          for (int j = 0; j < dim; ++j) sum[j] += g[j];
+        }
+        grad = sum.data();
+      }
+      float* r = Row(s, row);
+      ApplyUpdate(options_.optimizer, scalars, dim, grad, r, r + dim);
+      SetWord(r + row_floats_ - 2, static_cast<uint32_t>(step));
+      SetWord(r + row_floats_ - 1, GetWord(r + row_floats_ - 1) + 1);
+      a = b;
+    }
+  });
+}
+
+void Table::Import(int64_t n, const int64_t* keys, const float* values, const float* slots,
+                   const uint32_t* last_step, const uint32_t* update_count) {
+  const int dim = options_.dim;
+  const int slot_floats = num_slots_ * dim;
+  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t i = pos[k];
+      float* r = Row(s, FindOrInsert(s, keys[i], h[i]));
+      std::memcpy(r, values + i * dim, sizeof(float) * dim);
+      if (slots != nullptr) {
+        std::memcpy(r + dim, slots + i * slot_floats, sizeof(float) * slot_floats);
+      } else {
+        options_.optimizer.InitSlots(dim, r + dim);
+      }
+      SetWord(r + row_floats_ - 2, last_step != nullptr ? last_step[i] : 0);
+      SetWord(r + row_floats_ - 1, update_count != nullptr ? update_count[i] : 0);
+    }
+  });
+}
+
+ExportedRows Table::Export() const {
+  std::vector<std::unique_lock<std::mutex>> locks;
+  locks.reserve(shards_.size());
+  int64_t total = 0;
+  for (const auto& s : shards_) {
+    locks.emplace_back(s->mu);
+    total += s->size;
+  }
+  const int dim = options_.dim;
+  const int slot_floats = num_slots_ * dim;
+  ExportedRows out;
+  out.keys.resize(total);
+  out.values.resize(total * dim);
+  out.slots.resize(total * slot_floats);
+  out.last_step.resize(total);
+  out.update_count.resize(total);
+  int64_t i = 0;
+  for (const auto& s : shards_) {
+    for (const IndexSlot& slot : s->index) {
+      if (slot.row == kEmptyRow) continue;
+      const float* r = Row(*s, slot.row);
+      out.keys[i] = slot.key;
+      std::memcpy(&out.values[i * dim], r, sizeof(float) * dim);
+      std::memcpy(out.slots.data() + i * slot_floats, r + dim, sizeof(float) * slot_floats);
+      out.last_step[i] = GetWord(r + row_floats_ - 2);
+      out.update_count[i] = GetWord(r + row_floats_ - 1);
+      ++i;
+    }
+  }
+  return out;
+}
+
+int64_t Table::Erase(int64_t n, const int64_t* keys) {
+  std::atomic<int64_t> erased{0};
+  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
+    const uint64_t mask = s.mask();
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t key = keys[pos[k]];
+      uint64_t i = h[pos[k]] & mask;
+      while (s.index[i].row != kEmptyRow && s.index[i].key != key) i = (i + 1) & mask;
+      if (s.index[i].row == kEmptyRow) continue;
+      s.free_rows.push_back(s.index[i].row);
+      s.index[i].row = kEmptyRow;
+      --s.size;
+      erased.fetch_add(1, std::memory_order_relaxed);
+      // Backward-shift deletion keeps every remaining key reachable: move a
+      // later slot of the probe run into the hole unless its home position
+      // lies cyclically in (hole, slot].
+      for (uint64_t j = (i + 1) & mask; s.index[j].row != kEmptyRow; j = (j + 1) & mask) {
+        const uint64_t home = KeyHash(s.index[j].key) & mask;
+        const bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+        if (stays) continue;
+        s.index[i] = s.index[j];
+        s.index[j].row = kEmptyRow;
+        i = j;
+      }
+    }
+  });
+  return erased.load();
+}
+
+void Table::Metadata(int64_t n, const int64_t* keys, int64_t* last_step,
+                     int64_t* update_count) const {
+  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t i = pos[k];
+      const uint32_t row = Find(s, keys[i], h[i]);
+      if (row == kEmpty) {
+        last_step[i] = update_count[i] = -1;
+      } else {
+        const float* r = Row(s, row);
+        last_step[i] = GetWord(r + row_floats_ - 2);
+        update_count[i] = GetWord(r + row_floats_ - 1);
+      }
+    }
+  });
+}
+
+int64_t Table::Size() const {
+  int64_t total = 0;
+  for (const auto& s : shards_) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    total += s->size;
+  }
+  return total;
+}
+
+int64_t Table::MemoryBytes() const {
+  int64_t bytes = 0;
+  for (const auto& s : shards_) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    bytes += static_cast<int64_t>(s->index.capacity() * sizeof(IndexSlot));
+    bytes += static_cast<int64_t>(s->chunks.size()) * kChunkRows * row_floats_ * sizeof(float);
+    bytes += static_cast<int64_t>(s->free_rows.capacity() * sizeof(uint32_t));
+  }
+  return bytes;
+}
+
+}  // namespace elastic_emb

@@ -1,0 +1,118 @@
+// An embedding table: int64 keys -> rows of `dim` float32 values plus the
+// optimizer's slots, stored in memory.
+//
+// Layout: the table is split into 2^shard_bits internal shards by the top
+// bits of a key's hash, each with its own mutex, open-addressing index
+// (linear probing over the low hash bits) and row arena. Arena chunks hold a
+// fixed number of rows and are never moved or freed while the table lives, so
+// a row's address is stable; a row holds [value (dim) | slots (num_slots *
+// dim) | last_step (u32) | update_count (u32)] side by side.
+//
+// Thread safety: every public method may be called from any number of threads
+// at once. Batch methods block, split their keys by shard and run the shards
+// on the process thread pool.
+//
+// Usage:
+//   TableOptions o; o.dim = 16; o.optimizer.kind = OptimizerKind::kAdagrad;
+//   Table t(o);
+//   t.Pull(n, keys, out, /*train=*/true);          // out: (n, 16)
+//   t.Push(n, keys, grads, /*lr=*/0.05f, /*step=*/1);
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "initializer.h"
+#include "optimizer.h"
+
+namespace elastic_emb {
+
+struct TableOptions {
+  int dim = 8;
+  InitializerOptions initializer;
+  OptimizerOptions optimizer;
+  int shard_bits = 6;  // 64 internal shards
+
+  void Validate() const;
+};
+
+// Rows copied out of a table; row i of each array belongs to keys[i].
+struct ExportedRows {
+  std::vector<int64_t> keys;         // (m,)
+  std::vector<float> values;         // (m, dim)
+  std::vector<float> slots;          // (m, num_slots * dim)
+  std::vector<uint32_t> last_step;   // (m,)
+  std::vector<uint32_t> update_count;  // (m,)
+};
+
+class Table {
+ public:
+  explicit Table(const TableOptions& options);
+  ~Table();
+  Table(const Table&) = delete;
+  Table& operator=(const Table&) = delete;
+
+  const TableOptions& options() const { return options_; }
+  int dim() const { return options_.dim; }
+  int num_slots() const { return num_slots_; }
+
+  // Gathers the rows of `keys`. With train, unseen keys are inserted with
+  // their initial value; without, they are not inserted and get their
+  // initial value in `out`.
+  // keys: (n,), out: (n, dim), host memory.
+  void Pull(int64_t n, const int64_t* keys, float* out, bool train);
+
+  // Sums the gradients of equal keys, then applies the optimizer once per
+  // distinct key (inserting unseen keys first) and records `step` in the row.
+  // keys: (n,), grads: (n, dim), host memory. step >= 1.
+  void Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate,
+            int64_t step);
+
+  // Sets rows, inserting keys as needed; the last of equal keys wins.
+  // values: (n, dim); slots: (n, num_slots * dim) or null to reset them to
+  // their initial values; last_step, update_count: (n,) or null for zeros.
+  void Import(int64_t n, const int64_t* keys, const float* values, const float* slots,
+              const uint32_t* last_step, const uint32_t* update_count);
+
+  // A consistent copy of every row (all shards locked while copying).
+  ExportedRows Export() const;
+
+  // Removes keys; returns how many were present.
+  int64_t Erase(int64_t n, const int64_t* keys);
+
+  // Row metadata of keys; absent keys get -1 in both outputs.
+  // keys, last_step, update_count: (n,), host memory.
+  void Metadata(int64_t n, const int64_t* keys, int64_t* last_step, int64_t* update_count) const;
+
+  int64_t Size() const;
+  // Bytes held by indexes and arenas.
+  int64_t MemoryBytes() const;
+
+ private:
+  struct Shard;
+  static constexpr uint32_t kEmpty = 0xFFFFFFFFu;
+
+  // Calls fn(shard, pos, count, hashes) with the shard's mutex held, for
+  // every shard that owns some of `keys`; pos[0..count) lists (in input
+  // order) the indices of the keys it owns and hashes[i] is keys[i]'s hash.
+  template <typename Fn>
+  void ForEachShard(int64_t n, const int64_t* keys, Fn fn) const;
+
+  static uint32_t Find(const Shard& s, int64_t key, uint64_t hash);
+  uint32_t FindOrInsert(Shard& s, int64_t key, uint64_t hash);
+  // Row ids of keys[pos[k]] for k in [0, count), -> rows (count,); kEmpty
+  // for absent keys unless insert.
+  uint32_t* LookupRows(Shard& s, const int64_t* keys, const uint64_t* hashes, const int64_t* pos,
+                       int64_t count, bool insert, std::vector<uint32_t>& rows);
+  float* Row(const Shard& s, uint32_t row) const;
+  void InitRow(int64_t key, float* row) const;
+
+  TableOptions options_;
+  int num_slots_;
+  int row_floats_;  // floats per arena row, metadata words included
+  std::vector<std::unique_ptr<Shard>> shards_;
+};
+
+}  // namespace elastic_emb

@@ -1,0 +1,89 @@
+"""Maps Keras initializers to the table's deterministic initializers.
+
+A table draws a row's initial value from the same distribution as the Keras
+initializer, but as a pure function of (table seed, key) rather than from a
+random stream, so any process computes the same value for the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+
+__all__ = ["InitializerSpec", "get"]
+
+# Keras names (and aliases) -> core kind.
+_KINDS = {
+    "zeros": "zeros",
+    "ones": "ones",
+    "constant": "constant",
+    "uniform": "uniform",
+    "random_uniform": "uniform",
+    "randomuniform": "uniform",
+    "normal": "normal",
+    "random_normal": "normal",
+    "randomnormal": "normal",
+    "truncated_normal": "truncated_normal",
+    "truncatednormal": "truncated_normal",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class InitializerSpec:
+    """A core initializer: `kind` with parameters `a`, `b`.
+
+    uniform: a=minval, b=maxval; normal and truncated_normal: a=mean,
+    b=stddev; constant: a=value. Defaults are those of Keras.
+    """
+
+    kind: str
+    a: float = 0.0
+    b: float = 0.0
+
+    def to_keras(self) -> keras.initializers.Initializer:
+        """The Keras initializer with the same distribution."""
+        if self.kind == "uniform":
+            return keras.initializers.RandomUniform(self.a, self.b)
+        if self.kind == "normal":
+            return keras.initializers.RandomNormal(self.a, self.b)
+        if self.kind == "truncated_normal":
+            return keras.initializers.TruncatedNormal(self.a, self.b)
+        if self.kind == "constant":
+            return keras.initializers.Constant(self.a)
+        return keras.initializers.get(self.kind)
+
+
+def get(identifier: Any) -> InitializerSpec:
+    """Resolves a Keras initializer name or object.
+
+    Raises:
+        ValueError: for an initializer without a deterministic table version.
+    """
+    obj = identifier
+    if isinstance(identifier, InitializerSpec):
+        return identifier
+    if isinstance(identifier, str | dict):
+        try:
+            obj = keras.initializers.get(identifier)
+        except ValueError:
+            obj = None
+    if isinstance(obj, keras.initializers.Initializer):
+        kind = _KINDS.get(type(obj).__name__.lower())
+        config = obj.get_config()
+        if kind == "uniform":
+            return InitializerSpec(kind, float(config["minval"]), float(config["maxval"]))
+        if kind in ("normal", "truncated_normal"):
+            return InitializerSpec(kind, float(config["mean"]), float(config["stddev"]))
+        if kind == "constant":
+            value = config["value"]
+            if isinstance(value, int | float):
+                return InitializerSpec(kind, float(value))
+        elif kind in ("zeros", "ones"):
+            return InitializerSpec(kind)
+    raise ValueError(
+        "`embeddings_initializer` must be one of zeros, ones, constant (scalar), uniform, "
+        f"normal, truncated_normal (name or keras.initializers object). "
+        f"Received: embeddings_initializer={identifier!r}"
+    )

@@ -1,0 +1,314 @@
+"""`Embedding`: a drop-in replacement for `keras.layers.Embedding`."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from elastic_emb import initializers, optimizers
+from elastic_emb.table import Table
+
+__all__ = ["Embedding", "string_keys"]
+
+_COMBINERS = (None, "sum", "mean", "sqrtn")
+
+
+def string_keys(strings: tf.Tensor) -> tf.Tensor:
+    """Hashes strings to int64 keys with a stable 64-bit fingerprint (FarmHash)."""
+    flat = tf.reshape(strings, [-1])
+    keys = tf.bitcast(tf.fingerprint(flat), tf.int64)
+    return tf.reshape(keys, tf.shape(strings))
+
+
+class _ReplicaPushes:
+    """Sums the pushes of the replicas of one training step into one push.
+
+    Under a `tf.distribute` strategy every replica's backward pass pushes its
+    own gradients; the table must see them as one step (gradients summed,
+    one optimizer update per key), as without the strategy.
+    """
+
+    def __init__(self, table: Table) -> None:
+        self._table = table
+        self._lock = threading.Lock()
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def push(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
+        if num_replicas == 1:
+            self._table.push(keys, grads)
+            return
+        with self._lock:
+            self._pending.append((keys, grads))
+            if len(self._pending) < num_replicas:
+                return
+            batch, self._pending = self._pending, []
+        self._table.push(np.concatenate([k for k, _ in batch]), np.concatenate([g for _, g in batch]))
+
+
+@keras.saving.register_keras_serializable(package="elastic_emb")
+class Embedding(keras.layers.Layer):
+    """Maps integer (or string) ids to dense vectors stored in an `elastic_emb.Table`.
+
+    A drop-in replacement for `keras.layers.Embedding` with no vocabulary
+    size: any int64 id gets a row, created on first training use with a
+    deterministic initial value. The rows are trained by the layer's own
+    `optimizer`, inside the table, on the rows a step touches only; the
+    optimizer given to `model.compile` trains the other weights.
+
+    Example:
+        >>> layer = Embedding(output_dim=8, optimizer=optimizers.SGD(0.1), name="user")
+        >>> ids = tf.constant([[1, 2], [3, 4]], tf.int64)
+        >>> layer(ids).shape
+        TensorShape([2, 2, 8])
+
+    Args:
+        output_dim: int, width of an embedding vector.
+        optimizer: `elastic_emb.optimizers.*`, `keras.optimizers.*` (SGD,
+            Adagrad, Adam, Ftrl; converted) or a name. Defaults to
+            `Adagrad(learning_rate=0.05)`.
+        embeddings_initializer: Keras initializer name or object: zeros,
+            ones, constant, uniform (default, as Keras), normal,
+            truncated_normal.
+        combiner: None, "sum", "mean" or "sqrtn". None maps ids of shape
+            `(..., )` to `(..., output_dim)` like `keras.layers.Embedding`;
+            a combiner reduces the ids of each example (a `tf.RaggedTensor`
+            or `tf.SparseTensor` of shape `(batch, None)`, or a dense
+            `(batch, k)` tensor) to one `(batch, output_dim)` vector.
+        key_dtype: "int64" or "string" (strings hashed by `string_keys`).
+        mask_zero: bool, as in `keras.layers.Embedding`: id 0 is padding
+            and the layer produces a mask.
+        seed: int, initialization seed; defaults to a hash of the layer name,
+            so re-created models get the same initial rows.
+        input_dim: accepted for drop-in compatibility and ignored (the table
+            has no vocabulary size).
+        name: str, layer name; also the table name in checkpoints.
+
+    Call arguments:
+        inputs: ids (int32/int64, or string with `key_dtype="string"`).
+        training: bool. Training lookups insert unseen ids and their
+            gradients are pushed once per step; inference never inserts.
+
+    Returns:
+        float32 `inputs.shape + (output_dim,)`, or `(batch, output_dim)`
+        with a combiner (in the layer's compute dtype).
+
+    Raises:
+        ValueError: for invalid arguments or ids of a non-integer dtype.
+    """
+
+    def __init__(
+        self,
+        output_dim: int,
+        optimizer: Any = None,
+        embeddings_initializer: Any = "uniform",
+        combiner: str | None = None,
+        key_dtype: str = "int64",
+        mask_zero: bool = False,
+        seed: int | None = None,
+        input_dim: int | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        for unsupported in ("embeddings_regularizer", "embeddings_constraint", "weights"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(
+                    f"`{unsupported}` is not supported by elastic_emb.Embedding. "
+                    f"Received: {unsupported}={kwargs[unsupported]!r}"
+                )
+            kwargs.pop(unsupported, None)
+        super().__init__(name=name, **kwargs)
+        if isinstance(output_dim, bool) or not isinstance(output_dim, int) or output_dim <= 0:
+            raise ValueError(
+                f"`output_dim` must be a positive integer. Received: output_dim={output_dim!r}"
+            )
+        if combiner not in _COMBINERS:
+            raise ValueError(
+                f"`combiner` must be one of {_COMBINERS}. Received: combiner={combiner!r}"
+            )
+        if key_dtype not in ("int64", "string"):
+            raise ValueError(
+                f'`key_dtype` must be "int64" or "string". Received: key_dtype={key_dtype!r}'
+            )
+        self.output_dim = output_dim
+        self.combiner = combiner
+        self.key_dtype = key_dtype
+        self.mask_zero = bool(mask_zero)
+        self.input_dim = input_dim
+        self.supports_masking = self.mask_zero
+        self.table = Table(
+            dim=output_dim,
+            optimizer=optimizer,
+            initializer=initializers.get(embeddings_initializer),
+            name=self.name,
+            seed=seed,
+        )
+        self._replica_pushes = _ReplicaPushes(self.table)
+
+    @property
+    def supports_jit(self) -> bool:  # numpy_function cannot be compiled by XLA
+        return False
+
+    @property
+    def optimizer(self) -> optimizers.Optimizer:
+        return self.table.optimizer
+
+    def build(self, input_shape: Any = None) -> None:
+        if self.built:
+            return
+        # The gradient of this zero variable is the output of the push, so
+        # the push runs exactly once per step whatever optimizer model.compile
+        # uses (the optimizer's update consumes it; it stays zero).
+        self._push_trigger = self.add_weight(
+            shape=(1,), initializer="zeros", trainable=True, name="push_trigger"
+        )
+        self.built = True
+
+    def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
+        training = bool(training)
+        if isinstance(inputs, tf.RaggedTensor | tf.SparseTensor):
+            return self._call_multi_hot(inputs, training)
+        ids = self._keys(inputs)
+        flat = tf.reshape(ids, [-1])
+        rows = self._lookup(flat, training)
+        if self.combiner is not None:
+            if ids.shape.rank != 2:
+                raise ValueError(
+                    "With a `combiner`, dense ids must have shape (batch, k). "
+                    f"Received: shape={ids.shape}"
+                )
+            rows = tf.reshape(rows, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+            return self._cast(self._combine_dense(rows))
+        out = tf.reshape(rows, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+        return self._cast(out)
+
+    def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
+        if not self.mask_zero or isinstance(inputs, tf.RaggedTensor | tf.SparseTensor):
+            return None
+        return keras.ops.not_equal(inputs, 0)
+
+    def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
+        shape = tuple(input_shape)
+        if self.combiner is not None:
+            return (shape[0], self.output_dim)
+        return (*shape, self.output_dim)
+
+    def get_config(self) -> dict[str, Any]:
+        base_config = super().get_config()
+        config = {
+            "output_dim": self.output_dim,
+            "optimizer": self.table.optimizer.get_config(),
+            "embeddings_initializer": keras.initializers.serialize(
+                self.table.initializer.to_keras()
+            ),
+            "combiner": self.combiner,
+            "key_dtype": self.key_dtype,
+            "mask_zero": self.mask_zero,
+            "seed": self.table.seed,
+            "input_dim": self.input_dim,
+        }
+        return {**base_config, **config}
+
+    # Internals.
+
+    def _cast(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.cast(x, self.compute_dtype) if self.compute_dtype != "float32" else x
+
+    def _keys(self, ids: Any) -> tf.Tensor:
+        ids = tf.convert_to_tensor(ids) if not isinstance(ids, tf.Tensor) else ids
+        if self.key_dtype == "string":
+            if ids.dtype != tf.string:
+                raise ValueError(
+                    f'With key_dtype="string", ids must be strings. Received dtype={ids.dtype.name}'
+                )
+            return string_keys(ids)
+        if not ids.dtype.is_integer:
+            raise ValueError(
+                f"`{self.name}` expects integer ids (int32 or int64). "
+                f"Received dtype={ids.dtype.name}"
+            )
+        return tf.cast(ids, tf.int64)
+
+    def _lookup(self, flat_ids: tf.Tensor, training: bool) -> tf.Tensor:
+        """Rows of `flat_ids` (n,) -> (n, dim); pushes their gradient when training."""
+        unique_ids, index = tf.unique(flat_ids)
+        if not training:
+            rows = tf.numpy_function(self._pull_inference, [unique_ids], tf.float32, stateful=True)
+            rows.set_shape([None, self.output_dim])
+            return tf.gather(rows, index)
+        context = tf.distribute.get_replica_context()
+        num_replicas = context.num_replicas_in_sync if context is not None else 1
+        trigger = tf.convert_to_tensor(self._push_trigger)
+
+        @tf.custom_gradient
+        def lookup(unique_ids: tf.Tensor, trigger: tf.Tensor) -> Any:
+            rows = tf.numpy_function(self._pull_train, [unique_ids], tf.float32, stateful=True)
+            rows.set_shape([None, self.output_dim])
+            out = tf.gather(rows, index)
+
+            def grad(upstream: tf.Tensor) -> tuple[None, tf.Tensor]:
+                summed = tf.math.unsorted_segment_sum(
+                    upstream, index, tf.shape(unique_ids, out_type=index.dtype)[0]
+                )
+                pushed = tf.numpy_function(
+                    lambda k, g: self._push(k, g, num_replicas),
+                    [unique_ids, tf.cast(summed, tf.float32)],
+                    tf.float32,
+                    stateful=True,
+                )
+                return None, tf.reshape(pushed, [1])
+
+            return out, grad
+
+        return lookup(unique_ids, trigger)
+
+    def _pull_train(self, keys: np.ndarray) -> np.ndarray:
+        return self.table.pull(keys, train=True)
+
+    def _pull_inference(self, keys: np.ndarray) -> np.ndarray:
+        return self.table.pull(keys, train=False)
+
+    def _push(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> np.ndarray:
+        self._replica_pushes.push(keys, grads, num_replicas)
+        return np.zeros((1,), np.float32)
+
+    def _segments(self, inputs: Any) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """(flat ids, example index of each id, number of examples) of multi-hot ids."""
+        if isinstance(inputs, tf.RaggedTensor):
+            if inputs.ragged_rank != 1 or inputs.flat_values.shape.rank != 1:
+                raise ValueError(
+                    f"Ragged ids must have shape (batch, None). Received: shape={inputs.shape}"
+                )
+            return inputs.flat_values, inputs.value_rowids(), inputs.nrows()
+        if inputs.shape.rank != 2:
+            raise ValueError(
+                f"Sparse ids must have shape (batch, k). Received: shape={inputs.shape}"
+            )
+        return inputs.values, inputs.indices[:, 0], inputs.dense_shape[0]
+
+    def _call_multi_hot(self, inputs: Any, training: bool) -> tf.Tensor:
+        if self.combiner is None:
+            raise ValueError(
+                f'RaggedTensor/SparseTensor ids need a `combiner` ("sum", "mean" or "sqrtn") '
+                f"on layer `{self.name}`."
+            )
+        values, example, batch = self._segments(inputs)
+        rows = self._lookup(self._keys(values), training)
+        summed = tf.math.unsorted_segment_sum(rows, example, batch)
+        if self.combiner == "sum":
+            return self._cast(summed)
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(example, tf.float32), example, batch)
+        if self.combiner == "sqrtn":
+            counts = tf.sqrt(counts)
+        return self._cast(tf.math.divide_no_nan(summed, counts[:, None]))
+
+    def _combine_dense(self, rows: tf.Tensor) -> tf.Tensor:
+        """Reduces (batch, k, dim) rows over k with the combiner."""
+        summed = tf.reduce_sum(rows, axis=1)
+        k = tf.cast(tf.shape(rows)[1], tf.float32)
+        if self.combiner == "sum":
+            return summed
+        return summed / (tf.sqrt(k) if self.combiner == "sqrtn" else k)
