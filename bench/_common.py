@@ -7,9 +7,12 @@ passed in where one is needed.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +30,7 @@ BOTTOM_MLP = (64, 16)  # `elastic_emb.models.build_dlrm`'s default
 LEARNING_RATE = 0.05
 NUM_DENSE = 13
 NUM_CATEGORICAL = 26
+OPTIMIZER_NAMES = {"adagrad": "Adagrad", "sgd": "SGD"}
 
 Arrays = dict[str, np.ndarray]  # "dense" float32[N, 13], "categorical" int64[N, 26], "labels"
 
@@ -66,6 +70,18 @@ def make_data(
         "labels": labels.astype(np.float32),
     }
     return arrays, [int(v) for v in info["vocab_sizes"]]
+
+
+def prepare_data(args: argparse.Namespace) -> tuple[Arrays, list[int]]:
+    """`make_data` for the `add_run_args` flags; prints what it made."""
+    t0 = time.perf_counter()
+    arrays, vocab_sizes = make_data(args.examples, seed=args.seed, vocab_size=args.vocab_size)
+    print(
+        f"data: {args.examples:,} examples, {sum(vocab_sizes):,} ids in all vocabularies, "
+        f"{time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    return arrays, vocab_sizes
 
 
 def save_data(path: str, arrays: Arrays, vocab_sizes: Sequence[int]) -> None:
@@ -216,6 +232,7 @@ class Window:
 
     examples_per_s: float
     loss: float
+    examples_per_cpu_s: float = float("nan")  # per second of this process's CPU time
 
 
 def make_timer(keras_module: ModuleType) -> Any:
@@ -229,10 +246,12 @@ def make_timer(keras_module: ModuleType) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.times: list[float] = []
+            self.cpu_times: list[float] = []
             self.loss = float("nan")
 
         def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
             self.times.append(time.perf_counter())
+            self.cpu_times.append(time.process_time())
 
         def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
             self.loss = float((logs or {}).get("loss", float("nan")))
@@ -261,8 +280,12 @@ class FitRunner:
             verbose=0,
             callbacks=[timer],
         )
-        seconds = timer.times[-1] - timer.times[0]
-        return Window((len(timer.times) - 1) * self.stream.batch_size / seconds, timer.loss)
+        examples = (len(timer.times) - 1) * self.stream.batch_size
+        return Window(
+            examples / (timer.times[-1] - timer.times[0]),
+            timer.loss,
+            examples / (timer.cpu_times[-1] - timer.cpu_times[0]),
+        )
 
 
 @dataclass
@@ -275,6 +298,11 @@ class Result:
     def examples_per_s(self) -> float:
         """Median examples/s over the timed windows."""
         return statistics.median(w.examples_per_s for w in self.windows)
+
+    @property
+    def examples_per_cpu_s(self) -> float:
+        """Median examples per second of the process's CPU time (all its threads)."""
+        return statistics.median(w.examples_per_cpu_s for w in self.windows)
 
     @property
     def spread(self) -> float:
@@ -309,9 +337,9 @@ def interleave(
 ) -> dict[str, Result]:
     """Runs every variant `rounds` times, taking turns, after one warm-up window each.
 
-    The order rotates from round to round, so no variant always runs right
-    after the same other one. The figure of a variant is the median of its
-    rounds.
+    Every other round runs the variants in reverse order (A B C, C B A, ...),
+    so neighbours stay neighbours (for `paired_ratio`) and no variant always
+    goes first. The figure of a variant is the median of its rounds.
     """
     names = list(runners)
     for name in names:
@@ -320,7 +348,7 @@ def interleave(
         log(f"warm-up {name}: {time.perf_counter() - t0:.1f} s")
     results = {name: Result() for name in names}
     for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
+        order = names if r % 2 == 0 else names[::-1]
         for name in order:
             w = runners[name](steps)
             results[name].windows.append(w)
@@ -329,7 +357,57 @@ def interleave(
 
 
 # ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """Adds the flags shared by the end-to-end benchmarks (workload size and timing)."""
+    p.add_argument("--quick", action="store_true", help="a short run")
+    p.add_argument("--steps", type=int, help="batches per timed window (default 10, quick 4)")
+    p.add_argument("--rounds", type=int, help="timed windows per variant (default 15, quick 6)")
+    p.add_argument("--warmup-steps", type=int, help="warm-up batches (default 10, quick 4)")
+    p.add_argument(
+        "--examples",
+        type=int,
+        help="examples to generate (default: enough that no batch is trained twice)",
+    )
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        help="vocabulary of every categorical feature (default: elastic_emb.data's, ~1M ids)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="data seed")
+
+
+def finish_run_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills in the defaults of `add_run_args`'s flags that depend on `--quick`."""
+    defaults = (4, 6, 4) if args.quick else (10, 15, 10)
+    for name, default in zip(("steps", "rounds", "warmup_steps"), defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.steps < 2 or args.warmup_steps < 2 or args.rounds < 1:
+        raise SystemExit("--steps and --warmup-steps must be >= 2, --rounds >= 1")
+    if args.examples is None:
+        args.examples = (args.warmup_steps + args.rounds * args.steps) * args.batch_size
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
 # Reporting
+
+
+def workload(optimizer: str, batch_size: int, vocab_sizes: Sequence[int]) -> str:
+    """The workload cell of a results table."""
+    return (
+        f"DLRM train, {OPTIMIZER_NAMES[optimizer]} lr {LEARNING_RATE}, batch {batch_size}, "
+        f"dim {EMBEDDING_DIM}, {sum(vocab_sizes):,} ids"
+    )
+
+
+def command_line() -> str:
+    """This process's command line, quoted for a shell."""
+    return shlex.join([sys.executable, *sys.argv])
 
 
 def cpu_model() -> str:
@@ -371,12 +449,19 @@ def fmt_ratio(x: float) -> str:
 
 
 def details_table(results: dict[str, Result], extra: dict[str, str] | None = None) -> str:
-    """Per-variant details: median, spread, windows, final loss (and `extra` notes)."""
+    """Per-variant details: median, spread, CPU efficiency, windows, final loss, notes.
+
+    "ex per CPU-s" divides by the process's CPU time instead of wall time: it
+    moves less than ex/s when other processes share the cores, and shows how
+    much CPU a variant burns (a variant that leaves a core idle scores higher
+    here than on wall time).
+    """
     rows = [
         [
             name,
             fmt_rate(r.examples_per_s),
             f"{100 * r.spread:.0f}%",
+            fmt_rate(r.examples_per_cpu_s),
             len(r.windows),
             f"{r.loss:.4f}",
             (extra or {}).get(name, ""),
@@ -384,6 +469,14 @@ def details_table(results: dict[str, Result], extra: dict[str, str] | None = Non
         for name, r in results.items()
     ]
     return markdown_table(
-        ["variant", "median ex/s", "spread (max-min)/median", "windows", "final loss", "notes"],
+        [
+            "variant",
+            "median ex/s",
+            "spread (max-min)/median",
+            "ex per CPU-s",
+            "windows",
+            "final loss",
+            "notes",
+        ],
         rows,
     )

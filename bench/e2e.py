@@ -17,35 +17,17 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
-import time
 
 import _common as c
 
 # Targets of the issue, printed next to the ratios (not asserted).
 TARGETS = {"adagrad": 4.0, "sgd": 2.0}
-OPTIMIZER_NAMES = {"adagrad": "Adagrad", "sgd": "SGD"}
 VARIANT_NAMES = {"ee": "elastic_emb", "keras": "keras", "floor": "no-embedding"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a short run (about 1-2 minutes)")
-    p.add_argument("--steps", type=int, help="batches per timed window (default 20, quick 6)")
-    p.add_argument("--rounds", type=int, help="timed windows per variant (default 9, quick 4)")
-    p.add_argument("--warmup-steps", type=int, help="warm-up batches (default 10, quick 4)")
-    p.add_argument(
-        "--examples",
-        type=int,
-        help="examples to generate (default: enough that no batch is trained twice)",
-    )
-    p.add_argument("--batch-size", type=int, default=c.BATCH_SIZE)
-    p.add_argument(
-        "--vocab-size",
-        type=int,
-        help="vocabulary of every categorical feature (default: elastic_emb.data's, ~1M ids)",
-    )
+    c.add_run_args(p)
     p.add_argument("--optimizers", default="adagrad,sgd", help="comma-separated: adagrad,sgd")
     p.add_argument(
         "--variants",
@@ -59,15 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="model.compile(jit_compile=...) (auto: what Keras picks)",
     )
-    p.add_argument("--seed", type=int, default=0, help="data seed")
-    args = p.parse_args(argv)
-    defaults = (6, 4, 4) if args.quick else (20, 9, 10)
-    for name, default in zip(("steps", "rounds", "warmup_steps"), defaults, strict=True):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    if args.examples is None:
-        args.examples = (args.warmup_steps + args.rounds * args.steps) * args.batch_size
-    return args
+    return c.finish_run_args(p.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,17 +49,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     optimizers = args.optimizers.split(",")
     variants = args.variants.split(",")
+    if not set(optimizers) <= set(TARGETS) or not set(variants) <= set(VARIANT_NAMES):
+        raise SystemExit(
+            f"--optimizers: choose from {list(TARGETS)}; "
+            f"--variants: choose from {list(VARIANT_NAMES)}"
+        )
     jit = {"auto": "auto", "on": True, "off": False}[args.jit_compile]
 
     import keras
     import tensorflow as tf
 
-    t0 = time.perf_counter()
-    arrays, vocab_sizes = c.make_data(args.examples, seed=args.seed, vocab_size=args.vocab_size)
-    print(
-        f"data: {args.examples:,} examples, {sum(vocab_sizes):,} ids in all vocabularies, "
-        f"{time.perf_counter() - t0:.1f} s"
-    )
+    arrays, vocab_sizes = c.prepare_data(args)
     stream = c.BatchStream(tf, arrays, args.batch_size)
 
     runners: dict[str, c.FitRunner] = {}
@@ -111,13 +85,9 @@ def main(argv: list[str] | None = None) -> None:
         ratio = "-"
         if ee_name in results and ref_name in results:
             ratio = c.fmt_ratio(c.paired_ratio(results[ee_name], results[ref_name]))
-        workload = (
-            f"DLRM train, {OPTIMIZER_NAMES[opt]} lr {c.LEARNING_RATE}, batch {args.batch_size}, "
-            f"dim {c.EMBEDDING_DIM}, {sum(vocab_sizes):,} ids"
-        )
         rows.append(
             [
-                workload,
+                c.workload(opt, args.batch_size, vocab_sizes),
                 rate(ee_name),
                 rate(ref_name),
                 ratio,
@@ -127,9 +97,14 @@ def main(argv: list[str] | None = None) -> None:
             ]
         )
     print()
-    print(f"`{shlex.join([sys.executable, *sys.argv])}`")
+    versions = f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
+    if "ee" in variants:
+        import elastic_emb
+
+        versions += f", elastic_emb {elastic_emb.__version__}"
+    print(f"`{c.command_line()}`")
     print(
-        f"TensorFlow {tf.__version__}, Keras {keras.__version__}; "
+        f"{versions}; "
         f"{args.rounds} windows of {args.steps} batches per variant after {args.warmup_steps} "
         "warm-up batches; ratio: median over rounds of elastic_emb / keras.layers.Embedding "
         "ex/s within the round; "

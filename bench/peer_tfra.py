@@ -28,11 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from typing import IO, Any
 
 import _common as c
@@ -149,7 +147,13 @@ def worker(variant: str, optimizer: str, data_path: str, batch_size: int) -> Non
         cmd = line.split()
         if cmd[:1] == ["run"]:
             w = runner(int(cmd[1]))
-            _emit(sys.stdout, "window", examples_per_s=w.examples_per_s, loss=w.loss)
+            _emit(
+                sys.stdout,
+                "window",
+                examples_per_s=w.examples_per_s,
+                loss=w.loss,
+                examples_per_cpu_s=w.examples_per_cpu_s,
+            )
         elif cmd[:1] == ["quit"]:
             break
 
@@ -170,7 +174,7 @@ class WorkerProcess:
             env.pop("TF_USE_LEGACY_KERAS", None)
         self.variant = variant
         self.log_path = os.path.join(log_dir, f"{variant}.log")
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        self._log = open(self.log_path, "w")  # closed in close()
         cmd = [
             sys.executable,
             os.path.abspath(__file__),
@@ -214,7 +218,7 @@ class WorkerProcess:
         self._proc.stdin.write(f"run {steps}\n")
         self._proc.stdin.flush()
         msg = self._read("window")
-        return c.Window(msg["examples_per_s"], msg["loss"])
+        return c.Window(msg["examples_per_s"], msg["loss"], msg["examples_per_cpu_s"])
 
     def close(self) -> None:
         """Asks the worker to quit (kills it if it does not)."""
@@ -232,39 +236,17 @@ class WorkerProcess:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a short run (about 2-3 minutes)")
-    p.add_argument("--steps", type=int, help="batches per timed window (default 20, quick 6)")
-    p.add_argument("--rounds", type=int, help="timed windows per variant (default 9, quick 4)")
-    p.add_argument("--warmup-steps", type=int, help="warm-up batches (default 10, quick 4)")
-    p.add_argument(
-        "--examples",
-        type=int,
-        help="examples to generate (default: enough that no batch is trained twice)",
-    )
-    p.add_argument("--batch-size", type=int, default=c.BATCH_SIZE)
-    p.add_argument(
-        "--vocab-size",
-        type=int,
-        help="vocabulary of every categorical feature (default: elastic_emb.data's, ~1M ids)",
-    )
+    c.add_run_args(p)
     p.add_argument("--optimizer", choices=["adagrad", "sgd"], default="adagrad")
     p.add_argument(
         "--variants",
         default="tfra,tf_keras,ee",
         help=f"comma-separated, from: {','.join(VARIANTS)}",
     )
-    p.add_argument("--seed", type=int, default=0, help="data seed")
     p.add_argument("--keep-logs", action="store_true", help="keep the workers' stderr logs")
     p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    defaults = (6, 4, 4) if args.quick else (20, 9, 10)
-    for name, default in zip(("steps", "rounds", "warmup_steps"), defaults, strict=True):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    if args.examples is None:
-        args.examples = (args.warmup_steps + args.rounds * args.steps) * args.batch_size
-    return args
+    return c.finish_run_args(p.parse_args(argv))
 
 
 def driver(args: argparse.Namespace) -> None:
@@ -275,14 +257,9 @@ def driver(args: argparse.Namespace) -> None:
             raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     tmp = tempfile.mkdtemp(prefix="ee-peer-")
     data_path = os.path.join(tmp, "data.npz")
-    t0 = time.perf_counter()
-    arrays, vocab_sizes = c.make_data(args.examples, seed=args.seed, vocab_size=args.vocab_size)
+    arrays, vocab_sizes = c.prepare_data(args)
     c.save_data(data_path, arrays, vocab_sizes)
     del arrays
-    print(
-        f"data: {args.examples:,} examples, {sum(vocab_sizes):,} ids in all vocabularies, "
-        f"{time.perf_counter() - t0:.1f} s"
-    )
 
     workers = {v: WorkerProcess(v, args, data_path, tmp) for v in variants}
     try:
@@ -313,15 +290,10 @@ def driver(args: argparse.Namespace) -> None:
             return "-"
         return c.fmt_ratio(c.paired_ratio(results[VARIANT_NAMES[a]], results[VARIANT_NAMES[b]]))
 
-    workload = (
-        f"DLRM train, {args.optimizer.capitalize() if args.optimizer == 'adagrad' else 'SGD'} "
-        f"lr {c.LEARNING_RATE}, batch {args.batch_size}, dim {c.EMBEDDING_DIM}, "
-        f"{sum(vocab_sizes):,} ids"
-    )
     versions = {k: v for w in workers.values() for k, v in w.versions.items() if k != "keras"}
     keras_versions = {VARIANTS[v]: w.versions["keras"] for v, w in workers.items()}
     print()
-    print(f"`{shlex.join([sys.executable, *sys.argv])}`")
+    print(f"`{c.command_line()}`")
     print(
         ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
         + "; "
@@ -341,7 +313,7 @@ def driver(args: argparse.Namespace) -> None:
         "elastic_emb / tf_keras",
     ]
     row = [
-        workload,
+        c.workload(args.optimizer, args.batch_size, vocab_sizes),
         rate("ee"),
         rate("tfra"),
         rate("tf_keras"),

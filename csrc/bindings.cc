@@ -64,18 +64,18 @@ elastic_emb::TableOptions MakeOptions(int dim, const std::string& initializer, f
   for (auto item : optimizer_args) {
     const std::string k = py::cast<std::string>(item.first);
     const py::handle v = item.second;
-    if (k == "momentum") p.momentum = py::cast<float>(v);
+    if (k == "momentum") p.momentum = py::cast<double>(v);
     else if (k == "nesterov") p.nesterov = py::cast<bool>(v);
-    else if (k == "beta_1") p.beta_1 = py::cast<float>(v);
-    else if (k == "beta_2") p.beta_2 = py::cast<float>(v);
-    else if (k == "epsilon") p.epsilon = py::cast<float>(v);
-    else if (k == "initial_accumulator_value") p.initial_accumulator_value = py::cast<float>(v);
-    else if (k == "learning_rate_power") p.learning_rate_power = py::cast<float>(v);
-    else if (k == "l1_regularization_strength") p.l1_regularization_strength = py::cast<float>(v);
-    else if (k == "l2_regularization_strength") p.l2_regularization_strength = py::cast<float>(v);
+    else if (k == "beta_1") p.beta_1 = py::cast<double>(v);
+    else if (k == "beta_2") p.beta_2 = py::cast<double>(v);
+    else if (k == "epsilon") p.epsilon = py::cast<double>(v);
+    else if (k == "initial_accumulator_value") p.initial_accumulator_value = py::cast<double>(v);
+    else if (k == "learning_rate_power") p.learning_rate_power = py::cast<double>(v);
+    else if (k == "l1_regularization_strength") p.l1_regularization_strength = py::cast<double>(v);
+    else if (k == "l2_regularization_strength") p.l2_regularization_strength = py::cast<double>(v);
     else if (k == "l2_shrinkage_regularization_strength")
-      p.l2_shrinkage_regularization_strength = py::cast<float>(v);
-    else if (k == "beta") p.beta = py::cast<float>(v);
+      p.l2_shrinkage_regularization_strength = py::cast<double>(v);
+    else if (k == "beta") p.beta = py::cast<double>(v);
     else EE_CHECK(false, "unknown optimizer option '" << k << "'");
   }
   return o;

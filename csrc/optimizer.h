@@ -10,24 +10,26 @@ namespace elastic_emb {
 
 enum class OptimizerKind { kSgd, kAdagrad, kAdam, kFtrl };
 
+// Hyperparameters are doubles, as the Python floats Keras holds them in, so
+// that values derived from them (1 - beta_1, ...) round to float32 like Keras.
 struct OptimizerOptions {
   OptimizerKind kind = OptimizerKind::kSgd;
   // SGD.
-  float momentum = 0.0f;
+  double momentum = 0.0;
   bool nesterov = false;
   // Adam.
-  float beta_1 = 0.9f;
-  float beta_2 = 0.999f;
+  double beta_1 = 0.9;
+  double beta_2 = 0.999;
   // Adagrad and Adam.
-  float epsilon = 1e-7f;
+  double epsilon = 1e-7;
   // Adagrad and Ftrl.
-  float initial_accumulator_value = 0.1f;
+  double initial_accumulator_value = 0.1;
   // Ftrl.
-  float learning_rate_power = -0.5f;
-  float l1_regularization_strength = 0.0f;
-  float l2_regularization_strength = 0.0f;
-  float l2_shrinkage_regularization_strength = 0.0f;
-  float beta = 0.0f;
+  double learning_rate_power = -0.5;
+  double l1_regularization_strength = 0.0;
+  double l2_regularization_strength = 0.0;
+  double l2_shrinkage_regularization_strength = 0.0;
+  double beta = 0.0;
 
   void Validate() const;
   // Number of slot vectors (each `dim` floats) stored beside a row's value.

@@ -10,7 +10,7 @@
 namespace elastic_emb {
 namespace {
 
-constexpr int kChunkRowsLog2 = 8;  // 256 rows per arena chunk
+constexpr int kChunkRowsLog2 = 6;  // 64 rows per arena chunk
 constexpr uint32_t kChunkRows = 1u << kChunkRowsLog2;
 constexpr size_t kInitialSlots = 16;
 // Batches smaller than this run on the calling thread.

@@ -27,7 +27,7 @@ if keras.backend.backend() != "tensorflow":  # pragma: no cover
         f"{keras.backend.backend()!r}. Unset it or set KERAS_BACKEND=tensorflow."
     )
 
-from elastic_emb import _core, data, initializers, optimizers  # noqa: E402
+from elastic_emb import _core, callbacks, data, initializers, optimizers  # noqa: E402
 from elastic_emb.checkpoint import restore, save  # noqa: E402
 from elastic_emb.layers import Embedding  # noqa: E402
 from elastic_emb.table import Table  # noqa: E402
@@ -57,6 +57,7 @@ __all__ = [
     "Table",
     "__version__",
     "build_info",
+    "callbacks",
     "data",
     "initializers",
     "optimizers",

@@ -90,7 +90,7 @@ values.
 
 _BIAS = -1.8  # With the default settings about 25% of the labels are positive.
 _CATEGORICAL_SCALE = 0.35  # Std of a categorical weight, before the per-feature factor.
-_DENSE_SCALE = 0.3  # Std of a dense weight on the standardised log1p(count).
+_DENSE_SCALE = 0.3  # Typical |weight| of an informative dense feature on its standardised log1p.
 _DENSE_INFORMATIVE = 7  # Number of dense features with a non-zero hidden weight.
 _MAX_COUNT = 999_999  # Dense counts are clipped to this (6 digits when written).
 
@@ -136,7 +136,9 @@ def _model_params(seed: int) -> dict[str, NDArray[np.float64]]:
     return {"cat_scale": cat_scale, "mu": mu, "sigma": sigma, "dense_w": dense_w}
 
 
-def planted_logits(dense: ArrayLike, categorical: ArrayLike, *, seed: int = 0) -> np.ndarray:
+def planted_logits(
+    dense: ArrayLike, categorical: ArrayLike, *, seed: int = 0
+) -> NDArray[np.float64]:
     """Logits of the hidden model that labelled the data written by :func:`generate_criteo`.
 
     The hidden model is a logistic regression: ``bias + sum_f w(seed, f, id_f) +
@@ -272,7 +274,8 @@ def _zipf_ids(
 ) -> NDArray[np.int64]:
     """``n`` ids in ``[1, vocab_size)``, Zipf-like: the r-th most frequent has weight ~ r^-s.
 
-    Sampled by inverting the continuous power-law CDF on ``[1, vocab_size)`` and flooring; the
+    Sampled by inverting the continuous power-law CDF on ``[1, vocab_size)`` and flooring (so
+    rank ``r = 1, 2, ...`` has probability proportional to ``r^(1-s) - (r+1)^(1-s)``); the
     frequency rank is then mapped to an id by an affine bijection modulo ``vocab_size - 1`` so
     the frequent ids are scattered rather than 1, 2, 3, ...
     """
@@ -346,7 +349,8 @@ def generate_criteo(
     """Writes a synthetic Criteo-format file whose labels follow a hidden logistic model.
 
     Each categorical feature ``f`` takes ids in ``[1, vocab_sizes[f])``, drawn Zipf-like
-    (the r-th most frequent id has probability ~ ``r ** -zipf_exponent``) and written as 8
+    (the r-th most frequent id has probability ~ ``r ** -zipf_exponent``; exactly, proportional
+    to ``r ** (1 - zipf_exponent) - (r + 1) ** (1 - zipf_exponent)``) and written as 8
     lowercase hexadecimal characters of the id itself, so ``int(field, 16)`` recovers the id and
     a stock ``keras.layers.Embedding(input_dim=vocab_sizes[f], ...)`` can be trained on the same
     data. Id 0 is never written: it is what a missing value reads as. The 13 integer features are
@@ -361,20 +365,20 @@ def generate_criteo(
 
     ```python
     info = generate_criteo("/tmp/train.tsv.gz", 200_000, seed=0)
-    info["oracle_auc"]  # the best AUC any model can reach on this file, about 0.79
+    info["oracle_auc"]  # the best AUC any model can reach on this file, about 0.83
     ```
 
     Args:
         path: str or path-like: output file. Gzip-compressed if the name ends in ``.gz``.
         num_examples: int, number of lines to write (``>= 0``).
         seed: int, seeds the hidden model (and the sampling, unless ``sample_seed`` is given).
-        sample_seed: int or None, seeds the sampling of the examples only. A training and a test
-            file for the same hidden model use the same ``seed`` and different ``sample_seed``.
-            Defaults to ``seed``.
         vocab_sizes: sequence of 26 ints in ``[2, 2**32]``, the vocabulary size of each
             categorical feature, counting id 0. Defaults to :data:`DEFAULT_VOCAB_SIZES`.
         zipf_exponent: float > 0, the skew of the id distribution.
         missing_rate: float in ``[0, 1)``, probability that a field is empty.
+        sample_seed: int or None, seeds the sampling of the examples only. A training and a test
+            file for the same hidden model use the same ``seed`` and different ``sample_seed``.
+            Defaults to ``seed``.
 
     Returns:
         A dict with ``num_examples``, ``vocab_sizes`` (list of int), ``oracle_auc`` (AUC of the
@@ -399,6 +403,10 @@ def generate_criteo(
     params = _model_params(seed)
     if sample_seed is None:
         sample_seed = seed
+    if not isinstance(sample_seed, (int, np.integer)) or sample_seed < 0:
+        raise ValueError(
+            f"`sample_seed` must be None or a non-negative integer. Received: {sample_seed!r}"
+        )
     rng = np.random.default_rng([sample_seed, 0xDA7A])
     probs = np.empty(num_examples, dtype=np.float64)
     labels = np.empty(num_examples, dtype=bool)
@@ -629,11 +637,13 @@ def iter_criteo(
                 cut = len(text)
             pending = text[cut:]
             if cut:
-                chunk = _parse_block(np.frombuffer(text, np.uint8, count=cut), path, line)
+                data = np.frombuffer(text, np.uint8, count=cut)
+                if max_examples is not None:  # parse no line beyond the last one wanted
+                    newlines = np.flatnonzero(data == _NL)
+                    if newlines.size > remaining:
+                        data = data[: newlines[int(remaining) - 1] + 1]
+                chunk = _parse_block(data, path, line)
                 n = chunk[2].shape[0]
-                if n > remaining:
-                    n = int(remaining)
-                    chunk = (chunk[0][:n], chunk[1][:n], chunk[2][:n])
                 line += n
                 remaining -= n
                 yield chunk
@@ -712,9 +722,10 @@ def criteo_dataset(
 
     Shuffling permutes windows of consecutive examples: whole parsed blocks (8 MiB of text,
     about 25,000 real Criteo lines) gathered until the window holds at least ``shuffle_buffer``
-    examples, or the whole file when it holds fewer (which is then a uniform shuffle). It is deterministic: the ``i``-th pass over
-    the dataset uses the permutation seeded by ``(seed, i)``, so two datasets made with the same
-    arguments yield the same batches, and successive epochs differ.
+    examples, or the whole file when it holds fewer (which is then a uniform shuffle). It is
+    deterministic: the ``i``-th pass over the dataset uses the permutation seeded by
+    ``(seed, i)``, so two datasets made with the same arguments yield the same batches, and
+    successive epochs differ.
 
     Example:
 
@@ -746,6 +757,7 @@ def criteo_dataset(
         with ``labels`` float32 ``[B]``. Missing values are 0 (see :func:`read_criteo`).
 
     Raises:
+        FileNotFoundError: if ``path`` is not a file.
         ValueError: for an invalid argument. A malformed line raises ``ValueError`` (naming file
             and line) when the iteration reaches it, surfaced by TensorFlow as an error of the
             iterator.
@@ -763,8 +775,8 @@ def criteo_dataset(
             f"`max_examples` must be None or >= 0. Received: max_examples={max_examples}"
         )
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise ValueError(f"`path` does not exist. Received: path={path!r}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"No such file: {path!r}")
     batch_size = int(batch_size)
     passes = itertools.count()
 

@@ -139,6 +139,8 @@ class Embedding(keras.layers.Layer):
         self.mask_zero = bool(mask_zero)
         self.input_dim = input_dim
         self.supports_masking = self.mask_zero
+        # The table is reached through tf.numpy_function, which XLA cannot compile.
+        self.supports_jit = False
         self.table = Table(
             dim=output_dim,
             optimizer=optimizer,
@@ -147,10 +149,6 @@ class Embedding(keras.layers.Layer):
             seed=seed,
         )
         self._replica_pushes = _ReplicaPushes(self.table)
-
-    @property
-    def supports_jit(self) -> bool:  # numpy_function cannot be compiled by XLA
-        return False
 
     @property
     def optimizer(self) -> optimizers.Optimizer:

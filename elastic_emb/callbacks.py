@@ -1,0 +1,149 @@
+"""Keras callbacks: save tables and dense weights together, and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import keras
+
+from elastic_emb import checkpoint
+
+__all__ = ["Checkpoint"]
+
+_LATEST = "latest"
+
+
+class Checkpoint(keras.callbacks.Callback):
+    """Saves every table and the model's weights (optimizer state included), and resumes.
+
+    Each save writes `directory/ckpt-<step>/` with the tables (`ee.save`),
+    `model.weights.h5` (dense weights and the compile optimizer's variables)
+    and `state.json`, then atomically points `directory/latest` at it. At the
+    start of `fit`, if `directory/latest` exists, everything is restored and
+    training continues from the saved epoch, so an interrupted run finishes
+    with the same model as an uninterrupted one. As with
+    `keras.callbacks.BackupAndRestore`, a checkpoint taken mid-epoch resumes
+    at the start of that epoch.
+
+    Example:
+        >>> cb = Checkpoint("/tmp/run1", save_freq="epoch")
+        >>> model.fit(ds, epochs=10, callbacks=[cb])  # doctest: +SKIP
+
+    Args:
+        directory: str or path of the checkpoint directory.
+        save_freq: "epoch", or an int: save every that many training batches.
+        max_to_keep: int, number of newest checkpoints kept on disk.
+        resume: bool, restore from `directory/latest` when training starts.
+
+    Raises:
+        ValueError: on an invalid argument.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        save_freq: str | int = "epoch",
+        max_to_keep: int = 2,
+        resume: bool = True,
+    ) -> None:
+        super().__init__()
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq <= 0
+        ):
+            raise ValueError(
+                f'`save_freq` must be "epoch" or a positive int. Received: save_freq={save_freq!r}'
+            )
+        if not isinstance(max_to_keep, int) or max_to_keep < 1:
+            raise ValueError(
+                f"`max_to_keep` must be a positive int. Received: max_to_keep={max_to_keep!r}"
+            )
+        self.directory = Path(directory)
+        self.save_freq = save_freq
+        self.max_to_keep = max_to_keep
+        self.resume = resume
+        self._epoch = 0
+        self._global_step = 0
+        self._batches_since_save = 0
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        pointer = self.directory / _LATEST
+        if not pointer.is_file():
+            return None
+        path = self.directory / pointer.read_text().strip()
+        if not (path / "state.json").is_file():
+            raise checkpoint.CheckpointError(
+                f"{pointer} names {path.name}, which is not a complete checkpoint"
+            )
+        return path
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        path = self.latest() if self.resume else None
+        if path is None:
+            return
+        state = json.loads((path / "state.json").read_text())
+        checkpoint.restore(path / "tables", tables=self._tables())
+        if self.model.optimizer is not None and not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)
+        self.model.load_weights(path / "model.weights.h5")
+        self._epoch = state["epoch"]
+        self._global_step = state["global_step"]
+        # The same hook keras.callbacks.BackupAndRestore uses to skip epochs.
+        self.model._initial_epoch = self._epoch
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._global_step += 1
+        self._batches_since_save += 1
+        if self.save_freq != "epoch" and self._batches_since_save >= self.save_freq:
+            # Mid-epoch: resuming restarts this epoch.
+            self.save(epoch=self._epoch)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self.save_freq == "epoch":
+            self.save(epoch=epoch + 1)
+
+    def save(self, epoch: int) -> Path:
+        """Writes a checkpoint now; `epoch` is the epoch training resumes at."""
+        self._batches_since_save = 0
+        name = f"ckpt-{self._global_step}"
+        tmp = self.directory / (name + ".tmp")
+        final = self.directory / name
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        checkpoint.save(tmp / "tables", tables=self._tables())
+        self.model.save_weights(tmp / "model.weights.h5")
+        state = {"epoch": epoch, "global_step": self._global_step}
+        (tmp / "state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer_tmp = self.directory / (_LATEST + ".tmp")
+        pointer_tmp.write_text(name)
+        os.replace(pointer_tmp, self.directory / _LATEST)
+        self._prune(keep=final)
+        return final
+
+    def _tables(self) -> list[Any]:
+        """The tables of the model's elastic_emb layers."""
+        from elastic_emb.layers import Embedding
+
+        layers = self.model._flatten_layers(include_self=False, recursive=True)
+        return [layer.table for layer in layers if isinstance(layer, Embedding)]
+
+    def _prune(self, keep: Path) -> None:
+        def step(p: Path) -> int:
+            return int(p.name.split("-")[1])
+
+        saved = sorted(
+            (p for p in self.directory.glob("ckpt-*") if p.is_dir() and p.suffix != ".tmp"),
+            key=step,
+        )
+        for old in saved[: max(0, len(saved) - self.max_to_keep)]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
