@@ -72,10 +72,23 @@ def make_data(
     return arrays, [int(v) for v in info["vocab_sizes"]]
 
 
-def prepare_data(args: argparse.Namespace) -> tuple[Arrays, list[int]]:
+def parse_vocab(text: str) -> int | None:
+    """A `--vocab` value: "default" (None) or the vocabulary size of every feature."""
+    if text == "default":
+        return None
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise SystemExit(f'--vocab: expected "default" or an integer >= 2, got {text!r}')
+    return value
+
+
+def prepare_data(args: argparse.Namespace, vocab_size: int | None) -> tuple[Arrays, list[int]]:
     """`make_data` for the `add_run_args` flags; prints what it made."""
     t0 = time.perf_counter()
-    arrays, vocab_sizes = make_data(args.examples, seed=args.seed, vocab_size=args.vocab_size)
+    arrays, vocab_sizes = make_data(args.examples, seed=args.seed, vocab_size=vocab_size)
     print(
         f"data: {args.examples:,} examples, {sum(vocab_sizes):,} ids in all vocabularies, "
         f"{time.perf_counter() - t0:.1f} s",
@@ -360,29 +373,30 @@ def interleave(
 # Command line
 
 
+VOCAB_HELP = (
+    '"default": elastic_emb.data.DEFAULT_VOCAB_SIZES (~1M ids over the 26 features, a\n'
+    "scaled-down Criteo), or N: N ids in every feature (1000000: 26M ids, Criteo scale)"
+)
+
+
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """Adds the flags shared by the end-to-end benchmarks (workload size and timing)."""
     p.add_argument("--quick", action="store_true", help="a short run")
     p.add_argument("--steps", type=int, help="batches per timed window (default 10, quick 4)")
-    p.add_argument("--rounds", type=int, help="timed windows per variant (default 15, quick 6)")
-    p.add_argument("--warmup-steps", type=int, help="warm-up batches (default 10, quick 4)")
+    p.add_argument("--rounds", type=int, help="timed windows per variant (default 15, quick 4)")
+    p.add_argument("--warmup-steps", type=int, help="warm-up batches (default 10, quick 3)")
     p.add_argument(
         "--examples",
         type=int,
         help="examples to generate (default: enough that no batch is trained twice)",
     )
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    p.add_argument(
-        "--vocab-size",
-        type=int,
-        help="vocabulary of every categorical feature (default: elastic_emb.data's, ~1M ids)",
-    )
     p.add_argument("--seed", type=int, default=0, help="data seed")
 
 
 def finish_run_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fills in the defaults of `add_run_args`'s flags that depend on `--quick`."""
-    defaults = (4, 6, 4) if args.quick else (10, 15, 10)
+    defaults = (4, 4, 3) if args.quick else (10, 15, 10)
     for name, default in zip(("steps", "rounds", "warmup_steps"), defaults, strict=True):
         if getattr(args, name) is None:
             setattr(args, name, default)

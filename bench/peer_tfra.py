@@ -237,6 +237,7 @@ class WorkerProcess:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     c.add_run_args(p)
+    p.add_argument("--vocab", default="default", help=c.VOCAB_HELP)
     p.add_argument("--optimizer", choices=["adagrad", "sgd"], default="adagrad")
     p.add_argument(
         "--variants",
@@ -257,7 +258,7 @@ def driver(args: argparse.Namespace) -> None:
             raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     tmp = tempfile.mkdtemp(prefix="ee-peer-")
     data_path = os.path.join(tmp, "data.npz")
-    arrays, vocab_sizes = c.prepare_data(args)
+    arrays, vocab_sizes = c.prepare_data(args, c.parse_vocab(args.vocab))
     c.save_data(data_path, arrays, vocab_sizes)
     del arrays
 

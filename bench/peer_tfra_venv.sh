@@ -36,9 +36,14 @@ pip=("$venv/bin/python" -m pip)
   "tensorflow-recommenders-addons==0.8.1" \
   "numpy<2"
 # Build elastic_emb against this venv's own packages, so pip does not swap
-# TensorFlow or NumPy for newer ones while resolving build requirements.
+# TensorFlow or NumPy for newer ones while resolving build requirements. The
+# build runs in a copy of the sources, leaving the checkout's build/ alone.
 "${pip[@]}" install -q setuptools wheel pybind11
-"${pip[@]}" install -q --no-build-isolation "$repo_root"
+src="$(mktemp -d)"
+trap 'rm -rf "$src"' EXIT
+tar -C "$repo_root" --exclude=./build --exclude=./.git --exclude='*.so' \
+  --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -C "$src" -xf -
+"${pip[@]}" install -q --no-build-isolation --force-reinstall --no-deps "$src"
 
 # Smoke check: both stacks import, each in the Keras mode it needs.
 TF_USE_LEGACY_KERAS=1 "$venv/bin/python" -c '

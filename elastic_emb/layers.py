@@ -89,8 +89,11 @@ class Embedding(keras.layers.Layer):
 
     Call arguments:
         inputs: ids (int32/int64, or string with `key_dtype="string"`).
-        training: bool. Training lookups insert unseen ids and their
-            gradients are pushed once per step; inference never inserts.
+        training: bool or None. True: unseen ids are inserted and the
+            gradient is pushed once per step. False (inference): nothing is
+            inserted or pushed. None (e.g. a subclassed model whose `call`
+            takes no `training` argument): nothing is inserted by the lookup,
+            but a gradient, if one is computed, is still pushed.
 
     Returns:
         float32 `inputs.shape + (output_dim,)`, or `(batch, output_dim)`
@@ -120,6 +123,8 @@ class Embedding(keras.layers.Layer):
                     f"Received: {unsupported}={kwargs[unsupported]!r}"
                 )
             kwargs.pop(unsupported, None)
+        # Ids are never cast to the compute dtype (a float id is an error).
+        kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
         if isinstance(output_dim, bool) or not isinstance(output_dim, int) or output_dim <= 0:
             raise ValueError(
@@ -166,7 +171,6 @@ class Embedding(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
-        training = bool(training)
         if isinstance(inputs, tf.RaggedTensor | tf.SparseTensor):
             return self._call_multi_hot(inputs, training)
         ids = self._keys(inputs)
@@ -230,11 +234,12 @@ class Embedding(keras.layers.Layer):
             )
         return tf.cast(ids, tf.int64)
 
-    def _lookup(self, flat_ids: tf.Tensor, training: bool) -> tf.Tensor:
-        """Rows of `flat_ids` (n,) -> (n, dim); pushes their gradient when training."""
+    def _lookup(self, flat_ids: tf.Tensor, training: bool | None) -> tf.Tensor:
+        """Rows of `flat_ids` (n,) -> (n, dim); their gradient, if computed, is pushed."""
         unique_ids, index = tf.unique(flat_ids)
-        if not training:
-            rows = tf.numpy_function(self._pull_inference, [unique_ids], tf.float32, stateful=True)
+        pull = self._pull_train if training else self._pull_inference
+        if training is False:
+            rows = tf.numpy_function(pull, [unique_ids], tf.float32, stateful=True)
             rows.set_shape([None, self.output_dim])
             return tf.gather(rows, index)
         context = tf.distribute.get_replica_context()
@@ -243,7 +248,7 @@ class Embedding(keras.layers.Layer):
 
         @tf.custom_gradient
         def lookup(unique_ids: tf.Tensor, trigger: tf.Tensor) -> Any:
-            rows = tf.numpy_function(self._pull_train, [unique_ids], tf.float32, stateful=True)
+            rows = tf.numpy_function(pull, [unique_ids], tf.float32, stateful=True)
             rows.set_shape([None, self.output_dim])
             out = tf.gather(rows, index)
 
@@ -287,7 +292,7 @@ class Embedding(keras.layers.Layer):
             )
         return inputs.values, inputs.indices[:, 0], inputs.dense_shape[0]
 
-    def _call_multi_hot(self, inputs: Any, training: bool) -> tf.Tensor:
+    def _call_multi_hot(self, inputs: Any, training: bool | None) -> tf.Tensor:
         if self.combiner is None:
             raise ValueError(
                 f'RaggedTensor/SparseTensor ids need a `combiner` ("sum", "mean" or "sqrtn") '

@@ -115,9 +115,7 @@ def ftrl_update(
     l2_reg = _f(l2_regularization_strength) + _f(beta) / (_f(2.0) * lr)
     grad_to_use = grad + _f(2 * l2_shrinkage_regularization_strength) * value
     new_accum = accum + np.square(grad)
-    linear += grad_to_use - (
-        (_pow(new_accum, neg_power) - _pow(accum, neg_power)) / lr
-    ) * value
+    linear += grad_to_use - ((_pow(new_accum, neg_power) - _pow(accum, neg_power)) / lr) * value
     quadratic = _pow(new_accum, neg_power) / lr + _f(2) * l2_reg
     l1 = _f(l1_regularization_strength)
     linear_clipped = np.clip(linear, -l1, l1)

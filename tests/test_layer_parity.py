@@ -73,10 +73,8 @@ def _table_values(layer: ee.Embedding) -> np.ndarray:
 
 def _fit_both(opt_name, x, y, batch):
     cls, kwargs = OPTIMIZERS[opt_name]
-    stock, stock_layer, mine, ee_layer = _pair({})
-    ee_layer.table.optimizer  # noqa: B018 - the table exists before compile
+    stock, stock_layer, _, _ = _pair({})
     mine_layer = ee.Embedding(DIM, optimizer=cls(**kwargs), name="parity_opt")
-    # Rebuild the ee model around a layer with the requested optimizer.
     inp = keras.Input((IDS_PER_EXAMPLE,), dtype="int64")
     dense = keras.layers.Dense(1)
     mine = keras.Model(inp, dense(keras.layers.Flatten()(mine_layer(inp))))
@@ -106,20 +104,13 @@ def test_parity_every_row_touched(opt_name):
     assert layer.table.iterations == steps
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "sgd_momentum"])
-def test_parity_duplicate_ids_sgd(opt_name):
+def test_parity_duplicate_ids_sgd():
     # Duplicates inside batches and rows left out of some steps: stock Keras
-    # sums duplicate gradients for SGD (momentum only where every row is
-    # touched, so we check plain momentum-free SGD on random ids).
+    # sums the gradients of duplicate ids, so plain SGD matches exactly.
     rng = np.random.default_rng(4)
-    if opt_name == "sgd":
-        x = rng.integers(0, VOCAB, (40, IDS_PER_EXAMPLE)).astype(np.int64)
-    else:
-        x = _every_row_once(5, 8)
-        x[:, 1] = x[:, 0]  # duplicates, still with every row... not all touched
-        pytest.skip("momentum on untouched rows differs by design (lazy); see docs")
+    x = rng.integers(0, VOCAB, (40, IDS_PER_EXAMPLE)).astype(np.int64)
     y = rng.normal(size=(len(x), 1)).astype(np.float32)
-    losses, stock_emb, ee_emb, *_ = _fit_both(opt_name, x, y, 8)
+    losses, stock_emb, ee_emb, *_ = _fit_both("sgd", x, y, 8)
     np.testing.assert_allclose(losses["ee"], losses["stock"], rtol=RTOL)
     np.testing.assert_allclose(ee_emb, stock_emb, rtol=RTOL, atol=1e-7)
 

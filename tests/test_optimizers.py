@@ -15,10 +15,10 @@ import math
 import keras
 import numpy as np
 import pytest
+from _numpy_reference import F32, ReferenceTable
 
 import elastic_emb as ee
 from elastic_emb import optimizers as eo
-from _numpy_reference import F32, ReferenceTable
 
 _names = itertools.count()
 
@@ -107,8 +107,9 @@ CASES = {
 
 def _twin_init(dim: int, seed: int):
     """Initial values read from a separate table with the same seed (train=False)."""
-    twin = ee.Table(dim=dim, optimizer=eo.SGD(0.1), initializer="uniform", name=_name("twin"),
-                    seed=seed)
+    twin = ee.Table(
+        dim=dim, optimizer=eo.SGD(0.1), initializer="uniform", name=_name("twin"), seed=seed
+    )
 
     def init(key: int) -> np.ndarray:
         return twin.pull(np.array([key], np.int64), train=False)[0]
@@ -142,8 +143,9 @@ def test_optimizer_matches_numpy_reference(case: str, dim: int) -> None:
     table = ee.Table(dim=dim, optimizer=opt, initializer="uniform", name=_name(case), seed=seed)
     ref = ReferenceTable(kind, dim, _twin_init(dim, seed), **hparams)
     rng = np.random.default_rng(dim)
-    pool = np.array([0, 1, 2, 3, 5, 8, 13, -1, -7, 2**40, -(2**62), 2**63 - 1, *range(100, 120)],
-                    np.int64)
+    pool = np.array(
+        [0, 1, 2, 3, 5, 8, 13, -1, -7, 2**40, -(2**62), 2**63 - 1, *range(100, 120)], np.int64
+    )
     only_first = np.array([777_001, 777_002], np.int64)  # touched by push 1 only
     snapshot = None
     for push in range(7):
@@ -210,8 +212,9 @@ def test_duplicates_are_summed_before_one_update() -> None:
 
 def test_adam_bias_correction_uses_global_push_count() -> None:
     """A key first pushed at step 3 is corrected with t=3, not t=1."""
-    table = ee.Table(dim=1, optimizer=eo.Adam(learning_rate=0.1), initializer="zeros",
-                     name=_name("adam_t"))
+    table = ee.Table(
+        dim=1, optimizer=eo.Adam(learning_rate=0.1), initializer="zeros", name=_name("adam_t")
+    )
     for _ in range(2):
         table.push(np.array([1]), np.ones((1, 1), np.float32))
     table.push(np.array([2]), np.ones((1, 1), np.float32))
@@ -233,8 +236,9 @@ def test_adam_bias_correction_uses_global_push_count() -> None:
 
 def test_exponential_decay_step_k_uses_schedule_of_k_minus_1() -> None:
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
-    table = ee.Table(dim=2, optimizer=eo.SGD(learning_rate=schedule), initializer="zeros",
-                     name=_name("expdecay"))
+    table = ee.Table(
+        dim=2, optimizer=eo.SGD(learning_rate=schedule), initializer="zeros", name=_name("expdecay")
+    )
     for k in range(1, 6):
         # key k only in push k: its value is exactly -lr_k.
         table.push(np.array([k]), np.ones((1, 2), np.float32))
@@ -248,8 +252,12 @@ def test_exponential_decay_step_k_uses_schedule_of_k_minus_1() -> None:
 def test_piecewise_constant_decay_with_adagrad_matches_reference() -> None:
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1, 2], [0.1, 0.01, 0.001])
     lrs = [0.1, 0.1, 0.01, 0.001, 0.001]  # schedule(0), schedule(1), ... by hand
-    table = ee.Table(dim=3, optimizer=eo.Adagrad(learning_rate=schedule), initializer="zeros",
-                     name=_name("piecewise"))
+    table = ee.Table(
+        dim=3,
+        optimizer=eo.Adagrad(learning_rate=schedule),
+        initializer="zeros",
+        name=_name("piecewise"),
+    )
     ref = ReferenceTable("adagrad", 3, lambda k: np.zeros(3, np.float32))
     rng = np.random.default_rng(0)
     for lr in lrs:
@@ -292,8 +300,9 @@ def test_piecewise_constant_decay_with_adagrad_matches_reference() -> None:
             {"learning_rate": 0.2, "initial_accumulator_value": 0.3, "epsilon": 1e-5},
         ),
         (
-            lambda: keras.optimizers.Adam(learning_rate=0.003, beta_1=0.8, beta_2=0.95,
-                                          epsilon=1e-6),
+            lambda: keras.optimizers.Adam(
+                learning_rate=0.003, beta_1=0.8, beta_2=0.95, epsilon=1e-6
+            ),
             eo.Adam,
             {"learning_rate": 0.003, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6},
         ),
@@ -374,7 +383,8 @@ def test_amsgrad_is_rejected() -> None:
 
 
 @pytest.mark.parametrize(
-    "make", [
+    "make",
+    [
         lambda: keras.optimizers.RMSprop(),
         lambda: keras.optimizers.Adadelta(),
         lambda: keras.optimizers.Adamax(),

@@ -1,0 +1,298 @@
+"""ee.Embedding behaviour: Keras integration, inference, strings, bad input, strategies."""
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import elastic_emb as ee
+
+HERE = Path(__file__).parent
+
+
+def _model(layer, ids_per_example=3):
+    inp = keras.Input((ids_per_example,), dtype="int64")
+    x = keras.layers.Flatten()(layer(inp))
+    return keras.Model(inp, keras.layers.Dense(1)(x))
+
+
+def _data(n=64, vocab=50, ids_per_example=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, vocab, (n, ids_per_example)).astype(np.int64)
+    return x, rng.normal(size=(n, 1)).astype(np.float32)
+
+
+def _keras_optimizer_classes():
+    classes = []
+    for name, cls in inspect.getmembers(keras.optimizers, inspect.isclass):
+        if not issubclass(cls, keras.optimizers.Optimizer) or cls is keras.optimizers.Optimizer:
+            continue
+        params = inspect.signature(cls.__init__).parameters
+        required = [
+            p for p in list(params.values())[1:]
+            if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        if not required:  # wrappers (LossScaleOptimizer, MultiOptimizer) need an inner optimizer
+            classes.append(name)
+    return classes
+
+
+@pytest.mark.parametrize("optimizer_name", _keras_optimizer_classes())
+def test_one_push_per_training_step_with_every_compile_optimizer(optimizer_name):
+    # A push hung on a zero gradient could be pruned by the graph optimizer
+    # for some compile optimizers; the table's iteration count proves it ran.
+    layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name="count")
+    model = _model(layer)
+    model.compile(getattr(keras.optimizers, optimizer_name)(), "mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert layer.table.iterations == 2 * (len(x) // 8)
+    assert np.all(layer.table.metadata(np.unique(x))[1] >= 1)
+
+
+def test_loss_scale_optimizer_pushes_once_per_step():
+    layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name="lso")
+    model = _model(layer)
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert layer.table.iterations == len(x) // 16
+
+
+def test_inference_never_inserts_and_uses_initial_values():
+    layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name="infer")
+    model = _model(layer)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    rows, iterations = len(layer.table), layer.table.iterations
+    unseen = np.arange(1000, 1012, dtype=np.int64).reshape(4, 3)
+    model.predict(unseen, verbose=0)
+    model.evaluate(np.concatenate([x, unseen]), np.zeros((len(x) + 4, 1)), verbose=0)
+    assert len(layer.table) == rows
+    assert layer.table.iterations == iterations
+    # Inference rows: trained values for seen ids, the deterministic initial
+    # value (equal to a fresh table's, same seed) for unseen ones.
+    out = layer(unseen, training=False).numpy().reshape(-1, 4)
+    fresh = ee.Table(4, initializer="uniform", seed=layer.table.seed, name="fresh")
+    np.testing.assert_array_equal(out, fresh.pull(unseen.reshape(-1), train=False))
+    seen = x[:2]
+    keys, values = layer.table.export_rows()
+    lookup = dict(zip(keys.tolist(), values, strict=True))
+    expected = np.stack([lookup[k] for k in seen.reshape(-1).tolist()])
+    np.testing.assert_array_equal(layer(seen, training=False).numpy().reshape(-1, 4), expected)
+
+
+def test_training_none_pushes_gradients_but_never_inserts():
+    # Keras calls layers with training=None inside a subclassed model whose
+    # call() takes no `training` argument: fit must still train, predict
+    # must still not insert.
+    layer = ee.Embedding(2, optimizer=ee.optimizers.SGD(1.0), embeddings_initializer="zeros",
+                         name="none")
+    ids = tf.constant([[4, 4, 9]], tf.int64)
+    layer(ids)
+    assert len(layer.table) == 0
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(ids))
+    tape.gradient(loss, layer.trainable_variables)
+    keys, values = layer.table.export_rows()
+    got = dict(zip(keys.tolist(), values[:, 0].tolist(), strict=True))
+    assert got == {4: -2.0, 9: -1.0}
+
+
+def test_shapes_like_stock_embedding():
+    layer = ee.Embedding(5, name="shapes")
+    stock = keras.layers.Embedding(10, 5)
+    for shape in [(3,), (2, 4), (2, 3, 2)]:
+        ids = tf.zeros(shape, tf.int64)
+        assert layer(ids).shape == stock(ids).shape
+        assert layer.compute_output_shape(shape) == stock.compute_output_shape(shape)
+
+
+def test_int32_ids_equal_int64_ids():
+    layer = ee.Embedding(4, name="int32")
+    ids = np.array([[1, 2], [3, 1]])
+    np.testing.assert_array_equal(
+        layer(ids.astype(np.int32)).numpy(), layer(ids.astype(np.int64)).numpy()
+    )
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.bool])
+def test_non_integer_ids_rejected(dtype):
+    layer = ee.Embedding(4, name="floats")
+    with pytest.raises(ValueError, match="integer ids") as err:
+        layer(tf.zeros((2, 3), dtype))
+    assert dtype.name in str(err.value)
+    assert len(layer.table) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"output_dim": 0}, "output_dim"),
+        ({"output_dim": -3}, "output_dim"),
+        ({"output_dim": 2.5}, "output_dim"),
+        ({"output_dim": 4, "combiner": "max"}, "combiner"),
+        ({"output_dim": 4, "key_dtype": "int32"}, "key_dtype"),
+        ({"output_dim": 4, "embeddings_initializer": "orthogonal"}, "embeddings_initializer"),
+        ({"output_dim": 4, "optimizer": "rmsprop"}, "optimizer"),
+        ({"output_dim": 4, "optimizer": keras.optimizers.RMSprop()}, "RMSprop"),
+        ({"output_dim": 4, "optimizer": keras.optimizers.SGD(clipnorm=1.0)}, "clipnorm"),
+        ({"output_dim": 4, "embeddings_regularizer": "l2"}, "embeddings_regularizer"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        ee.Embedding(**kwargs)
+
+
+def test_keras_optimizer_is_converted_with_its_arguments():
+    layer = ee.Embedding(
+        4, optimizer=keras.optimizers.Adam(learning_rate=0.02, beta_1=0.8), name="conv"
+    )
+    # Keras holds the learning rate in a float32 variable and trains with that value.
+    assert layer.optimizer == ee.optimizers.Adam(
+        learning_rate=float(np.float32(0.02)), beta_1=0.8
+    )
+
+
+def test_config_round_trip():
+    layer = ee.Embedding(
+        6,
+        optimizer=ee.optimizers.Ftrl(learning_rate=0.3, l1_regularization_strength=0.01),
+        embeddings_initializer=keras.initializers.TruncatedNormal(stddev=0.2),
+        combiner="mean",
+        mask_zero=False,
+        seed=11,
+        name="cfg",
+    )
+    config = layer.get_config()
+    clone = ee.Embedding.from_config(config)
+    assert clone.get_config() == config
+    assert clone.optimizer == layer.optimizer
+    assert clone.table.initializer == layer.table.initializer
+    # Same seed and initializer: the same initial rows.
+    keys = np.arange(20)
+    np.testing.assert_array_equal(
+        clone.table.pull(keys, train=False), layer.table.pull(keys, train=False)
+    )
+
+
+def test_sequential_functional_and_subclassed_models_train_the_same():
+    x, y = _data(vocab=30)
+
+    def sequential():
+        return keras.Sequential([
+            keras.Input((3,), dtype="int64"),
+            ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), seed=5),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1, kernel_initializer="ones"),
+        ])
+
+    def functional():
+        inp = keras.Input((3,), dtype="int64")
+        x = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), seed=5)(inp)
+        x = keras.layers.Flatten()(x)
+        return keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(x))
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.embedding = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), seed=5)
+            self.flatten = keras.layers.Flatten()
+            self.dense = keras.layers.Dense(1, kernel_initializer="ones")
+
+        def call(self, ids):
+            return self.dense(self.flatten(self.embedding(ids)))
+
+    losses = []
+    for build in (sequential, functional, Subclassed):
+        model = build()
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        losses.append(model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+                      .history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+    np.testing.assert_allclose(losses[2], losses[0], rtol=1e-6)
+
+
+def test_inside_tf_function_with_gradient_tape():
+    layer = ee.Embedding(
+        3, optimizer=ee.optimizers.SGD(1.0), embeddings_initializer="zeros", name="tffn"
+    )
+    ids = tf.constant([[1, 2], [2, 2]], tf.int64)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            out = layer(ids, training=True)
+            loss = tf.reduce_sum(out)
+        tape.gradient(loss, layer.trainable_variables)
+        return out
+
+    step()
+    step()
+    # d loss / d row = number of occurrences; SGD lr 1 from zeros, 2 steps.
+    keys, values = layer.table.export_rows()
+    got = dict(zip(keys.tolist(), values[:, 0].tolist(), strict=True))
+    assert got == {1: -2.0, 2: -6.0}
+    assert layer.table.iterations == 2
+
+
+def test_string_keys():
+    layer = ee.Embedding(4, key_dtype="string", name="strings")
+    words = tf.constant([["apple", "pear"], ["apple", ""]])
+    out = layer(words, training=True).numpy()
+    np.testing.assert_array_equal(out[0, 0], out[1, 0])
+    assert not np.array_equal(out[0, 0], out[0, 1])
+    keys = ee.layers.string_keys(words).numpy()
+    assert keys.dtype == np.int64 and len(set(keys.reshape(-1).tolist())) == 3
+    np.testing.assert_array_equal(out.reshape(-1, 4), layer.table.pull(keys.reshape(-1)))
+    with pytest.raises(ValueError, match="strings"):
+        layer(tf.constant([[1, 2]], tf.int64))
+
+
+def test_string_fingerprint_is_stable_across_processes():
+    words = ["apple", "pear", "", "ünïcode"]
+    code = (
+        "import os; os.environ['TF_CPP_MIN_LOG_LEVEL']='3'\n"
+        "import tensorflow as tf, elastic_emb as ee\n"
+        f"print(ee.layers.string_keys(tf.constant({words!r})).numpy().tolist())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    here = ee.layers.string_keys(tf.constant(words)).numpy().tolist()
+    assert eval(out.stdout.strip().splitlines()[-1]) == here
+
+
+def test_mirrored_strategy_matches_single_device():
+    # Two logical CPU devices must be configured before TensorFlow starts, so
+    # this runs in its own process.
+    result = subprocess.run(
+        [sys.executable, str(HERE / "_mirrored_worker.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MATCH" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
+def test_checkpoint_callback_resume_equals_uninterrupted(tmp_path):
+    worker = str(HERE / "_resume_worker.py")
+
+    def run(*args):
+        subprocess.run([sys.executable, worker, *map(str, args)], check=True, timeout=300)
+
+    run(tmp_path / "full.npz", 2)
+    run(tmp_path / "half.npz", 1, tmp_path / "ckpt")
+    run(tmp_path / "resumed.npz", 2, tmp_path / "ckpt")
+    full, half, resumed = (np.load(tmp_path / f"{n}.npz") for n in ("full", "half", "resumed"))
+    assert sorted(full.files) == sorted(resumed.files)
+    for name in full.files:
+        np.testing.assert_array_equal(resumed[name], full[name], err_msg=name)
+    # And the comparison can fail: one epoch is not two.
+    assert not np.array_equal(half["a_values"], full["a_values"])
