@@ -12,6 +12,7 @@
 #   PYTHON      the interpreter to build it with (default: python3.11; TFRA 0.8.1 has
 #               wheels for CPython 3.9-3.11 only)
 set -euo pipefail
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 
 repo_root="${1:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 venv="${TFRA_VENV:-/work/tfra-venv}"

@@ -79,25 +79,36 @@ template <typename Fn>
 void Table::ForEachShard(int64_t n, const int64_t* keys, Fn fn) const {
   const int bits = options_.shard_bits;
   const int64_t num_shards = static_cast<int64_t>(shards_.size());
-  std::vector<uint64_t> hashes(n);
+  // Scratch reused across calls of this thread (no allocation, no page faults).
+  thread_local std::vector<uint64_t> hashes;
+  thread_local std::vector<int64_t> order;
+  thread_local std::vector<int64_t> start;
+  if (static_cast<int64_t>(hashes.size()) < n) {
+    hashes.resize(n);
+    order.resize(n);
+  }
   // Counting sort of key positions by shard (stable: input order kept).
-  std::vector<int64_t> start(num_shards + 1, 0);
+  start.assign(num_shards + 1, 0);
+  auto shard_of = [bits](uint64_t hash) { return bits == 0 ? 0 : hash >> (64 - bits); };
   for (int64_t i = 0; i < n; ++i) {
     hashes[i] = KeyHash(keys[i]);
-    ++start[(bits == 0 ? 0 : hashes[i] >> (64 - bits)) + 1];
+    ++start[shard_of(hashes[i]) + 1];
   }
   for (int64_t s = 0; s < num_shards; ++s) start[s + 1] += start[s];
-  std::vector<int64_t> order(n);
   {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < n; ++i) order[fill[bits == 0 ? 0 : hashes[i] >> (64 - bits)]++] = i;
+    thread_local std::vector<int64_t> fill;
+    fill.assign(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n; ++i) order[fill[shard_of(hashes[i])]++] = i;
   }
-  auto run = [&](int64_t s) {
-    const int64_t begin = start[s], end = start[s + 1];
+  const uint64_t* h = hashes.data();
+  const int64_t* o = order.data();
+  const int64_t* st = start.data();
+  auto run = [&, h, o, st](int64_t s) {
+    const int64_t begin = st[s], end = st[s + 1];
     if (begin == end) return;
     Shard& shard = *shards_[s];
     std::lock_guard<std::mutex> lock(shard.mu);
-    fn(shard, order.data() + begin, end - begin, hashes.data());
+    fn(shard, o + begin, end - begin, h);
   };
   if (n < kParallelThreshold) {
     for (int64_t s = 0; s < num_shards; ++s) run(s);

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from elastic_emb.initializers import InitializerSpec
 from elastic_emb.table import Table, TableState, registered_tables
 
 __all__ = ["CheckpointError", "restore", "save"]
@@ -24,7 +25,7 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, truncated, corrupted or does not fit the tables."""
 
 
-def _fsync_write(path: Path, chunks: list[bytes | memoryview]) -> None:
+def _fsync_write(path: Path, chunks: list[bytes] | list[np.ndarray]) -> None:
     with open(path, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
@@ -84,7 +85,7 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
         ]
         file_name = f"table-{i:04d}-{token}.bin"
         tmp = root / (file_name + ".tmp")
-        _fsync_write(tmp, [memoryview(a).cast("B") for a in arrays])
+        _fsync_write(tmp, [a.reshape(-1).view(np.uint8) for a in arrays])
         os.replace(tmp, root / file_name)
         entries[name] = {
             **table.config(),
@@ -99,11 +100,12 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
     tmp = root / (MANIFEST + ".tmp")
     _fsync_write(tmp, [json.dumps(manifest, indent=1, sort_keys=True).encode()])
     os.replace(tmp, root / MANIFEST)
-    # The new manifest is in place: files of older checkpoints can go.
+    # The new manifest is in place: files of older checkpoints (and leftovers
+    # of a crashed save) can go.
     keep = {e["file"] for e in entries.values()}
-    for old in root.glob("table-*.bin"):
+    for old in root.glob("table-*.bin*"):
         if old.name not in keep:
-            old.unlink()
+            old.unlink(missing_ok=True)
     return root
 
 
@@ -128,6 +130,14 @@ def _read_table(root: Path, name: str, entry: dict[str, Any]) -> TableState:
     path = root / entry["file"]
     if not path.is_file():
         raise CheckpointError(f"Checkpoint file {path} of table {name!r} is missing")
+    layout = _layout(entry["num_rows"], entry["dim"], entry["num_slots"])
+    expected = sum(int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in layout)
+    if expected != entry["bytes"]:
+        raise CheckpointError(
+            f"Checkpoint manifest entry of table {name!r} is inconsistent: {entry['num_rows']} "
+            f"rows of dim {entry['dim']} with {entry['num_slots']} slots need {expected} bytes, "
+            f"the manifest says {entry['bytes']}"
+        )
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise CheckpointError(
@@ -139,7 +149,7 @@ def _read_table(root: Path, name: str, entry: dict[str, Any]) -> TableState:
     raw = path.read_bytes()
     arrays: dict[str, np.ndarray] = {}
     offset = 0
-    for field, dtype, shape in _layout(entry["num_rows"], entry["dim"], entry["num_slots"]):
+    for field, dtype, shape in layout:
         count = int(np.prod(shape))
         arrays[field] = np.frombuffer(raw, dtype, count, offset).reshape(shape).astype(
             dtype.newbyteorder("=")
@@ -172,40 +182,35 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
     root = Path(directory)
     manifest = _read_manifest(root)
     live = _tables_arg(tables)
-    plan: list[tuple[str, dict[str, Any], TableState]] = []
+    # Phase 1: read and verify everything, and create the tables that are
+    # not live yet; no live table changes until all of it succeeded.
+    plan: list[tuple[Table, TableState]] = []
     try:
         for name, entry in sorted(manifest["tables"].items()):
             if tables is not None and name not in live:
                 continue
             table = live.get(name)
-            if table is not None:
-                expected = (table.dim, table.optimizer.kind, table.num_slots)
-                found = (entry["dim"], entry["optimizer"]["class_name"].lower(), entry["num_slots"])
-                if expected != found:
-                    raise CheckpointError(
-                        f"Table {name!r} does not match the checkpoint: (dim, optimizer, slots) "
-                        f"is {expected} live and {found} in {root}"
-                    )
-            plan.append((name, entry, _read_table(root, name, entry)))
-    except (KeyError, TypeError) as e:
+            if table is None:
+                table = Table(
+                    dim=entry["dim"],
+                    optimizer=entry["optimizer"],
+                    initializer=InitializerSpec(**entry["initializer"]),
+                    name=name,
+                    seed=entry["seed"],
+                )
+            expected = (table.dim, table.optimizer.kind, table.num_slots)
+            found = (entry["dim"], entry["optimizer"]["class_name"].lower(), entry["num_slots"])
+            if expected != found:
+                raise CheckpointError(
+                    f"Table {name!r} does not match the checkpoint: (dim, optimizer, slots) "
+                    f"is {expected} live and {found} in {root}"
+                )
+            plan.append((table, _read_table(root, name, entry)))
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"Checkpoint manifest in {root} is malformed: {e!r}") from e
-    restored: dict[str, Table] = {}
-    for name, entry, state in plan:
-        table = live.get(name)
-        if table is None:
-            table = Table(
-                dim=entry["dim"],
-                optimizer=entry["optimizer"],
-                initializer=_initializer(entry["initializer"]),
-                name=name,
-                seed=entry["seed"],
-            )
+    # Phase 2: apply.
+    for table, state in plan:
         table.load_state(state)
-        restored[name] = table
-    return restored
-
-
-def _initializer(config: dict[str, Any]) -> Any:
-    from elastic_emb.initializers import InitializerSpec
-
-    return InitializerSpec(config["kind"], config["a"], config["b"])
+    return {table.name: table for table, _ in plan}

@@ -64,10 +64,12 @@ def get(identifier: Any) -> InitializerSpec:
     obj = identifier
     if isinstance(identifier, InitializerSpec):
         return identifier
+    if isinstance(identifier, str) and identifier.lower() == "constant":
+        return InitializerSpec("constant", 0.0)  # keras.initializers.Constant()'s default
     if isinstance(identifier, str | dict):
         try:
             obj = keras.initializers.get(identifier)
-        except ValueError:
+        except (ValueError, KeyError, TypeError):
             obj = None
     if isinstance(obj, keras.initializers.Initializer):
         kind = _KINDS.get(type(obj).__name__.lower())

@@ -77,6 +77,8 @@ class Optimizer:
 
     def _check_range(self, name: str, low: float, high: float, *, high_open: bool = False) -> None:
         value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"`{name}` must be a number. Received: {name}={value!r}")
         ok = low <= value < high if high_open else low <= value <= high
         if not ok or math.isnan(value):
             bound = f"[{low}, {high})" if high_open else f"[{low}, {high}]"

@@ -62,6 +62,8 @@ class TableState:
 
 def _keys_arg(keys: Any, name: str = "keys") -> np.ndarray:
     arr = np.asarray(keys)
+    if arr.size == 0 and arr.ndim == 1:  # [] is float64 to NumPy
+        return np.zeros(0, np.int64)
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"`{name}` must be an integer array (int64). Received dtype={arr.dtype}")
     if arr.ndim != 1:
