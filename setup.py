@@ -47,7 +47,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["elastic_emb", "elastic_emb.*"]),
-    package_data={"elastic_emb": ["py.typed"]},
+    package_data={"elastic_emb": ["py.typed", "_core.pyi"]},
     ext_modules=[core],
     cmdclass={"build_ext": build_ext},
     # TensorFlow is an extra so that installing never pulls a second

@@ -33,9 +33,9 @@ py::array_t<T> CheckArray(const py::array& a, const char* name, std::vector<py::
   EE_CHECK(a.ndim() == static_cast<py::ssize_t>(shape.size()),
            "`" << name << "` must have " << shape.size() << " dimension(s), got " << a.ndim());
   for (size_t d = 0; d < shape.size(); ++d) {
-    EE_CHECK(shape[d] < 0 || a.shape(d) == shape[d],
-             "`" << name << "` has size " << a.shape(d) << " in dimension " << d << ", expected "
-                 << shape[d]);
+    EE_CHECK(shape[d] < 0 || a.shape(d) == shape[d], "`" << name << "` has size " << a.shape(d)
+                                                         << " in dimension " << d << ", expected "
+                                                         << shape[d]);
   }
   EE_CHECK(a.flags() & py::array::c_style, "`" << name << "` must be C-contiguous");
   return py::array_t<T>(a);
@@ -64,19 +64,30 @@ elastic_emb::TableOptions MakeOptions(int dim, const std::string& initializer, f
   for (auto item : optimizer_args) {
     const std::string k = py::cast<std::string>(item.first);
     const py::handle v = item.second;
-    if (k == "momentum") p.momentum = py::cast<double>(v);
-    else if (k == "nesterov") p.nesterov = py::cast<bool>(v);
-    else if (k == "beta_1") p.beta_1 = py::cast<double>(v);
-    else if (k == "beta_2") p.beta_2 = py::cast<double>(v);
-    else if (k == "epsilon") p.epsilon = py::cast<double>(v);
-    else if (k == "initial_accumulator_value") p.initial_accumulator_value = py::cast<double>(v);
-    else if (k == "learning_rate_power") p.learning_rate_power = py::cast<double>(v);
-    else if (k == "l1_regularization_strength") p.l1_regularization_strength = py::cast<double>(v);
-    else if (k == "l2_regularization_strength") p.l2_regularization_strength = py::cast<double>(v);
+    if (k == "momentum")
+      p.momentum = py::cast<double>(v);
+    else if (k == "nesterov")
+      p.nesterov = py::cast<bool>(v);
+    else if (k == "beta_1")
+      p.beta_1 = py::cast<double>(v);
+    else if (k == "beta_2")
+      p.beta_2 = py::cast<double>(v);
+    else if (k == "epsilon")
+      p.epsilon = py::cast<double>(v);
+    else if (k == "initial_accumulator_value")
+      p.initial_accumulator_value = py::cast<double>(v);
+    else if (k == "learning_rate_power")
+      p.learning_rate_power = py::cast<double>(v);
+    else if (k == "l1_regularization_strength")
+      p.l1_regularization_strength = py::cast<double>(v);
+    else if (k == "l2_regularization_strength")
+      p.l2_regularization_strength = py::cast<double>(v);
     else if (k == "l2_shrinkage_regularization_strength")
       p.l2_shrinkage_regularization_strength = py::cast<double>(v);
-    else if (k == "beta") p.beta = py::cast<double>(v);
-    else EE_CHECK(false, "unknown optimizer option '" << k << "'");
+    else if (k == "beta")
+      p.beta = py::cast<double>(v);
+    else
+      EE_CHECK(false, "unknown optimizer option '" << k << "'");
   }
   return o;
 }

@@ -24,11 +24,11 @@ namespace detail {
 }  // namespace elastic_emb
 
 // EE_CHECK(cond, streamable message): throws InvalidArgument with file and line.
-#define EE_CHECK(cond, msg)                                                 \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      std::ostringstream ee_check_os_;                                      \
-      ee_check_os_ << msg;                                                  \
+#define EE_CHECK(cond, msg)                                                        \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
+      std::ostringstream ee_check_os_;                                             \
+      ee_check_os_ << msg;                                                         \
       ::elastic_emb::detail::ThrowInvalid(__FILE__, __LINE__, ee_check_os_.str()); \
-    }                                                                       \
+    }                                                                              \
   } while (0)

@@ -27,8 +27,8 @@ inline float StandardNormal(uint64_t base, uint64_t counter) {
 void InitializerOptions::Validate() const {
   switch (kind) {
     case InitKind::kUniform:
-      EE_CHECK(a < b, "uniform initializer needs minval < maxval, got minval=" << a
-                                                                              << " maxval=" << b);
+      EE_CHECK(a < b,
+               "uniform initializer needs minval < maxval, got minval=" << a << " maxval=" << b);
       break;
     case InitKind::kNormal:
     case InitKind::kTruncatedNormal:
@@ -55,7 +55,7 @@ void InitialValue(const InitializerOptions& opts, int64_t key, int dim, float* o
     case InitKind::kZeros:
     case InitKind::kOnes:
     case InitKind::kConstant: {
-      const float v = opts.kind == InitKind::kZeros ? 0.0f
+      const float v = opts.kind == InitKind::kZeros  ? 0.0f
                       : opts.kind == InitKind::kOnes ? 1.0f
                                                      : opts.a;
       for (int j = 0; j < dim; ++j) out[j] = v;

@@ -59,7 +59,8 @@ struct Table::Shard {
 
 void TableOptions::Validate() const {
   EE_CHECK(dim > 0, "dim must be positive, got " << dim);
-  EE_CHECK(shard_bits >= 0 && shard_bits <= 12, "shard_bits must be in [0, 12], got " << shard_bits);
+  EE_CHECK(shard_bits >= 0 && shard_bits <= 12,
+           "shard_bits must be in [0, 12], got " << shard_bits);
   initializer.Validate();
   optimizer.Validate();
 }

@@ -40,10 +40,10 @@ struct TableOptions {
 
 // Rows copied out of a table; row i of each array belongs to keys[i].
 struct ExportedRows {
-  std::vector<int64_t> keys;         // (m,)
-  std::vector<float> values;         // (m, dim)
-  std::vector<float> slots;          // (m, num_slots * dim)
-  std::vector<uint32_t> last_step;   // (m,)
+  std::vector<int64_t> keys;           // (m,)
+  std::vector<float> values;           // (m, dim)
+  std::vector<float> slots;            // (m, num_slots * dim)
+  std::vector<uint32_t> last_step;     // (m,)
   std::vector<uint32_t> update_count;  // (m,)
 };
 
@@ -67,8 +67,7 @@ class Table {
   // Sums the gradients of equal keys, then applies the optimizer once per
   // distinct key (inserting unseen keys first) and records `step` in the row.
   // keys: (n,), grads: (n, dim), host memory. step >= 1.
-  void Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate,
-            int64_t step);
+  void Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate, int64_t step);
 
   // Sets rows, inserting keys as needed; the last of equal keys wins.
   // values: (n, dim); slots: (n, num_slots * dim) or null to reset them to

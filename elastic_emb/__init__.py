@@ -27,10 +27,10 @@ if keras.backend.backend() != "tensorflow":  # pragma: no cover
         f"{keras.backend.backend()!r}. Unset it or set KERAS_BACKEND=tensorflow."
     )
 
-from elastic_emb import _core, callbacks, data, initializers, optimizers  # noqa: E402
-from elastic_emb.checkpoint import restore, save  # noqa: E402
-from elastic_emb.layers import Embedding  # noqa: E402
-from elastic_emb.table import Table  # noqa: E402
+from elastic_emb import _core, callbacks, data, initializers, optimizers
+from elastic_emb.checkpoint import restore, save
+from elastic_emb.layers import Embedding
+from elastic_emb.table import Table
 
 
 class ElasticEmbWarning(UserWarning):

@@ -101,7 +101,7 @@ class Checkpoint(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self._global_step += 1
         self._batches_since_save += 1
-        if self.save_freq != "epoch" and self._batches_since_save >= self.save_freq:
+        if isinstance(self.save_freq, int) and self._batches_since_save >= self.save_freq:
             # Mid-epoch: resuming restarts this epoch.
             self.save(epoch=self._epoch)
 

@@ -25,7 +25,8 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, truncated, corrupted or does not fit the tables."""
 
 
-def _fsync_write(path: Path, chunks: list[bytes] | list[np.ndarray]) -> None:
+def _fsync_write(path: Path, chunks: list[memoryview]) -> None:
+    """Writes `chunks` to `path` and syncs it to disk."""
     with open(path, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
@@ -85,7 +86,7 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
         ]
         file_name = f"table-{i:04d}-{token}.bin"
         tmp = root / (file_name + ".tmp")
-        _fsync_write(tmp, [a.reshape(-1).view(np.uint8) for a in arrays])
+        _fsync_write(tmp, [a.reshape(-1).view(np.uint8).data for a in arrays])
         os.replace(tmp, root / file_name)
         entries[name] = {
             **table.config(),
@@ -98,7 +99,7 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
         }
     manifest = {"format": FORMAT, "version": VERSION, "tables": entries}
     tmp = root / (MANIFEST + ".tmp")
-    _fsync_write(tmp, [json.dumps(manifest, indent=1, sort_keys=True).encode()])
+    _fsync_write(tmp, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode())])
     os.replace(tmp, root / MANIFEST)
     # The new manifest is in place: files of older checkpoints (and leftovers
     # of a crashed save) can go.
@@ -151,8 +152,8 @@ def _read_table(root: Path, name: str, entry: dict[str, Any]) -> TableState:
     offset = 0
     for field, dtype, shape in layout:
         count = int(np.prod(shape))
-        arrays[field] = np.frombuffer(raw, dtype, count, offset).reshape(shape).astype(
-            dtype.newbyteorder("=")
+        arrays[field] = (
+            np.frombuffer(raw, dtype, count, offset).reshape(shape).astype(dtype.newbyteorder("="))
         )
         offset += count * dtype.itemsize
     return TableState(**arrays, iterations=int(entry["iterations"]))

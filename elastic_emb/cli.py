@@ -84,7 +84,9 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
         rows, nbytes = len(layer.table), layer.table.memory_bytes()
         total_rows += rows
         total_bytes += nbytes
-        print(f"{layer.table.name:<8}{rows:>12,}{nbytes / 2**20:>10.1f}{nbytes / max(rows, 1):>11.0f}")
+        print(
+            f"{layer.table.name:<8}{rows:>12,}{nbytes / 2**20:>10.1f}{nbytes / max(rows, 1):>11.0f}"
+        )
     print(f"{'total':<8}{total_rows:>12,}{total_bytes / 2**20:>10.1f}")
     return 0
 
@@ -108,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a DLRM-style CTR model in-process")
-    demo.add_argument("--data", help="a real Criteo TSV file (plain or .gz) instead of generated data")
+    demo.add_argument(
+        "--data", help="a real Criteo TSV file (plain or .gz) instead of generated data"
+    )
     demo.add_argument("--examples", type=int, default=300_000, help="training examples")
     demo.add_argument("--test-examples", type=int, default=50_000, help="generated test examples")
     demo.add_argument("--test-fraction", type=float, default=0.1, help="held out with --data")

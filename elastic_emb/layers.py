@@ -46,7 +46,9 @@ class _ReplicaPushes:
             if len(self._pending) < num_replicas:
                 return
             batch, self._pending = self._pending, []
-        self._table.push(np.concatenate([k for k, _ in batch]), np.concatenate([g for _, g in batch]))
+        self._table.push(
+            np.concatenate([k for k, _ in batch]), np.concatenate([g for _, g in batch])
+        )
 
 
 @keras.saving.register_keras_serializable(package="elastic_emb")
@@ -160,7 +162,7 @@ class Embedding(keras.layers.Layer):
         return self.table.optimizer
 
     def build(self, input_shape: Any = None) -> None:
-        if self.built:
+        if getattr(self, "_push_trigger", None) is not None:
             return
         # The gradient of this zero variable is the output of the push, so
         # the push runs exactly once per step whatever optimizer model.compile

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeAlias
 
 import keras
 
 __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "Optimizer", "get"]
 
-LearningRate = float | keras.optimizers.schedules.LearningRateSchedule
+LearningRate: TypeAlias = "float | keras.optimizers.schedules.LearningRateSchedule"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,10 +10,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import elastic_emb as ee  # noqa: E402
+import elastic_emb as ee
 
 
 def main() -> None:
@@ -26,10 +26,12 @@ def main() -> None:
     inp = keras.Input((4,), dtype="int64")
     emb_a = ee.Embedding(8, optimizer=ee.optimizers.Adam(0.01), name="a")
     emb_b = ee.Embedding(8, optimizer=ee.optimizers.Ftrl(0.1), name="b")
-    x = keras.layers.Concatenate()([
-        keras.layers.Flatten()(emb_a(inp)),
-        keras.layers.Flatten()(emb_b(inp)),
-    ])
+    x = keras.layers.Concatenate()(
+        [
+            keras.layers.Flatten()(emb_a(inp)),
+            keras.layers.Flatten()(emb_b(inp)),
+        ]
+    )
     x = keras.layers.Dense(16, activation="relu")(x)
     model = keras.Model(inp, keras.layers.Dense(1, activation="sigmoid")(x))
     model.compile(keras.optimizers.Adam(0.01), "binary_crossentropy")

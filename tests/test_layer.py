@@ -34,7 +34,8 @@ def _keras_optimizer_classes():
             continue
         params = inspect.signature(cls.__init__).parameters
         required = [
-            p for p in list(params.values())[1:]
+            p
+            for p in list(params.values())[1:]
             if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
         ]
         if not required:  # wrappers (LossScaleOptimizer, MultiOptimizer) need an inner optimizer
@@ -92,8 +93,9 @@ def test_training_none_pushes_gradients_but_never_inserts():
     # Keras calls layers with training=None inside a subclassed model whose
     # call() takes no `training` argument: fit must still train, predict
     # must still not insert.
-    layer = ee.Embedding(2, optimizer=ee.optimizers.SGD(1.0), embeddings_initializer="zeros",
-                         name="none")
+    layer = ee.Embedding(
+        2, optimizer=ee.optimizers.SGD(1.0), embeddings_initializer="zeros", name="none"
+    )
     ids = tf.constant([[4, 4, 9]], tf.int64)
     layer(ids)
     assert len(layer.table) == 0
@@ -156,9 +158,7 @@ def test_keras_optimizer_is_converted_with_its_arguments():
         4, optimizer=keras.optimizers.Adam(learning_rate=0.02, beta_1=0.8), name="conv"
     )
     # Keras holds the learning rate in a float32 variable and trains with that value.
-    assert layer.optimizer == ee.optimizers.Adam(
-        learning_rate=float(np.float32(0.02)), beta_1=0.8
-    )
+    assert layer.optimizer == ee.optimizers.Adam(learning_rate=float(np.float32(0.02)), beta_1=0.8)
 
 
 def test_config_round_trip():
@@ -187,12 +187,14 @@ def test_sequential_functional_and_subclassed_models_train_the_same():
     x, y = _data(vocab=30)
 
     def sequential():
-        return keras.Sequential([
-            keras.Input((3,), dtype="int64"),
-            ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), seed=5),
-            keras.layers.Flatten(),
-            keras.layers.Dense(1, kernel_initializer="ones"),
-        ])
+        return keras.Sequential(
+            [
+                keras.Input((3,), dtype="int64"),
+                ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), seed=5),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1, kernel_initializer="ones"),
+            ]
+        )
 
     def functional():
         inp = keras.Input((3,), dtype="int64")
@@ -214,8 +216,9 @@ def test_sequential_functional_and_subclassed_models_train_the_same():
     for build in (sequential, functional, Subclassed):
         model = build()
         model.compile(keras.optimizers.SGD(0.1), "mse")
-        losses.append(model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-                      .history["loss"])
+        losses.append(
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+        )
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
     np.testing.assert_allclose(losses[2], losses[0], rtol=1e-6)
 

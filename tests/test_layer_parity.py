@@ -28,7 +28,11 @@ OPTIMIZERS = {
     "adam": (keras.optimizers.Adam, {"learning_rate": 0.01}),
     "ftrl": (
         keras.optimizers.Ftrl,
-        {"learning_rate": 0.1, "l1_regularization_strength": 0.001, "l2_regularization_strength": 0.01},
+        {
+            "learning_rate": 0.1,
+            "l1_regularization_strength": 0.001,
+            "l2_regularization_strength": 0.01,
+        },
     ),
 }
 
@@ -88,7 +92,14 @@ def _fit_both(opt_name, x, y, batch):
             float(model.train_on_batch(x[i : i + batch], y[i : i + batch]))
             for i in range(0, len(x), batch)
         ]
-    return losses, stock_layer.embeddings.numpy(), _table_values(mine_layer), stock, mine, mine_layer
+    return (
+        losses,
+        stock_layer.embeddings.numpy(),
+        _table_values(mine_layer),
+        stock,
+        mine,
+        mine_layer,
+    )
 
 
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
@@ -223,7 +234,7 @@ def test_multi_hot_combiners_train_like_stock(combiner, kind):
         with tf.GradientTape() as tape:
             stock_loss = tf.reduce_mean((stock_layer(batch) @ kernel - target) ** 2)
         grads = tape.gradient(stock_loss, stock_layer.trainable_variables)
-        stock_opt.apply_gradients(zip(grads, stock_layer.trainable_variables))
+        stock_opt.apply_gradients(zip(grads, stock_layer.trainable_variables, strict=True))
         np.testing.assert_allclose(float(loss), float(stock_loss), rtol=RTOL)
     np.testing.assert_allclose(
         _table_values(layer), stock_layer.embedding.embeddings.numpy(), rtol=RTOL, atol=1e-7
