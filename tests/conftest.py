@@ -4,13 +4,12 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 # Lets tests import the helpers next to them (e.g. _numpy_reference).
 sys.path.insert(0, str(Path(__file__).parent))
-
-
-import pytest
 
 
 @pytest.fixture(autouse=True)
