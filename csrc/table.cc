@@ -80,36 +80,38 @@ template <typename Fn>
 void Table::ForEachShard(int64_t n, const int64_t* keys, Fn fn) const {
   const int bits = options_.shard_bits;
   const int64_t num_shards = static_cast<int64_t>(shards_.size());
+  auto shard_of = [bits](uint64_t hash) { return bits == 0 ? 0 : hash >> (64 - bits); };
   // Scratch reused across calls of this thread (no allocation, no page faults).
-  thread_local std::vector<uint64_t> hashes;
-  thread_local std::vector<int64_t> order;
-  thread_local std::vector<int64_t> start;
+  thread_local std::vector<uint64_t> hashes, sorted_hashes;
+  thread_local std::vector<int64_t> pos, sorted_keys, start, fill;
   if (static_cast<int64_t>(hashes.size()) < n) {
     hashes.resize(n);
-    order.resize(n);
+    sorted_hashes.resize(n);
+    pos.resize(n);
+    sorted_keys.resize(n);
   }
-  // Counting sort of key positions by shard (stable: input order kept).
+  // Counting sort by shard; stable, so equal keys keep their input order.
   start.assign(num_shards + 1, 0);
-  auto shard_of = [bits](uint64_t hash) { return bits == 0 ? 0 : hash >> (64 - bits); };
   for (int64_t i = 0; i < n; ++i) {
     hashes[i] = KeyHash(keys[i]);
     ++start[shard_of(hashes[i]) + 1];
   }
   for (int64_t s = 0; s < num_shards; ++s) start[s + 1] += start[s];
-  {
-    thread_local std::vector<int64_t> fill;
-    fill.assign(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < n; ++i) order[fill[shard_of(hashes[i])]++] = i;
+  fill.assign(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = fill[shard_of(hashes[i])]++;
+    pos[j] = i;
+    sorted_keys[j] = keys[i];
+    sorted_hashes[j] = hashes[i];
   }
-  const uint64_t* h = hashes.data();
-  const int64_t* o = order.data();
   const int64_t* st = start.data();
-  auto run = [&, h, o, st](int64_t s) {
+  const ShardBatch all{pos.data(), sorted_keys.data(), sorted_hashes.data(), n};
+  auto run = [&, st, all](int64_t s) {
     const int64_t begin = st[s], end = st[s + 1];
     if (begin == end) return;
     Shard& shard = *shards_[s];
     std::lock_guard<std::mutex> lock(shard.mu);
-    fn(shard, o + begin, end - begin, h);
+    fn(shard, ShardBatch{all.pos + begin, all.keys + begin, all.hashes + begin, end - begin});
   };
   if (n < kParallelThreshold) {
     for (int64_t s = 0; s < num_shards; ++s) run(s);
@@ -174,31 +176,28 @@ uint32_t Table::FindOrInsert(Shard& s, int64_t key, uint64_t hash) {
   return row;
 }
 
-uint32_t* Table::LookupRows(Shard& s, const int64_t* keys, const uint64_t* hashes,
-                            const int64_t* pos, int64_t count, bool insert,
-                            std::vector<uint32_t>& rows) {
-  rows.resize(count);
-  for (int64_t k = 0; k < count; ++k) {
-    if (k + kPrefetchDistance < count) s.Prefetch(hashes[pos[k + kPrefetchDistance]]);
-    const int64_t i = pos[k];
-    rows[k] = insert ? FindOrInsert(s, keys[i], hashes[i]) : Find(s, keys[i], hashes[i]);
+const uint32_t* Table::LookupRows(Shard& s, const ShardBatch& b, bool insert,
+                                  std::vector<uint32_t>& rows) {
+  rows.resize(b.count);
+  for (int64_t k = 0; k < b.count; ++k) {
+    if (k + kPrefetchDistance < b.count) s.Prefetch(b.hashes[k + kPrefetchDistance]);
+    rows[k] = insert ? FindOrInsert(s, b.keys[k], b.hashes[k]) : Find(s, b.keys[k], b.hashes[k]);
   }
   return rows.data();
 }
 
 void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
   const int dim = options_.dim;
-  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
+  ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     thread_local std::vector<uint32_t> scratch;
-    const uint32_t* rows = LookupRows(s, keys, h, pos, count, train, scratch);
-    for (int64_t k = 0; k < count; ++k) {
-      if (k + kPrefetchDistance < count && rows[k + kPrefetchDistance] != kEmpty) {
+    const uint32_t* rows = LookupRows(s, b, train, scratch);
+    for (int64_t k = 0; k < b.count; ++k) {
+      if (k + kPrefetchDistance < b.count && rows[k + kPrefetchDistance] != kEmpty) {
         __builtin_prefetch(Row(s, rows[k + kPrefetchDistance]));
       }
-      const int64_t i = pos[k];
-      float* dst = out + i * dim;
+      float* dst = out + b.pos[k] * dim;
       if (rows[k] == kEmpty) {
-        InitialValue(options_.initializer, keys[i], dim, dst);
+        InitialValue(options_.initializer, b.keys[k], dim, dst);
       } else {
         std::memcpy(dst, Row(s, rows[k]), sizeof(float) * dim);
       }
@@ -211,31 +210,31 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
   EE_CHECK(step >= 1 && step <= 0xFFFFFFFFll, "step must be in [1, 2^32), got " << step);
   const StepScalars scalars = MakeStepScalars(options_.optimizer, learning_rate, step);
   const int dim = options_.dim;
-  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
+  ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     thread_local std::vector<uint32_t> scratch;
     thread_local std::vector<uint64_t> by_row;
     thread_local std::vector<float> sum;
-    const uint32_t* rows = LookupRows(s, keys, h, pos, count, /*insert=*/true, scratch);
+    const uint32_t* rows = LookupRows(s, b, /*insert=*/true, scratch);
     // Sort (row, k) so equal keys are adjacent; among equal keys the input
     // order is kept, so the float sums are reproducible.
-    by_row.resize(count);
-    for (int64_t k = 0; k < count; ++k) {
+    by_row.resize(b.count);
+    for (int64_t k = 0; k < b.count; ++k) {
       by_row[k] = (static_cast<uint64_t>(rows[k]) << 32) | static_cast<uint64_t>(k);
     }
     std::sort(by_row.begin(), by_row.end());
     sum.resize(dim);
-    for (int64_t a = 0; a < count;) {
+    for (int64_t a = 0; a < b.count;) {
       const uint32_t row = static_cast<uint32_t>(by_row[a] >> 32);
-      int64_t b = a + 1;
-      while (b < count && static_cast<uint32_t>(by_row[b] >> 32) == row) ++b;
-      if (b + kPrefetchDistance < count) {
-        __builtin_prefetch(Row(s, static_cast<uint32_t>(by_row[b + kPrefetchDistance] >> 32)));
+      int64_t e = a + 1;
+      while (e < b.count && static_cast<uint32_t>(by_row[e] >> 32) == row) ++e;
+      if (e + kPrefetchDistance < b.count) {
+        __builtin_prefetch(Row(s, static_cast<uint32_t>(by_row[e + kPrefetchDistance] >> 32)));
       }
-      const float* grad = grads + pos[by_row[a] & 0xFFFFFFFFu] * dim;
-      if (b - a > 1) {
+      const float* grad = grads + b.pos[by_row[a] & 0xFFFFFFFFu] * dim;
+      if (e - a > 1) {
         std::copy(grad, grad + dim, sum.begin());
-        for (int64_t c = a + 1; c < b; ++c) {
-          const float* g = grads + pos[by_row[c] & 0xFFFFFFFFu] * dim;
+        for (int64_t c = a + 1; c < e; ++c) {
+          const float* g = grads + b.pos[by_row[c] & 0xFFFFFFFFu] * dim;
           for (int j = 0; j < dim; ++j) sum[j] += g[j];
         }
         grad = sum.data();
@@ -244,7 +243,7 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
       ApplyUpdate(options_.optimizer, scalars, dim, grad, r, r + dim);
       SetWord(r + row_floats_ - 2, static_cast<uint32_t>(step));
       SetWord(r + row_floats_ - 1, GetWord(r + row_floats_ - 1) + 1);
-      a = b;
+      a = e;
     }
   });
 }
@@ -253,10 +252,10 @@ void Table::Import(int64_t n, const int64_t* keys, const float* values, const fl
                    const uint32_t* last_step, const uint32_t* update_count) {
   const int dim = options_.dim;
   const int slot_floats = num_slots_ * dim;
-  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
-    for (int64_t k = 0; k < count; ++k) {
-      const int64_t i = pos[k];
-      float* r = Row(s, FindOrInsert(s, keys[i], h[i]));
+  ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
+    for (int64_t k = 0; k < b.count; ++k) {
+      const int64_t i = b.pos[k];
+      float* r = Row(s, FindOrInsert(s, b.keys[k], b.hashes[k]));
       std::memcpy(r, values + i * dim, sizeof(float) * dim);
       if (slots != nullptr) {
         std::memcpy(r + dim, slots + i * slot_floats, sizeof(float) * slot_floats);
@@ -303,11 +302,11 @@ ExportedRows Table::Export() const {
 
 int64_t Table::Erase(int64_t n, const int64_t* keys) {
   std::atomic<int64_t> erased{0};
-  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
+  ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     const uint64_t mask = s.mask();
-    for (int64_t k = 0; k < count; ++k) {
-      const int64_t key = keys[pos[k]];
-      uint64_t i = h[pos[k]] & mask;
+    for (int64_t k = 0; k < b.count; ++k) {
+      const int64_t key = b.keys[k];
+      uint64_t i = b.hashes[k] & mask;
       while (s.index[i].row != kEmptyRow && s.index[i].key != key) i = (i + 1) & mask;
       if (s.index[i].row == kEmptyRow) continue;
       s.free_rows.push_back(s.index[i].row);
@@ -332,10 +331,10 @@ int64_t Table::Erase(int64_t n, const int64_t* keys) {
 
 void Table::Metadata(int64_t n, const int64_t* keys, int64_t* last_step,
                      int64_t* update_count) const {
-  ForEachShard(n, keys, [&](Shard& s, const int64_t* pos, int64_t count, const uint64_t* h) {
-    for (int64_t k = 0; k < count; ++k) {
-      const int64_t i = pos[k];
-      const uint32_t row = Find(s, keys[i], h[i]);
+  ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
+    for (int64_t k = 0; k < b.count; ++k) {
+      const int64_t i = b.pos[k];
+      const uint32_t row = Find(s, b.keys[k], b.hashes[k]);
       if (row == kEmpty) {
         last_step[i] = update_count[i] = -1;
       } else {

@@ -93,18 +93,26 @@ class Table {
   struct Shard;
   static constexpr uint32_t kEmpty = 0xFFFFFFFFu;
 
-  // Calls fn(shard, pos, count, hashes) with the shard's mutex held, for
-  // every shard that owns some of `keys`; pos[0..count) lists (in input
-  // order) the indices of the keys it owns and hashes[i] is keys[i]'s hash.
+  // The keys of one call that belong to one shard, in input order:
+  // keys[k] == input_keys[pos[k]], hashes[k] its hash, for k < count.
+  struct ShardBatch {
+    const int64_t* pos;
+    const int64_t* keys;
+    const uint64_t* hashes;
+    int64_t count;
+  };
+
+  // Calls fn(shard, batch) with the shard's mutex held for every shard that
+  // owns some of `keys`; shards run on the thread pool for large calls.
   template <typename Fn>
   void ForEachShard(int64_t n, const int64_t* keys, Fn fn) const;
 
   static uint32_t Find(const Shard& s, int64_t key, uint64_t hash);
   uint32_t FindOrInsert(Shard& s, int64_t key, uint64_t hash);
-  // Row ids of keys[pos[k]] for k in [0, count), -> rows (count,); kEmpty
+  // Row ids of the batch's keys -> rows (count,), with prefetching; kEmpty
   // for absent keys unless insert.
-  uint32_t* LookupRows(Shard& s, const int64_t* keys, const uint64_t* hashes, const int64_t* pos,
-                       int64_t count, bool insert, std::vector<uint32_t>& rows);
+  const uint32_t* LookupRows(Shard& s, const ShardBatch& b, bool insert,
+                             std::vector<uint32_t>& rows);
   float* Row(const Shard& s, uint32_t row) const;
   void InitRow(int64_t key, float* row) const;
 
