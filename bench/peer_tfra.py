@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -258,12 +259,13 @@ def driver(args: argparse.Namespace) -> None:
             raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     tmp = tempfile.mkdtemp(prefix="ee-peer-")
     data_path = os.path.join(tmp, "data.npz")
-    arrays, vocab_sizes = c.prepare_data(args, c.parse_vocab(args.vocab))
-    c.save_data(data_path, arrays, vocab_sizes)
-    del arrays
-
-    workers = {v: WorkerProcess(v, args, data_path, tmp) for v in variants}
+    workers: dict[str, WorkerProcess] = {}
     try:
+        arrays, vocab_sizes = c.prepare_data(args, c.parse_vocab(args.vocab))
+        c.save_data(data_path, arrays, vocab_sizes)
+        del arrays
+        for v in variants:
+            workers[v] = WorkerProcess(v, args, data_path, tmp)
         for w in workers.values():
             w.wait_ready()
         results = c.interleave(
@@ -275,13 +277,12 @@ def driver(args: argparse.Namespace) -> None:
     finally:
         for w in workers.values():
             w.close()
-        os.remove(data_path)
         if args.keep_logs:
+            if os.path.exists(data_path):
+                os.remove(data_path)
             print(f"worker logs: {tmp}")
         else:
-            for v in variants:
-                os.remove(os.path.join(tmp, f"{v}.log"))
-            os.rmdir(tmp)
+            shutil.rmtree(tmp)
 
     def rate(v: str) -> str:
         return c.fmt_rate(results[VARIANT_NAMES[v]].examples_per_s) if v in workers else "-"

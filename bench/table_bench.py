@@ -51,6 +51,18 @@ EMPTY_KEY, DELETED_KEY = -1, -2  # DenseHashTable sentinels
 FILL_CHUNK = 1 << 18  # keys per pull when filling a table
 
 
+THROUGHPUT_HEADERS = [
+    "workload",
+    "ours (M keys/s)",
+    "reference",
+    "reference (M keys/s)",
+    "ratio ours/ref",
+    "target",
+    "spread ours / ref",
+    "machine",
+]
+
+
 def log(msg: str) -> None:
     """Progress messages go to stderr, so stdout holds only the tables."""
     print(msg, file=sys.stderr, flush=True)
@@ -302,6 +314,7 @@ def bench_pull(args: argparse.Namespace, tf: Any, ee: Any) -> str:
                             mkeys(statistics.median(rates[ref])),
                             f"{ratio:.2f}×",
                             f"≥ {target:g}× {'met' if ratio >= target else 'missed'}",
+                            f"{spread(rates['ours'])} / {spread(rates[ref])}",
                             machine(),
                         ]
                     )
@@ -315,7 +328,7 @@ def bench_pull(args: argparse.Namespace, tf: Any, ee: Any) -> str:
         f"{args.batch:,} int64 keys -> float32 rows, Adagrad tables, M keys/s "
         f"(median of {args.rounds} rounds)\n\n"
         + markdown_table(
-            ["workload", "ours", "reference", "reference figure", "ratio", "target", "machine"],
+            THROUGHPUT_HEADERS,
             out_rows,
         )
     )
@@ -418,6 +431,7 @@ def bench_push(args: argparse.Namespace, ee: Any) -> str:
                 mkeys(numpy_rate),
                 f"{ratio:.2f}×",
                 f"≥ 2× {'met' if ratio >= 2 else 'missed'}",
+                f"{spread(rates['ours'])} / {spread(rates['NumPy'])}",
                 machine(),
             ]
         )
@@ -428,7 +442,7 @@ def bench_push(args: argparse.Namespace, ee: Any) -> str:
         f"{args.batch:,} keys (median {distinct:,.0f} distinct), float32 grads, M keys/s "
         f"(median of {args.rounds} rounds)\n\n"
         + markdown_table(
-            ["workload", "ours", "reference", "reference figure", "ratio", "target", "machine"],
+            THROUGHPUT_HEADERS,
             out_rows,
         )
     )
@@ -447,6 +461,25 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def reset_peak_rss() -> bool:
+    """Resets the kernel's peak-RSS mark (VmHWM) of this process; False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size (VmHWM) of this process since start or the last reset."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def memory_child(dim: int, optimizer: str, num_rows: int) -> None:
     """Fills a fresh table with `num_rows` keys; prints its RSS growth as JSON."""
     import elastic_emb as ee
@@ -462,19 +495,20 @@ def memory_child(dim: int, optimizer: str, num_rows: int) -> None:
     table.pull(rng.integers(0, KEY_LIMIT, size=FILL_CHUNK), train=False)
     gc.collect()
     base = rss_bytes()
+    peak_reset = reset_peak_rss()
     t0 = time.perf_counter()
     for i in range(0, num_rows, FILL_CHUNK):
         table.pull(rng.integers(0, KEY_LIMIT, size=min(FILL_CHUNK, num_rows - i)), train=True)
     seconds = time.perf_counter() - t0
     gc.collect()
     after = rss_bytes()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     print(
         json.dumps(
             {
                 "rows": len(table),
                 "growth": after - base,
-                "peak_growth": peak - base,
+                "peak_growth": peak - base if peak_reset else None,
                 "memory_bytes": table.memory_bytes(),
                 "num_slots": table.num_slots,
                 "fill_seconds": seconds,
@@ -507,7 +541,7 @@ def bench_memory(args: argparse.Namespace) -> str:
                 f"{target:.1f}",
                 f"{ours / target:.2f}×",
                 "met" if ours <= target else "missed",
-                f"{r['peak_growth'] / rows:.1f}",
+                "n/a" if r["peak_growth"] is None else f"{r['peak_growth'] / rows:.1f}",
                 f"{r['memory_bytes'] / rows:.1f}",
                 machine(),
             ]
@@ -543,7 +577,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, nargs="+", help="pull table sizes (default 1M 10M)")
     p.add_argument("--dims", type=int, nargs="+", default=[16, 64], help="embedding dims")
     p.add_argument("--batch", type=int, default=BATCH, help="keys per batch")
-    p.add_argument("--rounds", type=int, help="interleaved rounds (default 25, quick 9)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 41, quick 11)")
     p.add_argument("--per-sample", type=int, default=4, help="batches per timed sample")
     p.add_argument("--num-batches", type=int, default=8, help="distinct batches per workload")
     p.add_argument("--push-rows", type=int, default=1_000_000, help="push table size")
@@ -556,7 +590,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rows is None:
         args.rows = [1_000_000] if args.quick else [1_000_000, 10_000_000]
     if args.rounds is None:
-        args.rounds = 9 if args.quick else 25
+        args.rounds = 11 if args.quick else 41
     if args.memory_rows is None:
         args.memory_rows = 1_000_000 if args.quick else 10_000_000
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]

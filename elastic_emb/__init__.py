@@ -27,8 +27,8 @@ if keras.backend.backend() != "tensorflow":  # pragma: no cover
         f"{keras.backend.backend()!r}. Unset it or set KERAS_BACKEND=tensorflow."
     )
 
-from elastic_emb import _core, callbacks, data, initializers, optimizers
-from elastic_emb.checkpoint import restore, save
+from elastic_emb import _core, callbacks, data, initializers, models, optimizers
+from elastic_emb.checkpoint import CheckpointError, restore, save
 from elastic_emb.layers import Embedding
 from elastic_emb.table import Table
 
@@ -52,6 +52,8 @@ def build_info() -> dict[str, Any]:
 
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointError",
     "ElasticEmbWarning",
     "Embedding",
     "Table",
@@ -60,6 +62,8 @@ __all__ = [
     "callbacks",
     "data",
     "initializers",
+    "models",
+    "models",
     "optimizers",
     "restore",
     "save",

@@ -24,10 +24,11 @@ class Checkpoint(keras.callbacks.Callback):
     `model.weights.h5` (dense weights and the compile optimizer's variables)
     and `state.json`, then atomically points `directory/latest` at it. At the
     start of `fit`, if `directory/latest` exists, everything is restored and
-    training continues from the saved epoch, so an interrupted run finishes
-    with the same model as an uninterrupted one. As with
-    `keras.callbacks.BackupAndRestore`, a checkpoint taken mid-epoch resumes
-    at the start of that epoch.
+    training continues from the saved epoch. With epoch-end checkpoints and
+    an input pipeline that yields the same batches in a new process, an
+    interrupted run finishes with exactly the model of an uninterrupted one.
+    As with `keras.callbacks.BackupAndRestore`, a checkpoint taken mid-epoch
+    resumes at the start of that epoch (its first batches train again).
 
     Example:
         >>> cb = Checkpoint("/tmp/run1", save_freq="epoch")

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from elastic_emb.initializers import InitializerSpec
-from elastic_emb.table import Table, TableState, registered_tables
+from elastic_emb.table import Table, TableState, registered_tables, unregister
 
 __all__ = ["CheckpointError", "restore", "save"]
 
@@ -32,6 +32,15 @@ def _fsync_write(path: Path, chunks: list[memoryview]) -> None:
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync_directory(path: Path) -> None:
+    """Makes the renames inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -101,6 +110,7 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
     tmp = root / (MANIFEST + ".tmp")
     _fsync_write(tmp, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode())])
     os.replace(tmp, root / MANIFEST)
+    _fsync_directory(root)
     # The new manifest is in place: files of older checkpoints (and leftovers
     # of a crashed save) can go.
     keep = {e["file"] for e in entries.values()}
@@ -183,9 +193,14 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
     root = Path(directory)
     manifest = _read_manifest(root)
     live = _tables_arg(tables)
+    if tables is not None:
+        missing = sorted(set(live) - set(manifest.get("tables", {})))
+        if missing:
+            raise CheckpointError(f"Tables {missing} are not in the checkpoint in {root}")
     # Phase 1: read and verify everything, and create the tables that are
     # not live yet; no live table changes until all of it succeeded.
     plan: list[tuple[Table, TableState]] = []
+    created: list[Table] = []
     try:
         for name, entry in sorted(manifest["tables"].items()):
             if tables is not None and name not in live:
@@ -199,6 +214,7 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
                     name=name,
                     seed=entry["seed"],
                 )
+                created.append(table)
             expected = (table.dim, table.optimizer.kind, table.num_slots)
             found = (entry["dim"], entry["optimizer"]["class_name"].lower(), entry["num_slots"])
             if expected != found:
@@ -207,10 +223,14 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
                     f"is {expected} live and {found} in {root}"
                 )
             plan.append((table, _read_table(root, name, entry)))
-    except CheckpointError:
+    except Exception as e:
+        for table in created:  # a failed restore leaves no trace
+            unregister(table)
+        if isinstance(e, CheckpointError):
+            raise
+        if isinstance(e, KeyError | TypeError | ValueError | AttributeError):
+            raise CheckpointError(f"Checkpoint manifest in {root} is malformed: {e!r}") from e
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"Checkpoint manifest in {root} is malformed: {e!r}") from e
     # Phase 2: apply.
     for table, state in plan:
         table.load_state(state)

@@ -81,12 +81,14 @@ class Embedding(keras.layers.Layer):
             or `tf.SparseTensor` of shape `(batch, None)`, or a dense
             `(batch, k)` tensor) to one `(batch, output_dim)` vector.
         key_dtype: "int64" or "string" (strings hashed by `string_keys`).
-        mask_zero: bool, as in `keras.layers.Embedding`: id 0 is padding
-            and the layer produces a mask.
+        mask_zero: bool, as in `keras.layers.Embedding`: id 0 (the empty
+            string with `key_dtype="string"`) is padding and the layer
+            produces a mask. Not with a combiner.
         seed: int, initialization seed; defaults to a hash of the layer name,
             so re-created models get the same initial rows.
         input_dim: accepted for drop-in compatibility and ignored (the table
-            has no vocabulary size).
+            has no vocabulary size). `Embedding(input_dim, output_dim)` written
+            positionally, as for `keras.layers.Embedding`, also works.
         name: str, layer name; also the table name in checkpoints.
 
     Call arguments:
@@ -125,6 +127,9 @@ class Embedding(keras.layers.Layer):
                     f"Received: {unsupported}={kwargs[unsupported]!r}"
                 )
             kwargs.pop(unsupported, None)
+        if isinstance(optimizer, int) and not isinstance(optimizer, bool):
+            # keras.layers.Embedding(input_dim, output_dim, ...) written positionally.
+            input_dim, output_dim, optimizer = output_dim, optimizer, None
         # Ids are never cast to the compute dtype (a float id is an error).
         kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
@@ -136,9 +141,21 @@ class Embedding(keras.layers.Layer):
             raise ValueError(
                 f"`combiner` must be one of {_COMBINERS}. Received: combiner={combiner!r}"
             )
+        if mask_zero and combiner is not None:
+            raise ValueError(
+                "`mask_zero=True` cannot be used with a `combiner` (the output has no id axis "
+                f"to mask). Received: mask_zero=True, combiner={combiner!r}"
+            )
         if key_dtype not in ("int64", "string"):
             raise ValueError(
                 f'`key_dtype` must be "int64" or "string". Received: key_dtype={key_dtype!r}'
+            )
+        if self.dtype_policy.name == "mixed_float16":
+            # Keras then scales the loss; the scaled gradients would reach the
+            # table (which cannot see the scale) instead of the true ones.
+            raise ValueError(
+                "elastic_emb.Embedding does not support the mixed_float16 policy (loss scaling); "
+                "use mixed_bfloat16 or float32. Received: dtype policy mixed_float16"
             )
         self.output_dim = output_dim
         self.combiner = combiner
@@ -192,7 +209,7 @@ class Embedding(keras.layers.Layer):
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero or isinstance(inputs, tf.RaggedTensor | tf.SparseTensor):
             return None
-        return keras.ops.not_equal(inputs, 0)
+        return keras.ops.not_equal(inputs, "" if self.key_dtype == "string" else 0)
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
         shape = tuple(input_shape)
@@ -239,6 +256,8 @@ class Embedding(keras.layers.Layer):
     def _lookup(self, flat_ids: tf.Tensor, training: bool | None) -> tf.Tensor:
         """Rows of `flat_ids` (n,) -> (n, dim); their gradient, if computed, is pushed."""
         unique_ids, index = tf.unique(flat_ids)
+        if not self.trainable:  # frozen: the table neither grows nor trains
+            training = False
         pull = self._pull_train if training else self._pull_inference
         if training is False:
             rows = tf.numpy_function(pull, [unique_ids], tf.float32, stateful=True)

@@ -11,7 +11,7 @@ import numpy as np
 
 from elastic_emb import _core, initializers, optimizers
 
-__all__ = ["Table", "TableState", "registered_tables"]
+__all__ = ["Table", "TableState", "registered_tables", "unregister"]
 
 # Live tables of this process by name, for ee.save / ee.restore.
 _REGISTRY: weakref.WeakValueDictionary[str, Table] = weakref.WeakValueDictionary()
@@ -33,6 +33,13 @@ def _register(table: Table, name: str) -> str:
             unique = f"{name}_{i}"
         _REGISTRY[unique] = table
         return unique
+
+
+def unregister(table: Table) -> None:
+    """Removes `table` from the registry (its name becomes free)."""
+    with _REGISTRY_LOCK:
+        if _REGISTRY.get(table.name) is table:
+            del _REGISTRY[table.name]
 
 
 def default_seed(name: str) -> int:

@@ -186,10 +186,14 @@ def test_restore_creates_checkpointed_tables_without_a_live_one(tmp_path: Path) 
     assert new.optimizer == opt
     _assert_state_equal(_state(new), saved)
     np.testing.assert_array_equal(new.pull(unseen, train=False), init_unseen)
-    # `tables=` restricts the restore: other checkpointed tables are ignored.
+    # `tables=` restricts the restore; a requested table missing from the
+    # checkpoint is an error, not a silent no-op.
     other = ee.Table(dim=4, name=_name())
-    assert ee.restore(tmp_path, tables=[other]) == {}
-    assert len(other) == 0
+    other.pull(np.arange(3))
+    with pytest.raises(ee.CheckpointError, match="not in the checkpoint"):
+        ee.restore(tmp_path, tables=[other])
+    assert len(other) == 3
+    assert set(ee.restore(tmp_path, tables=[new])) == {name}
 
 
 def test_save_and_restore_every_table_of_the_process_by_default(tmp_path: Path) -> None:

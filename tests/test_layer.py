@@ -56,13 +56,37 @@ def test_one_push_per_training_step_with_every_compile_optimizer(optimizer_name)
     assert np.all(layer.table.metadata(np.unique(x))[1] >= 1)
 
 
-def test_loss_scale_optimizer_pushes_once_per_step():
-    layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name="lso")
+def test_mixed_float16_policy_rejected():
+    # Loss scaling would hand the table scaled gradients.
+    with pytest.raises(ValueError, match="mixed_float16"):
+        ee.Embedding(4, dtype="mixed_float16")
+
+
+def test_frozen_layer_neither_inserts_nor_pushes():
+    layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name="frozen")
     model = _model(layer)
-    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
+    layer.trainable = False
+    model.compile(keras.optimizers.SGD(0.1), "mse")
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert layer.table.iterations == len(x) // 16
+    assert len(layer.table) == 0 and layer.table.iterations == 0
+
+
+def test_positional_keras_signature():
+    layer = ee.Embedding(1000, 16)
+    assert layer.output_dim == 16 and layer.input_dim == 1000
+    assert layer(tf.constant([[1, 2]])).shape == (1, 2, 16)
+
+
+def test_string_mask_zero_masks_empty_strings():
+    layer = ee.Embedding(4, key_dtype="string", mask_zero=True, name="smask")
+    words = tf.constant([["a", ""], ["", "b"]])
+    np.testing.assert_array_equal(layer.compute_mask(words).numpy(), [[True, False], [False, True]])
+
+
+def test_mask_zero_with_combiner_rejected():
+    with pytest.raises(ValueError, match="mask_zero"):
+        ee.Embedding(4, combiner="sum", mask_zero=True)
 
 
 def test_inference_never_inserts_and_uses_initial_values():
