@@ -53,7 +53,6 @@ def build_info() -> dict[str, Any]:
 
 __all__ = [
     "CheckpointError",
-    "CheckpointError",
     "ElasticEmbWarning",
     "Embedding",
     "Table",
@@ -62,7 +61,6 @@ __all__ = [
     "callbacks",
     "data",
     "initializers",
-    "models",
     "models",
     "optimizers",
     "restore",
