@@ -1,0 +1,34 @@
+"""The `elastic-emb` command line, run as a user would."""
+
+import re
+import shutil
+import subprocess
+import sys
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("elastic-emb")
+    cmd = [exe] if exe else [sys.executable, "-m", "elastic_emb.cli"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_demo_learns_the_planted_signal():
+    result = _cli(
+        "demo", "--examples", "40000", "--test-examples", "10000", "--epochs", "2",
+        "--batch-size", "512", "--verbose", "0",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    auc = float(re.search(r"test AUC\s+([0-9.]+)", out).group(1))
+    best = float(re.search(r"best reachable ([0-9.]+)", out).group(1))
+    # A model that learned nothing scores 0.5; the planted model bounds it above.
+    assert 0.6 < auc <= best + 0.01, out
+    rows = re.findall(r"^C(\d+)\s+([\d,]+)\s", out, re.M)
+    assert [int(i) for i, _ in rows] == list(range(1, 27))
+    assert all(int(n.replace(",", "")) > 0 for _, n in rows)
+
+
+def test_unknown_command_fails_clearly():
+    result = _cli("serve-everything")
+    assert result.returncode != 0
+    assert "invalid choice" in result.stderr
