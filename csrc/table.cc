@@ -105,13 +105,14 @@ void Table::ForEachShard(int64_t n, const int64_t* keys, Fn fn) const {
     sorted_hashes[j] = hashes[i];
   }
   const int64_t* st = start.data();
-  const ShardBatch all{pos.data(), sorted_keys.data(), sorted_hashes.data(), n};
+  const ShardBatch all{0, pos.data(), sorted_keys.data(), sorted_hashes.data(), n};
   auto run = [&, st, all](int64_t s) {
     const int64_t begin = st[s], end = st[s + 1];
     if (begin == end) return;
     Shard& shard = *shards_[s];
     std::lock_guard<std::mutex> lock(shard.mu);
-    fn(shard, ShardBatch{all.pos + begin, all.keys + begin, all.hashes + begin, end - begin});
+    fn(shard,
+       ShardBatch{begin, all.pos + begin, all.keys + begin, all.hashes + begin, end - begin});
   };
   if (n < kParallelThreshold) {
     for (int64_t s = 0; s < num_shards; ++s) run(s);
@@ -188,14 +189,24 @@ const uint32_t* Table::LookupRows(Shard& s, const ShardBatch& b, bool insert,
 
 void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
   const int dim = options_.dim;
-  ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
+  // Rows are copied under the shard locks into `staged`, in shard order
+  // (sequential writes), then moved to `out` in input order: scattered
+  // writes of whole rows into a large output cost a cache miss each.
+  thread_local std::vector<float> staged;
+  thread_local std::vector<int64_t> staged_index;  // input position -> staged row
+  staged.resize(static_cast<size_t>(n) * dim);
+  staged_index.resize(n);
+  float* stage = staged.data();
+  int64_t* index = staged_index.data();
+  ForEachShard(n, keys, [&, stage, index](Shard& s, const ShardBatch& b) {
     thread_local std::vector<uint32_t> scratch;
     const uint32_t* rows = LookupRows(s, b, train, scratch);
     for (int64_t k = 0; k < b.count; ++k) {
       if (k + kPrefetchDistance < b.count && rows[k + kPrefetchDistance] != kEmpty) {
         __builtin_prefetch(Row(s, rows[k + kPrefetchDistance]));
       }
-      float* dst = out + b.pos[k] * dim;
+      float* dst = stage + (b.offset + k) * dim;
+      index[b.pos[k]] = b.offset + k;
       if (rows[k] == kEmpty) {
         InitialValue(options_.initializer, b.keys[k], dim, dst);
       } else {
@@ -203,6 +214,24 @@ void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
       }
     }
   });
+  constexpr int64_t kBlock = 4096;
+  auto unstage = [&, stage, index](int64_t block) {
+    const int64_t end = std::min(n, (block + 1) * kBlock);
+    for (int64_t i = block * kBlock; i < end; ++i) {
+      if (i + kPrefetchDistance < end)
+        __builtin_prefetch(stage + index[i + kPrefetchDistance] * dim);
+      std::memcpy(out + i * dim, stage + index[i] * dim, sizeof(float) * dim);
+    }
+  };
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  if (n < kParallelThreshold) {
+    for (int64_t block = 0; block < blocks; ++block) unstage(block);
+  } else {
+    ParallelFor(blocks, unstage);
+  }
+  if (staged.size() > (size_t{1} << 24)) {  // do not keep more than 64 MiB per thread
+    std::vector<float>().swap(staged);
+  }
 }
 
 void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate,

@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--data", help="a real Criteo TSV file (plain or .gz) instead of generated data"
     )
-    demo.add_argument("--examples", type=int, default=300_000, help="training examples")
-    demo.add_argument("--test-examples", type=int, default=50_000, help="generated test examples")
+    demo.add_argument("--examples", type=int, default=1_000_000, help="training examples")
+    demo.add_argument("--test-examples", type=int, default=100_000, help="generated test examples")
     demo.add_argument("--test-fraction", type=float, default=0.1, help="held out with --data")
     demo.add_argument("--epochs", type=int, default=2)
-    demo.add_argument("--batch-size", type=int, default=1024)
+    demo.add_argument("--batch-size", type=int, default=2048)
     demo.add_argument("--dim", type=int, default=16, help="embedding dimension")
     demo.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate of the tables")
     demo.add_argument("--seed", type=int, default=0)
