@@ -8,7 +8,7 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
-CXX_FLAGS = ["-O3", "-fvisibility=hidden"]
+CXX_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
 
 
 def cuda_objects() -> list[str]:

@@ -64,8 +64,8 @@ StepScalars MakeStepScalars(const OptimizerOptions& opts, float learning_rate, i
   return s;
 }
 
-void ApplyUpdate(const OptimizerOptions& opts, const StepScalars& s, int dim, const float* grad,
-                 float* value, float* slots) {
+void ApplyUpdate(const OptimizerOptions& opts, const StepScalars& s, int dim,
+                 const float* __restrict grad, float* __restrict value, float* __restrict slots) {
   // Python-float expressions are evaluated in double and rounded once to
   // float32, as happens when Keras combines them with float32 tensors.
   const float lr = s.learning_rate;

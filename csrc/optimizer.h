@@ -51,8 +51,8 @@ struct StepScalars {
 StepScalars MakeStepScalars(const OptimizerOptions& opts, float learning_rate, int64_t step);
 
 // Applies one update. value: (dim,), slots: (NumSlots() * dim,), grad: (dim,),
-// all host memory. Not synchronized: the caller owns the row.
-void ApplyUpdate(const OptimizerOptions& opts, const StepScalars& s, int dim, const float* grad,
-                 float* value, float* slots);
+// all host memory, not overlapping. Not synchronized: the caller owns the row.
+void ApplyUpdate(const OptimizerOptions& opts, const StepScalars& s, int dim,
+                 const float* __restrict grad, float* __restrict value, float* __restrict slots);
 
 }  // namespace elastic_emb

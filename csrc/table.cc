@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "check.h"
+#include "memory.h"
 #include "thread_pool.h"
 
 namespace elastic_emb {
@@ -45,10 +46,11 @@ struct Table::Shard {
   // Index: open addressing with linear probing over the low hash bits (the
   // shard is chosen by the top bits). Capacity is a power of two, load at
   // most 3/4.
-  std::vector<IndexSlot> index;
+  std::vector<IndexSlot, LargeAllocator<IndexSlot>> index;
   int64_t size = 0;
-  // Arena: fixed-size chunks, never moved; freed rows are reused.
-  std::vector<std::unique_ptr<float[]>> chunks;
+  // Arena: fixed-size chunks (owned by the table's ChunkAllocator), never
+  // moved; freed rows are reused.
+  std::vector<float*> chunks;
   uint32_t next_row = 0;
   std::vector<uint32_t> free_rows;
 
@@ -69,6 +71,7 @@ Table::Table(const TableOptions& options) : options_(options) {
   options_.Validate();
   num_slots_ = options_.optimizer.NumSlots();
   row_floats_ = options_.dim * (1 + num_slots_) + 2;
+  arena_ = std::make_unique<ChunkAllocator>(sizeof(float) * kChunkRows * row_floats_);
   const int shards = 1 << options_.shard_bits;
   shards_.reserve(shards);
   for (int i = 0; i < shards; ++i) shards_.push_back(std::make_unique<Shard>());
@@ -131,7 +134,7 @@ uint32_t Table::Find(const Shard& s, int64_t key, uint64_t hash) {
 }
 
 float* Table::Row(const Shard& s, uint32_t row) const {
-  return s.chunks[row >> kChunkRowsLog2].get() +
+  return s.chunks[row >> kChunkRowsLog2] +
          static_cast<size_t>(row & (kChunkRows - 1)) * row_floats_;
 }
 
@@ -148,7 +151,8 @@ uint32_t Table::FindOrInsert(Shard& s, int64_t key, uint64_t hash) {
   if (row != kEmpty) return row;
   if ((s.size + 1) * 4 > static_cast<int64_t>(s.index.size()) * 3) {
     // Grow the index; rows stay where they are.
-    std::vector<IndexSlot> index(s.index.size() * 2, IndexSlot{0, kEmptyRow});
+    std::vector<IndexSlot, LargeAllocator<IndexSlot>> index(s.index.size() * 2,
+                                                            IndexSlot{0, kEmptyRow});
     const uint64_t mask = index.size() - 1;
     for (const IndexSlot& slot : s.index) {
       if (slot.row == kEmptyRow) continue;
@@ -165,7 +169,7 @@ uint32_t Table::FindOrInsert(Shard& s, int64_t key, uint64_t hash) {
     EE_CHECK(s.next_row < kEmpty - 1, "internal shard is full (2^32 rows)");
     row = s.next_row++;
     if ((row >> kChunkRowsLog2) >= s.chunks.size()) {
-      s.chunks.emplace_back(new float[static_cast<size_t>(kChunkRows) * row_floats_]);
+      s.chunks.push_back(arena_->NewChunk());
     }
   }
   const uint64_t mask = s.mask();
@@ -389,10 +393,9 @@ int64_t Table::MemoryBytes() const {
   for (const auto& s : shards_) {
     std::lock_guard<std::mutex> lock(s->mu);
     bytes += static_cast<int64_t>(s->index.capacity() * sizeof(IndexSlot));
-    bytes += static_cast<int64_t>(s->chunks.size()) * kChunkRows * row_floats_ * sizeof(float);
     bytes += static_cast<int64_t>(s->free_rows.capacity() * sizeof(uint32_t));
   }
-  return bytes;
+  return bytes + static_cast<int64_t>(arena_->ReservedBytes());
 }
 
 }  // namespace elastic_emb

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "initializer.h"
+#include "memory.h"
 #include "optimizer.h"
 
 namespace elastic_emb {
@@ -119,7 +120,8 @@ class Table {
 
   TableOptions options_;
   int num_slots_;
-  int row_floats_;  // floats per arena row, metadata words included
+  int row_floats_;                         // floats per arena row, metadata words included
+  std::unique_ptr<ChunkAllocator> arena_;  // before shards_: outlives them
   std::vector<std::unique_ptr<Shard>> shards_;
 };
 
