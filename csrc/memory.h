@@ -12,8 +12,9 @@ namespace elastic_emb {
 
 constexpr size_t kHugePageBytes = size_t{2} << 20;
 
-// Allocates `bytes`, huge-page aligned and advised when bytes >= 2 MiB.
-// Throws std::bad_alloc.
+// Allocates `bytes`: from malloc below 256 KiB, else mapped (and from 2 MiB
+// on, huge-page aligned and advised). Throws std::bad_alloc. FreeLarge needs
+// the same `bytes`.
 void* AllocateLarge(size_t bytes);
 void FreeLarge(void* p, size_t bytes);
 

@@ -19,6 +19,17 @@ constexpr int64_t kParallelThreshold = 4096;
 // How many keys ahead of use the index slot or row is prefetched.
 constexpr int64_t kPrefetchDistance = 16;
 
+// Per-thread scratch vectors keep their memory between calls up to this many
+// elements; a larger call frees it afterwards.
+constexpr size_t kKeptScratch = size_t{1} << 18;
+
+template <typename... V>
+void TrimScratch(V&... vectors) {
+  ((vectors.capacity() > kKeptScratch ? std::vector<typename V::value_type>().swap(vectors)
+                                      : void()),
+   ...);
+}
+
 inline uint64_t KeyHash(int64_t key) { return Mix64(static_cast<uint64_t>(key)); }
 
 inline uint32_t GetWord(const float* p) {
@@ -122,6 +133,7 @@ void Table::ForEachShard(int64_t n, const int64_t* keys, Fn fn) const {
   } else {
     ParallelFor(num_shards, run);
   }
+  TrimScratch(hashes, sorted_hashes, pos, sorted_keys);
 }
 
 uint32_t Table::Find(const Shard& s, int64_t key, uint64_t hash) {
@@ -233,9 +245,7 @@ void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
   } else {
     ParallelFor(blocks, unstage);
   }
-  if (staged.size() > (size_t{1} << 24)) {  // do not keep more than 64 MiB per thread
-    std::vector<float>().swap(staged);
-  }
+  TrimScratch(staged, staged_index);
 }
 
 void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate,
@@ -278,6 +288,7 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
       SetWord(r + row_floats_ - 1, GetWord(r + row_floats_ - 1) + 1);
       a = e;
     }
+    TrimScratch(scratch, by_row);
   });
 }
 
