@@ -27,28 +27,32 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
     keras.utils.set_random_seed(args.seed)
     oracle = None
     if args.data:
-        train_path = test_path = Path(args.data)
-        n_test = max(1, int(args.examples * args.test_fraction))
-        n_train = args.examples - n_test
-        print(f"Training on {train_path}: {n_train:,} examples, then testing on {n_test:,}")
+        dense, categorical, labels = data.read_criteo(args.data, max_examples=args.examples)
+        split = int(len(labels) * (1 - args.test_fraction))
+        if not 0 < split < len(labels):
+            print(f"elastic-emb demo: {args.data} has too few examples to split", file=sys.stderr)
+            return 2
+        n_test = len(labels) - split
+        print(f"Read {len(labels):,} examples from {args.data}; testing on the last {n_test:,}")
+        train = _features(dense[:split], categorical[:split]), labels[:split]
+        test = _features(dense[split:], categorical[split:]), labels[split:]
     else:
-        train_path, test_path = workdir / "train.tsv", workdir / "test.tsv"
-        n_train, n_test = args.examples, args.test_examples
         t0 = time.perf_counter()
-        info = data.generate_criteo(train_path, n_train, seed=args.seed)
-        data.generate_criteo(test_path, n_test, seed=args.seed, sample_seed=args.seed + 1)
-        oracle = info["oracle_auc"]
-        print(
-            f"Generated {n_train:,} training and {n_test:,} test examples (Criteo format, "
-            f"planted signal; best reachable AUC {oracle:.4f}) in {time.perf_counter() - t0:.1f}s"
+        info = data.generate_criteo(workdir / "train.tsv", args.examples, seed=args.seed)
+        data.generate_criteo(
+            workdir / "test.tsv", args.test_examples, seed=args.seed, sample_seed=args.seed + 1
         )
-    train = data.criteo_dataset(
-        train_path, args.batch_size, shuffle=True, seed=args.seed, max_examples=n_train
-    )
-    dense, categorical, labels = data.read_criteo(test_path, max_examples=args.examples)
-    if args.data:  # the held-out tail of the file
-        dense, categorical, labels = dense[n_train:], categorical[n_train:], labels[n_train:]
-    test_x = {"dense": np.log1p(np.maximum(dense, 0)), "categorical": categorical}
+        oracle = info["oracle_auc"]
+        train_arrays = data.read_criteo(workdir / "train.tsv")
+        test_arrays = data.read_criteo(workdir / "test.tsv")
+        print(
+            f"Generated {args.examples:,} training and {args.test_examples:,} test examples "
+            f"(Criteo format, planted signal; best reachable AUC {oracle:.4f}) "
+            f"in {time.perf_counter() - t0:.1f}s"
+        )
+        train = _features(*train_arrays[:2]), train_arrays[2]
+        test = _features(*test_arrays[:2]), test_arrays[2]
+    n_train = len(train[1])
 
     layers: list[ee.Embedding] = []
 
@@ -65,12 +69,17 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
         loss="binary_crossentropy",
         metrics=[keras.metrics.AUC(name="auc")],
     )
-    print(f"Training a DLRM-style model: 26 ee.Embedding(dim={args.dim}) + MLP, in-process")
+    print(
+        f"Training a DLRM-style model on {n_train:,} examples: "
+        f"26 ee.Embedding(dim={args.dim}) + MLP, in-process"
+    )
     t0 = time.perf_counter()
-    model.fit(train, epochs=args.epochs, shuffle=False, verbose=args.verbose)
+    model.fit(
+        *train, batch_size=args.batch_size, epochs=args.epochs, shuffle=True, verbose=args.verbose
+    )
     train_seconds = time.perf_counter() - t0
-    scores = model.predict(test_x, batch_size=8192, verbose=0)[:, 0]
-    test_auc = data.auc(labels, scores)
+    scores = model.predict(test[0], batch_size=8192, verbose=0)[:, 0]
+    test_auc = data.auc(test[1], scores)
 
     best = f"  (best reachable {oracle:.4f})" if oracle is not None else ""
     print()
@@ -89,6 +98,11 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
         )
     print(f"{'total':<8}{total_rows:>12,}{total_bytes / 2**20:>10.1f}")
     return 0
+
+
+def _features(dense: np.ndarray, categorical: np.ndarray) -> dict[str, np.ndarray]:
+    """The model inputs of `build_dlrm`: log-transformed counts and ids."""
+    return {"dense": np.log1p(np.maximum(dense, 0)), "categorical": categorical}
 
 
 def _bench(args: argparse.Namespace) -> int:

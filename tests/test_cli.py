@@ -32,3 +32,19 @@ def test_unknown_command_fails_clearly():
     result = _cli("serve-everything")
     assert result.returncode != 0
     assert "invalid choice" in result.stderr
+
+
+def test_demo_trains_on_a_given_criteo_file(tmp_path):
+    from elastic_emb import data
+
+    path = tmp_path / "day_0.gz"
+    data.generate_criteo(path, 12_000, seed=3)
+    result = _cli(
+        "demo", "--data", str(path), "--examples", "10000", "--test-fraction", "0.2",
+        "--epochs", "1", "--batch-size", "500", "--verbose", "0",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Read 10,000 examples" in result.stdout and "testing on the last 2,000" in result.stdout
+    auc = float(re.search(r"test AUC\s+([0-9.]+)", result.stdout).group(1))
+    assert 0.5 < auc < 1.0
+    assert "best reachable" not in result.stdout  # unknown for real data
