@@ -187,6 +187,9 @@ class Embedding(keras.layers.Layer):
         self._push_trigger = self.add_weight(
             shape=(1,), initializer="zeros", trainable=True, name="push_trigger"
         )
+        # Keras optimizers assign such a variable its gradient (zero) instead
+        # of running their update rule: no slots, no update math per step.
+        self._push_trigger.overwrite_with_gradient = True
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
