@@ -19,14 +19,15 @@ constexpr int64_t kParallelThreshold = 4096;
 // How many keys ahead of use the index slot or row is prefetched.
 constexpr int64_t kPrefetchDistance = 16;
 
-// Per-thread scratch vectors keep their memory between calls up to this many
-// elements; a larger call frees it afterwards.
-constexpr size_t kKeptScratch = size_t{1} << 18;
+// Per-thread scratch vectors keep their memory between calls up to this
+// size each (a 65,536-key pull of dim 64 fits); a larger call frees it after.
+constexpr size_t kKeptScratchBytes = size_t{16} << 20;
 
 template <typename... V>
 void TrimScratch(V&... vectors) {
-  ((vectors.capacity() > kKeptScratch ? std::vector<typename V::value_type>().swap(vectors)
-                                      : void()),
+  ((vectors.capacity() * sizeof(typename V::value_type) > kKeptScratchBytes
+        ? std::vector<typename V::value_type>().swap(vectors)
+        : void()),
    ...);
 }
 
@@ -205,24 +206,17 @@ const uint32_t* Table::LookupRows(Shard& s, const ShardBatch& b, bool insert,
 
 void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
   const int dim = options_.dim;
-  // Rows are copied under the shard locks into `staged`, in shard order
-  // (sequential writes), then moved to `out` in input order: scattered
-  // writes of whole rows into a large output cost a cache miss each.
-  thread_local std::vector<float> staged;
-  thread_local std::vector<int64_t> staged_index;  // input position -> staged row
-  staged.resize(static_cast<size_t>(n) * dim);
-  staged_index.resize(n);
-  float* stage = staged.data();
-  int64_t* index = staged_index.data();
-  ForEachShard(n, keys, [&, stage, index](Shard& s, const ShardBatch& b) {
+  ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     thread_local std::vector<uint32_t> scratch;
     const uint32_t* rows = LookupRows(s, b, train, scratch);
     for (int64_t k = 0; k < b.count; ++k) {
       if (k + kPrefetchDistance < b.count && rows[k + kPrefetchDistance] != kEmpty) {
         __builtin_prefetch(Row(s, rows[k + kPrefetchDistance]));
+        // Output rows are written in shard order, i.e. scattered: fetch
+        // their cache lines ahead too.
+        __builtin_prefetch(out + b.pos[k + kPrefetchDistance] * dim, /*rw=*/1);
       }
-      float* dst = stage + (b.offset + k) * dim;
-      index[b.pos[k]] = b.offset + k;
+      float* dst = out + b.pos[k] * dim;
       if (rows[k] == kEmpty) {
         InitialValue(options_.initializer, b.keys[k], dim, dst);
       } else {
@@ -230,22 +224,6 @@ void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
       }
     }
   });
-  constexpr int64_t kBlock = 4096;
-  auto unstage = [&, stage, index](int64_t block) {
-    const int64_t end = std::min(n, (block + 1) * kBlock);
-    for (int64_t i = block * kBlock; i < end; ++i) {
-      if (i + kPrefetchDistance < end)
-        __builtin_prefetch(stage + index[i + kPrefetchDistance] * dim);
-      std::memcpy(out + i * dim, stage + index[i] * dim, sizeof(float) * dim);
-    }
-  };
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  if (n < kParallelThreshold) {
-    for (int64_t block = 0; block < blocks; ++block) unstage(block);
-  } else {
-    ParallelFor(blocks, unstage);
-  }
-  TrimScratch(staged, staged_index);
 }
 
 void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate,
