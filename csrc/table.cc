@@ -45,11 +45,9 @@ inline void SetWord(float* p, uint32_t w) { std::memcpy(p, &w, sizeof(w)); }
 #pragma pack(push, 4)
 struct IndexSlot {
   int64_t key;
-  uint32_t row;  // kEmptyRow marks a free slot
+  uint32_t row;  // Table::kEmpty marks a free slot
 };
 #pragma pack(pop)
-
-constexpr uint32_t kEmptyRow = 0xFFFFFFFFu;
 
 }  // namespace
 
@@ -66,7 +64,7 @@ struct Table::Shard {
   uint32_t next_row = 0;
   std::vector<uint32_t> free_rows;
 
-  Shard() : index(kInitialSlots, IndexSlot{0, kEmptyRow}) {}
+  Shard() : index(kInitialSlots, IndexSlot{0, kEmpty}) {}
   uint64_t mask() const { return index.size() - 1; }
   void Prefetch(uint64_t hash) const { __builtin_prefetch(&index[hash & mask()]); }
 };
@@ -141,7 +139,7 @@ uint32_t Table::Find(const Shard& s, int64_t key, uint64_t hash) {
   const uint64_t mask = s.mask();
   for (uint64_t pos = hash & mask;; pos = (pos + 1) & mask) {
     const IndexSlot& slot = s.index[pos];
-    if (slot.row == kEmptyRow) return kEmpty;
+    if (slot.row == kEmpty) return kEmpty;
     if (slot.key == key) return slot.row;
   }
 }
@@ -165,12 +163,12 @@ uint32_t Table::FindOrInsert(Shard& s, int64_t key, uint64_t hash) {
   if ((s.size + 1) * 4 > static_cast<int64_t>(s.index.size()) * 3) {
     // Grow the index; rows stay where they are.
     std::vector<IndexSlot, LargeAllocator<IndexSlot>> index(s.index.size() * 2,
-                                                            IndexSlot{0, kEmptyRow});
+                                                            IndexSlot{0, kEmpty});
     const uint64_t mask = index.size() - 1;
     for (const IndexSlot& slot : s.index) {
-      if (slot.row == kEmptyRow) continue;
+      if (slot.row == kEmpty) continue;
       uint64_t pos = KeyHash(slot.key) & mask;
-      while (index[pos].row != kEmptyRow) pos = (pos + 1) & mask;
+      while (index[pos].row != kEmpty) pos = (pos + 1) & mask;
       index[pos] = slot;
     }
     s.index.swap(index);
@@ -187,7 +185,7 @@ uint32_t Table::FindOrInsert(Shard& s, int64_t key, uint64_t hash) {
   }
   const uint64_t mask = s.mask();
   uint64_t pos = hash & mask;
-  while (s.index[pos].row != kEmptyRow) pos = (pos + 1) & mask;
+  while (s.index[pos].row != kEmpty) pos = (pos + 1) & mask;
   s.index[pos] = IndexSlot{key, row};
   ++s.size;
   InitRow(key, Row(s, row));
@@ -309,7 +307,7 @@ ExportedRows Table::Export() const {
   int64_t i = 0;
   for (const auto& s : shards_) {
     for (const IndexSlot& slot : s->index) {
-      if (slot.row == kEmptyRow) continue;
+      if (slot.row == kEmpty) continue;
       const float* r = Row(*s, slot.row);
       out.keys[i] = slot.key;
       std::memcpy(&out.values[i * dim], r, sizeof(float) * dim);
@@ -329,21 +327,21 @@ int64_t Table::Erase(int64_t n, const int64_t* keys) {
     for (int64_t k = 0; k < b.count; ++k) {
       const int64_t key = b.keys[k];
       uint64_t i = b.hashes[k] & mask;
-      while (s.index[i].row != kEmptyRow && s.index[i].key != key) i = (i + 1) & mask;
-      if (s.index[i].row == kEmptyRow) continue;
+      while (s.index[i].row != kEmpty && s.index[i].key != key) i = (i + 1) & mask;
+      if (s.index[i].row == kEmpty) continue;
       s.free_rows.push_back(s.index[i].row);
-      s.index[i].row = kEmptyRow;
+      s.index[i].row = kEmpty;
       --s.size;
       erased.fetch_add(1, std::memory_order_relaxed);
       // Backward-shift deletion keeps every remaining key reachable: move a
       // later slot of the probe run into the hole unless its home position
       // lies cyclically in (hole, slot].
-      for (uint64_t j = (i + 1) & mask; s.index[j].row != kEmptyRow; j = (j + 1) & mask) {
+      for (uint64_t j = (i + 1) & mask; s.index[j].row != kEmpty; j = (j + 1) & mask) {
         const uint64_t home = KeyHash(s.index[j].key) & mask;
         const bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
         if (stays) continue;
         s.index[i] = s.index[j];
-        s.index[j].row = kEmptyRow;
+        s.index[j].row = kEmpty;
         i = j;
       }
     }
