@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from _common import machine, markdown_table
 
 BATCH = 65_536
 ZIPF_EXPONENT = 1.1
@@ -58,30 +59,6 @@ def log(msg: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Reporting
-
-
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def machine() -> str:
-    """One-cell machine description: cores, CPU model, no GPU."""
-    return f"{len(os.sched_getaffinity(0))} cores, {cpu_model()}, GPU: no"
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A Markdown table; cells are converted with `str`."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def mkeys(x: float) -> str:
