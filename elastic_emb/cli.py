@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--data", help="a real Criteo TSV file (plain or .gz) instead of generated data"
     )
-    demo.add_argument("--examples", type=int, default=1_000_000, help="training examples")
+    demo.add_argument("--examples", type=int, default=2_000_000, help="training examples")
     demo.add_argument("--test-examples", type=int, default=100_000, help="generated test examples")
     demo.add_argument("--test-fraction", type=float, default=0.1, help="held out with --data")
     demo.add_argument("--epochs", type=int, default=2)
