@@ -118,14 +118,13 @@ void Table::ForEachShard(int64_t n, const int64_t* keys, Fn fn) const {
     sorted_hashes[j] = hashes[i];
   }
   const int64_t* st = start.data();
-  const ShardBatch all{0, pos.data(), sorted_keys.data(), sorted_hashes.data(), n};
+  const ShardBatch all{pos.data(), sorted_keys.data(), sorted_hashes.data(), n};
   auto run = [&, st, all](int64_t s) {
     const int64_t begin = st[s], end = st[s + 1];
     if (begin == end) return;
     Shard& shard = *shards_[s];
     std::lock_guard<std::mutex> lock(shard.mu);
-    fn(shard,
-       ShardBatch{begin, all.pos + begin, all.keys + begin, all.hashes + begin, end - begin});
+    fn(shard, ShardBatch{all.pos + begin, all.keys + begin, all.hashes + begin, end - begin});
   };
   if (n < kParallelThreshold) {
     for (int64_t s = 0; s < num_shards; ++s) run(s);

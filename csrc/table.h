@@ -97,7 +97,6 @@ class Table {
   // The keys of one call that belong to one shard, in input order:
   // keys[k] == input_keys[pos[k]], hashes[k] its hash, for k < count.
   struct ShardBatch {
-    int64_t offset;  // of the batch in the shard-sorted order of the call
     const int64_t* pos;
     const int64_t* keys;
     const uint64_t* hashes;
