@@ -13,12 +13,11 @@ import inspect
 import itertools
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _processes import run_python
 
 import elastic_emb as ee
 from elastic_emb import optimizers as eo
@@ -266,16 +265,7 @@ def test_checkpoints_work_across_processes(tmp_path: Path) -> None:
     train(p2, seed=32)
     ee.save(tmp_path / "from_parent", tables=[p1, p2])
     (tmp_path / "child.py").write_text(CHILD)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, "child.py", prefix],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_python("child.py", prefix, cwd=tmp_path, timeout=180)
     for t in (p1, p2):
         _assert_state_equal(_load(tmp_path / f"restored_{t.name}.npz"), _state(t))
         train(t, seed=15)

@@ -1,14 +1,13 @@
 """ee.Embedding behaviour: Keras integration, inference, strings, bad input, strategies."""
 
 import inspect
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _processes import run_python
 
 import elastic_emb as ee
 
@@ -290,29 +289,20 @@ def test_string_fingerprint_is_stable_across_processes():
         "import tensorflow as tf, elastic_emb as ee\n"
         f"print(ee.layers.string_keys(tf.constant({words!r})).numpy().tolist())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_python("-c", code)
     here = ee.layers.string_keys(tf.constant(words)).numpy().tolist()
-    assert eval(out.stdout.strip().splitlines()[-1]) == here
+    assert eval(out.strip().splitlines()[-1]) == here
 
 
 def test_mirrored_strategy_matches_single_device():
     # Two logical CPU devices must be configured before TensorFlow starts, so
     # this runs in its own process.
-    result = subprocess.run(
-        [sys.executable, str(HERE / "_mirrored_worker.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "MATCH" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "MATCH" in run_python(HERE / "_mirrored_worker.py")
 
 
 def test_checkpoint_callback_resume_equals_uninterrupted(tmp_path):
-    worker = str(HERE / "_resume_worker.py")
-
     def run(*args):
-        subprocess.run([sys.executable, worker, *map(str, args)], check=True, timeout=300)
+        run_python(HERE / "_resume_worker.py", *args)
 
     run(tmp_path / "full.npz", 2)
     run(tmp_path / "half.npz", 1, tmp_path / "ckpt")

@@ -9,9 +9,6 @@ samples, and a second process.
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 import zlib
@@ -21,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 from _numpy_reference import ReferenceTable
+from _processes import run_python
 
 import elastic_emb as ee
 from elastic_emb import optimizers as eo
@@ -49,19 +47,6 @@ def _sorted_export(table: ee.Table) -> tuple[np.ndarray, np.ndarray]:
     keys, values = table.export_rows()
     order = np.argsort(keys)
     return keys[order], values[order]
-
-
-def _run_python(script: str, cwd: Path) -> None:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 # Pull and deterministic initialization.
@@ -154,7 +139,7 @@ def test_initial_values_are_the_same_in_a_fresh_process(tmp_path: Path) -> None:
             with open(f"rows{{i}}.bin", "wb") as f:
                 f.write(t.pull(keys, train=True).tobytes())
     """
-    _run_python(script, tmp_path)
+    run_python("-c", textwrap.dedent(script), cwd=tmp_path)
     for i, (init, seed, name) in enumerate(specs):
         t = ee.Table(dim=7, initializer=init, seed=seed, name=name or _name())
         assert t.pull(keys, train=False).tobytes() == (tmp_path / f"rows{i}.bin").read_bytes(), init
