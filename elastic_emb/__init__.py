@@ -30,6 +30,7 @@ if keras.backend.backend() != "tensorflow":  # pragma: no cover
 from elastic_emb import _core, callbacks, data, initializers, models, optimizers
 from elastic_emb.checkpoint import CheckpointError, restore, save
 from elastic_emb.layers import Embedding
+from elastic_emb.remote import init, shutdown
 from elastic_emb.table import Table
 
 
@@ -60,9 +61,11 @@ __all__ = [
     "build_info",
     "callbacks",
     "data",
+    "init",
     "initializers",
     "models",
     "optimizers",
     "restore",
     "save",
+    "shutdown",
 ]

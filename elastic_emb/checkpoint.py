@@ -6,12 +6,15 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from elastic_emb.initializers import InitializerSpec
+from elastic_emb import sharding
+from elastic_emb._proto import ps_pb2
+from elastic_emb.remote import RemoteTable
 from elastic_emb.table import Table, TableState, registered_tables, unregister
 
 __all__ = ["CheckpointError", "restore", "save"]
@@ -76,6 +79,11 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
     checkpoint switches to them when `manifest.json` is replaced (a rename);
     a crash before that leaves the previous checkpoint intact.
 
+    Remote tables (after `ee.init`) are written by their PS shards, each its
+    own files and all in parallel, into `directory`, which must therefore be
+    reachable by the shards under the same path (same machine or a shared
+    file system).
+
     Args:
         directory: path; created if missing.
         tables: optional iterable of `Table` to save instead of all.
@@ -83,11 +91,43 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
     Returns:
         The directory as a `Path`.
     """
-    root = Path(directory)
+    root = Path(directory).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    chosen = _tables_arg(tables)
+    remote_tables = {n: t for n, t in chosen.items() if isinstance(t, RemoteTable)}
+    if not remote_tables:
+        _save_part(root, chosen)
+        _remove_unused(root, keep_parts=set())
+        return root
+    clusters = {id(t.cluster): t.cluster for t in remote_tables.values()}
+    if len(clusters) != 1:
+        raise ValueError("ee.save: the remote tables belong to different ee.init() connections")
+    (cluster,) = clusters.values()
+    cluster.flush()
+    parts_dir = f"parts-{secrets.token_hex(4)}"
+    parts = [f"{parts_dir}/shard-{i:04d}" for i in range(cluster.num_shards)]
+    names = sorted(remote_tables)
+    local = {n: t for n, t in chosen.items() if n not in remote_tables}
+    if local:
+        parts.append(f"{parts_dir}/local")
+        _save_part(root / parts[-1], local)
+    cluster.per_shard(
+        "Save", lambda i: ps_pb2.SaveRequest(directory=str(root / parts[i]), tables=names)
+    )
+    for part in parts:
+        _fsync_directory(root / part)
+    manifest = {"format": FORMAT, "version": VERSION, "parts": parts}
+    _write_manifest(root, manifest)
+    _remove_unused(root, keep_parts={parts_dir})
+    return root
+
+
+def _save_part(root: Path, tables: dict[str, Table]) -> None:
+    """Writes `tables` as one checkpoint (data files, then the manifest) in `root`."""
     root.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(4)
     entries: dict[str, Any] = {}
-    for i, (name, table) in enumerate(sorted(_tables_arg(tables).items())):
+    for i, (name, table) in enumerate(sorted(tables.items())):
         state = table.export_state()
         arrays = [
             np.ascontiguousarray(getattr(state, field), dtype)
@@ -106,18 +146,30 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
             "bytes": sum(a.nbytes for a in arrays),
             "sha256": _sha256(root / file_name),
         }
-    manifest = {"format": FORMAT, "version": VERSION, "tables": entries}
-    tmp = root / (MANIFEST + ".tmp")
-    _fsync_write(tmp, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode())])
-    os.replace(tmp, root / MANIFEST)
-    _fsync_directory(root)
+    _write_manifest(root, {"format": FORMAT, "version": VERSION, "tables": entries})
     # The new manifest is in place: files of older checkpoints (and leftovers
     # of a crashed save) can go.
     keep = {e["file"] for e in entries.values()}
     for old in root.glob("table-*.bin*"):
         if old.name not in keep:
             old.unlink(missing_ok=True)
-    return root
+
+
+def _write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    tmp = root / (MANIFEST + ".tmp")
+    _fsync_write(tmp, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode())])
+    os.replace(tmp, root / MANIFEST)
+    _fsync_directory(root)
+
+
+def _remove_unused(root: Path, keep_parts: set[str]) -> None:
+    """Removes the parts of older cluster checkpoints (and, after one, table files)."""
+    for old in root.glob("parts-*"):
+        if old.name not in keep_parts:
+            shutil.rmtree(old, ignore_errors=True)
+    if keep_parts:
+        for old in root.glob("table-*.bin*"):
+            old.unlink(missing_ok=True)
 
 
 def _read_manifest(root: Path) -> dict[str, Any]:
@@ -169,6 +221,67 @@ def _read_table(root: Path, name: str, entry: dict[str, Any]) -> TableState:
     return TableState(**arrays, iterations=int(entry["iterations"]))
 
 
+def part_directories(root: Path) -> list[Path]:
+    """The directories holding table files: `root`, or the parts of a cluster checkpoint."""
+    manifest = _read_manifest(root)
+    if "parts" not in manifest:
+        return [root]
+    parts = manifest["parts"]
+    if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+        raise CheckpointError(f"Checkpoint manifest in {root} is malformed: bad `parts`")
+    return [root / p for p in parts]
+
+
+def table_config(name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """The `Table.config()` of a checkpointed table."""
+    return {"name": name, **{k: entry[k] for k in ("dim", "seed", "optimizer", "initializer")}}
+
+
+def read_shards(
+    roots: list[Path], names: list[str] | None
+) -> tuple[dict[str, dict[str, Any]], dict[str, TableState]]:
+    """Reads and verifies tables from checkpoints (cluster checkpoints expanded).
+
+    A table found in several parts (the shards of a cluster) gets the rows of
+    all of them. Returns (manifest entry, state) by table name.
+
+    Raises:
+        CheckpointError: a part is missing, corrupted or inconsistent, or a
+            table of `names` is in none of them.
+    """
+    entries: dict[str, dict[str, Any]] = {}
+    parts: dict[str, list[TableState]] = {}
+    dirs = [part for root in roots for part in part_directories(root)]
+    try:
+        for part in dirs:
+            for name, entry in sorted(_read_manifest(part)["tables"].items()):
+                if names is not None and name not in names:
+                    continue
+                first = entries.setdefault(name, entry)
+                if table_config(name, first) != table_config(name, entry):
+                    raise CheckpointError(
+                        f"Table {name!r} has different configurations in the parts of {roots[0]}"
+                    )
+                parts.setdefault(name, []).append(_read_table(part, name, entry))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"Checkpoint manifest in {roots[0]} is malformed: {e!r}") from e
+    missing = sorted(set(names or ()) - set(entries))
+    if missing:
+        raise CheckpointError(f"Tables {missing} are not in the checkpoint in {roots[0]}")
+    return entries, {n: TableState.concatenate(p) for n, p in parts.items()}
+
+
+def check_fits(table: Table, entry: dict[str, Any], root: Any) -> None:
+    """Raises CheckpointError unless `table` can hold the checkpointed table `entry`."""
+    expected = (table.dim, table.optimizer.kind, table.num_slots)
+    found = (entry["dim"], entry["optimizer"]["class_name"].lower(), entry["num_slots"])
+    if expected != found:
+        raise CheckpointError(
+            f"Table {table.name!r} does not match the checkpoint: (dim, optimizer, slots) "
+            f"is {expected} live and {found} in {root}"
+        )
+
+
 def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, Table]:
     """Loads a checkpoint written by `save` into the tables of this process.
 
@@ -177,6 +290,11 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
     whole checkpoint is read and verified (sizes, checksums, dims and
     optimizers) before any table is changed, so a bad checkpoint raises and
     leaves every live table as it was.
+
+    Checkpoints move freely between in-process tables and clusters of any
+    number of PS shards: each shard keeps the rows whose keys it owns now.
+    Remote tables are restored by their shards (which read `directory`
+    themselves); each shard verifies everything before changing anything.
 
     Args:
         directory: a directory written by `save`.
@@ -190,39 +308,36 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
     Raises:
         CheckpointError (a ValueError): missing, corrupted or mismatched checkpoint.
     """
-    root = Path(directory)
-    manifest = _read_manifest(root)
+    root = Path(directory).absolute()
+    dirs = part_directories(root)
+    try:
+        available = {n for d in dirs for n in _read_manifest(d)["tables"]}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"Checkpoint manifest in {root} is malformed: {e!r}") from e
     live = _tables_arg(tables)
     if tables is not None:
-        missing = sorted(set(live) - set(manifest.get("tables", {})))
+        missing = sorted(set(live) - available)
         if missing:
             raise CheckpointError(f"Tables {missing} are not in the checkpoint in {root}")
+    wanted = sorted(available if tables is None else set(live))
     # Phase 1: read and verify everything, and create the tables that are
     # not live yet; no live table changes until all of it succeeded.
-    plan: list[tuple[Table, TableState]] = []
     created: list[Table] = []
     try:
-        for name, entry in sorted(manifest["tables"].items()):
-            if tables is not None and name not in live:
-                continue
+        entries: dict[str, dict[str, Any]] = {}
+        for d in dirs:
+            for name, entry in _read_manifest(d)["tables"].items():
+                entries.setdefault(name, entry)
+        targets: dict[str, Table] = {}
+        for name in wanted:
             table = live.get(name)
             if table is None:
-                table = Table(
-                    dim=entry["dim"],
-                    optimizer=entry["optimizer"],
-                    initializer=InitializerSpec(**entry["initializer"]),
-                    name=name,
-                    seed=entry["seed"],
-                )
+                table = Table.from_config(table_config(name, entries[name]))
                 created.append(table)
-            expected = (table.dim, table.optimizer.kind, table.num_slots)
-            found = (entry["dim"], entry["optimizer"]["class_name"].lower(), entry["num_slots"])
-            if expected != found:
-                raise CheckpointError(
-                    f"Table {name!r} does not match the checkpoint: (dim, optimizer, slots) "
-                    f"is {expected} live and {found} in {root}"
-                )
-            plan.append((table, _read_table(root, name, entry)))
+            check_fits(table, entries[name], root)
+            targets[name] = table
+        local = [n for n, t in targets.items() if not isinstance(t, RemoteTable)]
+        _, states = read_shards([root], local) if local else ({}, {})
     except Exception as e:
         for table in created:  # a failed restore leaves no trace
             unregister(table)
@@ -232,6 +347,23 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
             raise CheckpointError(f"Checkpoint manifest in {root} is malformed: {e!r}") from e
         raise
     # Phase 2: apply.
-    for table, state in plan:
-        table.load_state(state)
-    return {table.name: table for table, _ in plan}
+    for name, state in states.items():
+        targets[name].load_state(state)
+    remote_names = sorted(n for n, t in targets.items() if isinstance(t, RemoteTable))
+    if remote_names:
+        cluster = targets[remote_names[0]].cluster  # type: ignore[attr-defined]
+        cluster.flush()
+        try:
+            cluster.per_shard(
+                "Restore",
+                lambda i: ps_pb2.RestoreRequest(
+                    directories=[str(root)],
+                    tables=remote_names,
+                    num_shards=cluster.num_shards,
+                    shard_index=i,
+                    num_slots=sharding.NUM_SLOTS,
+                ),
+            )
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+    return targets

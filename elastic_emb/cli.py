@@ -1,4 +1,4 @@
-"""The `elastic-emb` command line: `demo` and `bench`."""
+"""The `elastic-emb` command line: `demo`, `serve`, `health` and `bench`."""
 
 from __future__ import annotations
 
@@ -19,12 +19,21 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
     import keras
+    import tensorflow as tf
 
     import elastic_emb as ee
     from elastic_emb import data
     from elastic_emb.models import build_dlrm
 
     keras.utils.set_random_seed(args.seed)
+    cluster = None
+    if args.ps:
+        cluster = ee.init(
+            ps=args.ps,
+            mode=args.mode,
+            staleness=args.staleness,
+            wire_dtype=args.wire_dtype,
+        )
     oracle = None
     if args.data:
         dense, categorical, labels = data.read_criteo(args.data, max_examples=args.examples)
@@ -63,15 +72,25 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
         layers.append(layer)
         return layer
 
-    model = build_dlrm(embedding, seed=args.seed)
-    model.compile(
-        optimizer=keras.optimizers.Adam(learning_rate=1e-3),
-        loss="binary_crossentropy",
-        metrics=[keras.metrics.AUC(name="auc")],
-    )
+    strategy = tf.distribute.get_strategy()
+    if cluster is not None and cluster.num_workers > 1:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = build_dlrm(embedding, seed=args.seed)
+        model.compile(
+            optimizer=keras.optimizers.Adam(learning_rate=1e-3),
+            loss="binary_crossentropy",
+            metrics=[keras.metrics.AUC(name="auc")],
+        )
+    where = "in-process"
+    if cluster is not None:
+        where = (
+            f"tables on {cluster.num_shards} PS shard(s) ({args.mode}, {args.wire_dtype} wire), "
+            f"worker {cluster.worker_index} of {cluster.num_workers}"
+        )
     print(
         f"Training a DLRM-style model on {n_train:,} examples: "
-        f"26 ee.Embedding(dim={args.dim}) + MLP, in-process"
+        f"26 ee.Embedding(dim={args.dim}) + MLP, {where}"
     )
     t0 = time.perf_counter()
     model.fit(
@@ -97,7 +116,54 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
             f"{layer.table.name:<8}{rows:>12,}{nbytes / 2**20:>10.1f}{nbytes / max(rows, 1):>11.0f}"
         )
     print(f"{'total':<8}{total_rows:>12,}{total_bytes / 2**20:>10.1f}")
+    if cluster is not None:
+        print()
+        print(f"{'PS shard':<24}{'RPCs':>8}{'MiB sent':>10}{'MiB recv':>10}{'ms/RPC':>8}")
+        for s in cluster.stats():
+            ms = 1000 * s["seconds"] / max(s["rpcs"], 1)
+            print(
+                f"{s['address']:<24}{s['rpcs']:>8}{s['bytes_sent'] / 2**20:>10.1f}"
+                f"{s['bytes_received'] / 2**20:>10.1f}{ms:>8.1f}"
+            )
+        ee.shutdown()
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from elastic_emb import server
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+
+    def ready(port: int) -> None:
+        print(f"elastic-emb serve: listening on {args.host}:{port}", flush=True)
+
+    return server.serve(
+        args.port,
+        host=args.host,
+        threads=args.threads,
+        grace_seconds=args.grace_seconds,
+        checkpoint_dir=args.checkpoint_dir,
+        ready=ready,
+    )
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+
+    from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = ps_pb2_grpc.ParameterServerStub(channel).Health(
+                ps_pb2.HealthRequest(), timeout=args.timeout
+            )
+        except grpc.RpcError as e:
+            print(f"{args.address}: not serving ({e.code().name}: {e.details()})", file=sys.stderr)
+            return 1
+    print(f"{args.address}: serving, {reply.num_tables} tables, step {reply.step}")
+    return 0 if reply.serving else 1
 
 
 def _features(dense: np.ndarray, categorical: np.ndarray) -> dict[str, np.ndarray]:
@@ -119,7 +185,8 @@ def _bench(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `elastic-emb` argument parser (also checks the Kubernetes manifests)."""
     parser = argparse.ArgumentParser(prog="elastic-emb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -136,14 +203,39 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate of the tables")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--verbose", type=int, default=1, help="Keras fit verbosity (0, 1, 2)")
+    demo.add_argument(
+        "--ps", help="comma-separated PS addresses (host:port); default: in-process tables"
+    )
+    demo.add_argument("--mode", choices=("async", "sync"), default="async", help="with --ps")
+    demo.add_argument("--staleness", type=int, help="async staleness bound, with --ps")
+    demo.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     demo.set_defaults(run=_demo)
+
+    serve = sub.add_parser("serve", help="run one parameter-server shard")
+    serve.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    serve.add_argument("--threads", type=int, default=64, help="request threads")
+    serve.add_argument(
+        "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time for in-flight requests"
+    )
+    serve.add_argument("--checkpoint-dir", help="on SIGTERM, save every table here")
+    serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING"))
+    serve.set_defaults(run=_serve)
+
+    health = sub.add_parser("health", help="exit 0 if the PS at ADDRESS is serving")
+    health.add_argument("address", help="host:port")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    health.set_defaults(run=_health)
 
     bench = sub.add_parser("bench", help="run a benchmark of bench/ (source checkout)")
     bench.add_argument("which", nargs="?", default="table_bench", help="table_bench or e2e")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=_bench)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return int(args.run(args))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import keras
@@ -10,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_emb import initializers, optimizers
+from elastic_emb.remote import RemoteTable
 from elastic_emb.table import Table
 
 __all__ = ["Embedding", "string_keys"]
@@ -22,6 +24,49 @@ def string_keys(strings: tf.Tensor) -> tf.Tensor:
     flat = tf.reshape(strings, [-1])
     keys = tf.bitcast(tf.fingerprint(flat), tf.int64)
     return tf.reshape(keys, tf.shape(strings))
+
+
+# Per graph: the barrier every remote pull waits behind, and the pulls.
+_PULL_BARRIERS: weakref.WeakKeyDictionary[Any, tuple[Any, set[Any]]] = weakref.WeakKeyDictionary()
+
+
+def _fuse_pulls(submit: tf.Operation, collect: tf.Operation) -> None:
+    """Orders every remote key submission of a graph before any collection.
+
+    All layers of a traced step submit their keys first; the first collect
+    then sends one fused Pull per shard for all of them. (Without this, TF
+    runs each layer's submit and collect back to back.) Skipped when the
+    keys depend on another layer's rows, which would make a cycle.
+    """
+    if tf.executing_eagerly():
+        return
+    graph = submit.graph
+    entry = _PULL_BARRIERS.get(graph)
+    if entry is None:
+        with tf.control_dependencies(None):
+            barrier = tf.no_op(name="ee_pull_barrier")
+        entry = _PULL_BARRIERS[graph] = (barrier, set())
+    barrier, collects = entry
+    if _depends_on(submit, collects | {barrier}):
+        return
+    barrier._add_control_input(submit)
+    collect._add_control_input(barrier)
+    collects.add(collect)
+
+
+def _depends_on(op: tf.Operation, targets: set[Any]) -> bool:
+    """Whether any of `targets` is an ancestor of `op`."""
+    seen: set[Any] = set()
+    stack = [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent in targets:
+                return True
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return False
 
 
 class _ReplicaPushes:
@@ -261,6 +306,8 @@ class Embedding(keras.layers.Layer):
         unique_ids, index = tf.unique(flat_ids)
         if not self.trainable:  # frozen: the table neither grows nor trains
             training = False
+        if isinstance(self.table, RemoteTable):
+            return self._remote_lookup(unique_ids, index, training)
         pull = self._pull_train if training else self._pull_inference
         if training is False:
             rows = tf.numpy_function(pull, [unique_ids], tf.float32, stateful=True)
@@ -285,6 +332,52 @@ class Embedding(keras.layers.Layer):
                     [unique_ids, tf.cast(summed, tf.float32)],
                     tf.float32,
                     stateful=True,
+                )
+                return None, tf.reshape(pushed, [1])
+
+            return out, grad
+
+        return lookup(unique_ids, trigger)
+
+    def _remote_lookup(
+        self, unique_ids: tf.Tensor, index: tf.Tensor, training: bool | None
+    ) -> tf.Tensor:
+        """`_lookup` for a remote table: pulls and pushes fused with the other layers'."""
+        cluster, name, dim = self.table.cluster, self.table.name, self.output_dim  # type: ignore[attr-defined]
+        insert, expects_push = bool(training), training is not False
+
+        def submit(keys: np.ndarray, _trigger: np.ndarray) -> np.ndarray:
+            return np.array(cluster.submit(name, dim, keys, insert, expects_push), np.int64)
+
+        def collect(ticket: np.ndarray) -> np.ndarray:
+            return cluster.collect(int(ticket))
+
+        def rows_of(ids: tf.Tensor, trigger: tf.Tensor) -> tf.Tensor:
+            # The variable read keeps constant ids from being folded at trace time.
+            ticket = tf.numpy_function(submit, [ids, trigger], tf.int64, stateful=False)
+            rows = tf.numpy_function(collect, [ticket], tf.float32, stateful=False)
+            _fuse_pulls(ticket.op, rows.op)
+            rows.set_shape([None, dim])
+            return rows
+
+        trigger = tf.convert_to_tensor(self._push_trigger)
+        if not expects_push:
+            return tf.gather(rows_of(unique_ids, trigger), index)
+
+        def push(keys: np.ndarray, grads: np.ndarray) -> np.ndarray:
+            cluster.push_gradient(name, dim, keys, grads)
+            return np.zeros((1,), np.float32)
+
+        @tf.custom_gradient
+        def lookup(unique_ids: tf.Tensor, trigger: tf.Tensor) -> Any:
+            out = tf.gather(rows_of(unique_ids, trigger), index)
+
+            def grad(upstream: tf.Tensor) -> tuple[None, tf.Tensor]:
+                summed = tf.math.unsorted_segment_sum(
+                    upstream, index, tf.shape(unique_ids, out_type=index.dtype)[0]
+                )
+                pushed = tf.numpy_function(
+                    push, [unique_ids, tf.cast(summed, tf.float32)], tf.float32, stateful=True
                 )
                 return None, tf.reshape(pushed, [1])
 

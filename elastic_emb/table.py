@@ -66,6 +66,28 @@ class TableState:
         self.update_count = update_count
         self.iterations = iterations
 
+    def select(self, mask: np.ndarray) -> TableState:
+        """The rows where `mask` is true (same step count)."""
+        return TableState(
+            self.keys[mask],
+            self.values[mask],
+            self.slots[mask],
+            self.last_step[mask],
+            self.update_count[mask],
+            self.iterations,
+        )
+
+    @staticmethod
+    def concatenate(parts: list[TableState]) -> TableState:
+        """The rows of all parts (of one table, e.g. its shards); the largest step count."""
+        keys, values, slots, last_step, update_count = (
+            np.concatenate([getattr(p, f) for p in parts]) for f in TableState.FIELDS
+        )
+        iterations = max(p.iterations for p in parts)
+        return TableState(keys, values, slots, last_step, update_count, iterations)
+
+    FIELDS = ("keys", "values", "slots", "last_step", "update_count")
+
 
 def _keys_arg(keys: Any, name: str = "keys") -> np.ndarray:
     arr = np.asarray(keys)
@@ -119,6 +141,15 @@ class Table:
         ValueError: on an invalid argument.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Table:
+        if cls is Table:
+            # After ee.init(ps=...) (or with ELASTIC_EMB_PS set) tables are remote.
+            from elastic_emb import remote
+
+            if remote.current() is not None:
+                cls = remote.RemoteTable
+        return super().__new__(cls)
+
     def __init__(
         self,
         dim: int,
@@ -127,18 +158,7 @@ class Table:
         name: str = "table",
         seed: int | None = None,
     ) -> None:
-        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
-            raise ValueError(f"`dim` must be a positive integer. Received: dim={dim!r}")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
-        if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0):
-            raise ValueError(f"`seed` must be a non-negative integer. Received: seed={seed!r}")
-        self.dim = int(dim)
-        self.optimizer = optimizers.get(
-            optimizers.Adagrad(learning_rate=0.05) if optimizer is None else optimizer
-        )
-        self.initializer = initializers.get(initializer)
-        self.seed = default_seed(name) if seed is None else int(seed)
+        self._configure(dim, optimizer, initializer, name, seed)
         self._core = _core.Table(
             dim=self.dim,
             initializer=self.initializer.kind,
@@ -151,6 +171,32 @@ class Table:
         self._iterations = 0
         self._step_lock = threading.Lock()
         self.name = _register(self, name)
+
+    def _configure(self, dim: Any, optimizer: Any, initializer: Any, name: Any, seed: Any) -> None:
+        """Checks and stores the arguments every implementation shares."""
+        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
+            raise ValueError(f"`dim` must be a positive integer. Received: dim={dim!r}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
+        if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0):
+            raise ValueError(f"`seed` must be a non-negative integer. Received: seed={seed!r}")
+        self.dim = int(dim)
+        self.optimizer = optimizers.get(
+            optimizers.Adagrad(learning_rate=0.05) if optimizer is None else optimizer
+        )
+        self.initializer = initializers.get(initializer)
+        self.seed = default_seed(name) if seed is None else int(seed)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Table:
+        """A new empty table from `config()` output."""
+        return cls(
+            dim=config["dim"],
+            optimizer=config["optimizer"],
+            initializer=initializers.InitializerSpec(**config["initializer"]),
+            name=config["name"],
+            seed=config["seed"],
+        )
 
     @property
     def iterations(self) -> int:

@@ -1,0 +1,307 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FLOAT32: _ClassVar[Encoding]
+    FLOAT16: _ClassVar[Encoding]
+    BFLOAT16: _ClassVar[Encoding]
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ASYNC: _ClassVar[Mode]
+    SYNC: _ClassVar[Mode]
+FLOAT32: Encoding
+FLOAT16: Encoding
+BFLOAT16: Encoding
+ASYNC: Mode
+SYNC: Mode
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "config_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    config_json: str
+    def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("name", "config_json", "dim", "num_slots", "rows", "iterations", "memory_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    config_json: str
+    dim: int
+    num_slots: int
+    rows: int
+    iterations: int
+    memory_bytes: int
+    def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ..., dim: _Optional[int] = ..., num_slots: _Optional[int] = ..., rows: _Optional[int] = ..., iterations: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class CreateTablesRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+
+class DescribeTablesRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TablesResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("worker", "num_workers", "mode", "staleness")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    num_workers: int
+    mode: Mode
+    staleness: int
+    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class TableKeys(_message.Message):
+    __slots__ = ("table", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("worker", "step", "train", "encoding", "timeout_ms", "tables")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    step: int
+    train: bool
+    encoding: Encoding
+    timeout_ms: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableKeys]
+    def __init__(self, worker: _Optional[int] = ..., step: _Optional[int] = ..., train: bool = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ...) -> None: ...
+
+class TableValues(_message.Message):
+    __slots__ = ("table", "values")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    values: bytes
+    def __init__(self, table: _Optional[str] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("encoding", "tables")
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    encoding: Encoding
+    tables: _containers.RepeatedCompositeFieldContainer[TableValues]
+    def __init__(self, encoding: _Optional[_Union[Encoding, str]] = ..., tables: _Optional[_Iterable[_Union[TableValues, _Mapping]]] = ...) -> None: ...
+
+class TableGradients(_message.Message):
+    __slots__ = ("table", "keys", "gradients")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    gradients: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., gradients: _Optional[bytes] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("worker", "step", "encoding", "tables")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    step: int
+    encoding: Encoding
+    tables: _containers.RepeatedCompositeFieldContainer[TableGradients]
+    def __init__(self, worker: _Optional[int] = ..., step: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., tables: _Optional[_Iterable[_Union[TableGradients, _Mapping]]] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class ImportRowsRequest(_message.Message):
+    __slots__ = ("table", "keys", "values", "replace", "slots", "last_step", "update_count", "iterations")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    values: bytes
+    replace: bool
+    slots: bytes
+    last_step: bytes
+    update_count: bytes
+    iterations: int
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., replace: bool = ..., slots: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., iterations: _Optional[int] = ...) -> None: ...
+
+class ImportRowsResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class ExportRowsRequest(_message.Message):
+    __slots__ = ("table", "with_state")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    WITH_STATE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    with_state: bool
+    def __init__(self, table: _Optional[str] = ..., with_state: bool = ...) -> None: ...
+
+class ExportRowsResponse(_message.Message):
+    __slots__ = ("keys", "values", "slots", "last_step", "update_count", "iterations")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    values: bytes
+    slots: bytes
+    last_step: bytes
+    update_count: bytes
+    iterations: int
+    def __init__(self, keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., iterations: _Optional[int] = ...) -> None: ...
+
+class EraseRowsRequest(_message.Message):
+    __slots__ = ("table", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class EraseRowsResponse(_message.Message):
+    __slots__ = ("erased",)
+    ERASED_FIELD_NUMBER: _ClassVar[int]
+    erased: int
+    def __init__(self, erased: _Optional[int] = ...) -> None: ...
+
+class MetadataRequest(_message.Message):
+    __slots__ = ("table", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class MetadataResponse(_message.Message):
+    __slots__ = ("last_step", "update_count")
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    last_step: bytes
+    update_count: bytes
+    def __init__(self, last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("directory", "tables")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, directory: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SaveResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("directories", "tables", "num_shards", "shard_index", "num_slots")
+    DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    directories: _containers.RepeatedScalarFieldContainer[str]
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    num_shards: int
+    shard_index: int
+    num_slots: int
+    def __init__(self, directories: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[str]] = ..., num_shards: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MethodStats(_message.Message):
+    __slots__ = ("method", "calls", "errors", "request_bytes", "response_bytes", "seconds", "max_seconds")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    calls: int
+    errors: int
+    request_bytes: int
+    response_bytes: int
+    seconds: float
+    max_seconds: float
+    def __init__(self, method: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., request_bytes: _Optional[int] = ..., response_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., max_seconds: _Optional[float] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("methods", "tables", "step")
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    methods: _containers.RepeatedCompositeFieldContainer[MethodStats]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    step: int
+    def __init__(self, methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("serving", "step", "num_tables")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_TABLES_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    step: int
+    num_tables: int
+    def __init__(self, serving: bool = ..., step: _Optional[int] = ..., num_tables: _Optional[int] = ...) -> None: ...

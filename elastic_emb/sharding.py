@@ -1,0 +1,49 @@
+"""Which parameter-server shard owns a key: virtual slots, for resharding.
+
+A key hashes to one of `num_slots` virtual slots; slot ranges are assigned to
+shards. The hash is a pure function of the key, so a checkpoint written by
+any number of shards can be restored onto any other number: each new shard
+keeps the keys whose slots it owns now.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["NUM_SLOTS", "shard_of", "slot_of", "split_by_shard"]
+
+NUM_SLOTS = 4096
+
+# MurmurHash3's 64-bit finalizer: independent of the table's own key hash
+# (which picks internal shards by its top bits), so every PS shard still
+# spreads its keys over all internal shards.
+_C1 = np.uint64(0xFF51AFD7ED558CCD)
+_C2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+
+
+def slot_of(keys: np.ndarray, num_slots: int = NUM_SLOTS) -> np.ndarray:
+    """Virtual slot of each int64 key, in [0, num_slots)."""
+    h = np.asarray(keys, np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        h = h ^ (h >> _S33)
+        h = h * _C1
+        h = h ^ (h >> _S33)
+        h = h * _C2
+        h = h ^ (h >> _S33)
+    return (h % np.uint64(num_slots)).astype(np.int64)
+
+
+def shard_of(keys: np.ndarray, num_shards: int, num_slots: int = NUM_SLOTS) -> np.ndarray:
+    """Shard index of each key: shard i owns a contiguous range of slots."""
+    return slot_of(keys, num_slots) * num_shards // num_slots
+
+
+def split_by_shard(keys: np.ndarray, num_shards: int) -> list[np.ndarray]:
+    """Positions into `keys` of the keys owned by each shard (each in input order)."""
+    if num_shards == 1:
+        return [np.arange(len(keys))]
+    shard = shard_of(keys, num_shards)
+    order = np.argsort(shard, kind="stable")
+    bounds = np.searchsorted(shard[order], np.arange(num_shards + 1))
+    return [order[bounds[i] : bounds[i + 1]] for i in range(num_shards)]

@@ -1,0 +1,86 @@
+"""Real `elastic-emb serve` processes on 127.0.0.1 for the tests, always stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def serve_command() -> list[str]:
+    """`elastic-emb serve`: the installed console script, next to this Python."""
+    script = Path(sys.executable).parent / "elastic-emb"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "elastic_emb.cli"]
+
+
+class Shard:
+    """One running PS shard; its output is kept for failure messages."""
+
+    def __init__(self, extra_args: list[str]) -> None:
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+        env.pop("ELASTIC_EMB_PS", None)
+        self.process = subprocess.Popen(
+            [*serve_command(), "serve", "--port", "0", "--host", "127.0.0.1", *extra_args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.output: list[str] = []
+        ready = threading.Event()
+        self.address = ""
+
+        def read() -> None:
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                self.output.append(line)
+                if "listening on" in line and not ready.is_set():
+                    self.address = line.rsplit(" ", 1)[-1].strip()
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(120) or not self.address:
+            self.stop()
+            raise RuntimeError("elastic-emb serve did not start:\n" + "".join(self.output))
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def shards(n: int, extra_args: list[str] | None = None) -> Iterator[list[Shard]]:
+    """Starts `n` shards (in parallel) and stops them on exit."""
+    started: list[Shard] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            started.append(Shard(extra_args or []))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise errors[0]
+        yield started
+    finally:
+        for shard in started:
+            shard.stop()
