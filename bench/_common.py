@@ -8,6 +8,7 @@ passed in where one is needed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shlex
@@ -347,12 +348,15 @@ def interleave(
     rounds: int,
     warmup_steps: int,
     log: Callable[[str], None] = print,
+    unit: str = "ex/s",
 ) -> dict[str, Result]:
     """Runs every variant `rounds` times, taking turns, after one warm-up window each.
 
     Every other round runs the variants in reverse order (A B C, C B A, ...),
     so neighbours stay neighbours (for `paired_ratio`) and no variant always
-    goes first. The figure of a variant is the median of its rounds.
+    goes first. The figure of a variant is the median of its rounds. `unit`
+    names the rate in `Window.examples_per_s` in the progress lines (a runner
+    may time other things than examples, e.g. keys/s); a NaN loss is not shown.
     """
     names = list(runners)
     for name in names:
@@ -365,7 +369,8 @@ def interleave(
         for name in order:
             w = runners[name](steps)
             results[name].windows.append(w)
-            log(f"round {r + 1}/{rounds} {name}: {w.examples_per_s:,.0f} ex/s, loss {w.loss:.4f}")
+            loss = "" if math.isnan(w.loss) else f", loss {w.loss:.4f}"
+            log(f"round {r + 1}/{rounds} {name}: {w.examples_per_s:,.0f} {unit}{loss}")
     return results
 
 

@@ -27,7 +27,7 @@ if keras.backend.backend() != "tensorflow":  # pragma: no cover
         f"{keras.backend.backend()!r}. Unset it or set KERAS_BACKEND=tensorflow."
     )
 
-from elastic_emb import _core, callbacks, data, initializers, models, optimizers
+from elastic_emb import _core, callbacks, data, initializers, models, optimizers, sharding
 from elastic_emb.checkpoint import CheckpointError, restore, save
 from elastic_emb.layers import Embedding
 from elastic_emb.remote import init, shutdown
@@ -67,5 +67,6 @@ __all__ = [
     "optimizers",
     "restore",
     "save",
+    "sharding",
     "shutdown",
 ]

@@ -30,7 +30,7 @@ def string_keys(strings: tf.Tensor) -> tf.Tensor:
 _PULL_BARRIERS: weakref.WeakKeyDictionary[Any, tuple[Any, set[Any]]] = weakref.WeakKeyDictionary()
 
 
-def _fuse_pulls(submit: tf.Operation, collect: tf.Operation) -> None:
+def _fuse_pulls(ticket: tf.Tensor, rows: tf.Tensor) -> None:
     """Orders every remote key submission of a graph before any collection.
 
     All layers of a traced step submit their keys first; the first collect
@@ -40,6 +40,7 @@ def _fuse_pulls(submit: tf.Operation, collect: tf.Operation) -> None:
     """
     if tf.executing_eagerly():
         return
+    submit, collect = ticket.op, rows.op
     graph = submit.graph
     entry = _PULL_BARRIERS.get(graph)
     if entry is None:
@@ -67,6 +68,13 @@ def _depends_on(op: tf.Operation, targets: set[Any]) -> bool:
                 seen.add(parent)
                 stack.append(parent)
     return False
+
+
+def _local_replicas() -> int:
+    """Replicas of the current strategy in this process (1 without a strategy)."""
+    if not tf.distribute.has_strategy():
+        return 1
+    return len(tf.distribute.get_strategy().extended.worker_devices)
 
 
 class _ReplicaPushes:
@@ -313,8 +321,9 @@ class Embedding(keras.layers.Layer):
             rows = tf.numpy_function(pull, [unique_ids], tf.float32, stateful=True)
             rows.set_shape([None, self.output_dim])
             return tf.gather(rows, index)
-        context = tf.distribute.get_replica_context()
-        num_replicas = context.num_replicas_in_sync if context is not None else 1
+        # The replicas of this process (each worker of a multi-worker strategy
+        # pushes on its own).
+        num_replicas = _local_replicas()
         trigger = tf.convert_to_tensor(self._push_trigger)
 
         @tf.custom_gradient
@@ -356,7 +365,7 @@ class Embedding(keras.layers.Layer):
             # The variable read keeps constant ids from being folded at trace time.
             ticket = tf.numpy_function(submit, [ids, trigger], tf.int64, stateful=False)
             rows = tf.numpy_function(collect, [ticket], tf.float32, stateful=False)
-            _fuse_pulls(ticket.op, rows.op)
+            _fuse_pulls(ticket, rows)
             rows.set_shape([None, dim])
             return rows
 

@@ -23,7 +23,15 @@ import numpy as np
 
 from elastic_emb import sharding, wire
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.table import Table, TableState, _keys_arg, _register, _rows_arg
+from elastic_emb.table import (
+    Table,
+    TableState,
+    _keys_arg,
+    _register,
+    _rows_arg,
+    registered_tables,
+    unregister,
+)
 
 __all__ = ["Cluster", "RemoteTable", "current", "disable", "init", "shutdown"]
 
@@ -53,6 +61,8 @@ def init(
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
+    Tables created before stay in-process.
+
     Example:
         >>> ee.init(ps=["127.0.0.1:5000", "127.0.0.1:5001"], mode="sync")
         >>> layer = ee.Embedding(16, name="user")   # its table lives on both shards
@@ -77,7 +87,7 @@ def init(
         The `Cluster`, or None when no PS is configured.
 
     Raises:
-        ValueError: invalid arguments, or tables already exist in-process.
+        ValueError: invalid arguments, or already connected.
         ConnectionError: a PS did not answer within `connect_timeout`.
     """
     global _cluster, _env_checked
@@ -93,17 +103,14 @@ def init(
                 f"elastic_emb is already connected to {_cluster.addresses}; "
                 "call ee.shutdown() first"
             )
-        from elastic_emb.table import registered_tables
-
-        local = sorted(n for n, t in registered_tables().items() if not isinstance(t, RemoteTable))
-        if local:
-            raise ValueError(
-                f"ee.init() must come before tables are created; in-process tables {local} exist"
-            )
         if worker_index is None or num_workers is None:
             index, count = _tf_config_worker()
             worker_index = index if worker_index is None else worker_index
             num_workers = count if num_workers is None else num_workers
+        if num_workers > 1:
+            from elastic_emb.distribute import fix_keras_multi_worker
+
+            fix_keras_multi_worker()
         _cluster = Cluster(
             addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
             connect_timeout,
@@ -112,12 +119,20 @@ def init(
 
 
 def shutdown() -> None:
-    """Sends pending pushes and disconnects; later tables are in-process."""
+    """Sends pending pushes and disconnects; later tables are in-process.
+
+    The remote tables of the connection can no longer be used; they leave
+    the registry (so `ee.save()` no longer sees them).
+    """
     global _cluster
     with _lock:
         cluster, _cluster = _cluster, None
-    if cluster is not None:
-        cluster.close()
+    if cluster is None:
+        return
+    for table in registered_tables().values():
+        if isinstance(table, RemoteTable) and table.cluster is cluster:
+            unregister(table)
+    cluster.close()
 
 
 def current() -> Cluster | None:

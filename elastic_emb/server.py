@@ -25,7 +25,7 @@ import numpy as np
 
 from elastic_emb import checkpoint, remote, sharding, wire
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.table import Table, TableState
+from elastic_emb.table import Table, TableState, unregister
 
 __all__ = ["ParameterServer", "serve"]
 
@@ -179,23 +179,40 @@ class ParameterServer(ps_pb2_grpc.ParameterServerServicer):
 
     def _create(self, config: dict[str, Any]) -> Table:
         """The table `config` describes: created, or checked against the existing one."""
-        name = config.get("name")
+        return self._create_all([config])[0]
+
+    def _create_all(self, configs: list[dict[str, Any]]) -> list[Table]:
+        """Like `_create` for each config, all or nothing: on an error none is created."""
         with self._tables_lock:
-            existing = self._tables.get(name)  # type: ignore[arg-type]
-            if existing is not None:
-                ours = json.dumps(existing.config(), sort_keys=True)
-                if ours != json.dumps(config, sort_keys=True):
-                    raise _Status(
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        f"Table {name!r} exists with another configuration: {ours} "
-                        f"(requested {json.dumps(config, sort_keys=True)})",
-                    )
-                return existing
-            table = Table.from_config(config)
-            if table.name != name:
-                raise _invalid(f"Table name {name!r} is taken in this process")
-            self._tables[table.name] = table
-            return table
+            chosen: dict[Any, Table] = {}
+            new: list[Table] = []
+            try:
+                for config in configs:
+                    name = config.get("name")
+                    # (not `or`: an empty table is falsy)
+                    existing = self._tables.get(name, chosen.get(name))  # type: ignore[arg-type]
+                    if existing is not None:
+                        ours = json.dumps(existing.config(), sort_keys=True)
+                        if ours != json.dumps(config, sort_keys=True):
+                            raise _Status(
+                                grpc.StatusCode.ALREADY_EXISTS,
+                                f"Table {name!r} exists with another configuration: {ours} "
+                                f"(requested {json.dumps(config, sort_keys=True)})",
+                            )
+                        chosen[name] = existing
+                        continue
+                    table = Table.from_config(config)
+                    new.append(table)
+                    if table.name != name:
+                        raise _invalid(f"Table name {name!r} is taken in this process")
+                    chosen[name] = table
+            except BaseException:
+                for table in new:
+                    unregister(table)
+                raise
+            for table in new:
+                self._tables[table.name] = table
+            return [chosen[c.get("name")] for c in configs]
 
     @_rpc
     def CreateTables(self, request: ps_pb2.CreateTablesRequest) -> ps_pb2.TablesResponse:
@@ -208,7 +225,7 @@ class ParameterServer(ps_pb2_grpc.ParameterServerServicer):
             if not isinstance(config, dict) or config.get("name") != spec.name:
                 raise _invalid(f"Table {spec.name!r}: config_json does not name that table")
             configs.append(config)
-        return ps_pb2.TablesResponse(tables=[self._info(self._create(c)) for c in configs])
+        return ps_pb2.TablesResponse(tables=[self._info(t) for t in self._create_all(configs)])
 
     @_rpc
     def DescribeTables(self, request: ps_pb2.DescribeTablesRequest) -> ps_pb2.TablesResponse:

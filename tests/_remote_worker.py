@@ -1,0 +1,90 @@
+"""One training worker for the cluster tests: a small DLRM on planted-signal data.
+
+Usage: python _remote_worker.py DATA_DIR OUT.npz --batch B [--ps A,B --mode sync
+--tf-config JSON]. Without --ps the tables are in-process (the reference run).
+With a TF_CONFIG of several workers, the dense model runs under
+MultiWorkerMirroredStrategy and every worker reads its share of each global
+batch. Writes the dense weights, the test predictions and the per-epoch loss.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+parser = argparse.ArgumentParser()
+parser.add_argument("data")
+parser.add_argument("out")
+parser.add_argument("--batch", type=int, required=True)
+parser.add_argument("--ps")
+parser.add_argument("--mode", default="sync")
+parser.add_argument("--tf-config")
+parser.add_argument("--epochs", type=int, default=1)
+args = parser.parse_args()
+if args.tf_config:
+    os.environ["TF_CONFIG"] = args.tf_config
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import elastic_emb as ee  # noqa: E402
+from elastic_emb import data  # noqa: E402
+from elastic_emb.models import build_dlrm  # noqa: E402
+
+NUM_CATEGORICAL = 8
+
+
+def features(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    dense, categorical, labels = data.read_criteo(path)
+    x = {"dense": np.log1p(np.maximum(dense, 0)), "categorical": categorical[:, :NUM_CATEGORICAL]}
+    return x, labels.astype(np.float32)
+
+
+def main() -> int:
+    keras.utils.set_random_seed(0)
+    cluster = ee.init(ps=args.ps, mode=args.mode) if args.ps else None
+    multi = cluster is not None and cluster.num_workers > 1
+    strategy = (
+        tf.distribute.MultiWorkerMirroredStrategy() if multi else tf.distribute.get_strategy()
+    )
+    x, y = features(os.path.join(args.data, "train.tsv"))
+    x_test, y_test = features(os.path.join(args.data, "test.tsv"))
+    with strategy.scope():
+        model = build_dlrm(
+            lambda i: ee.Embedding(
+                8, optimizer=ee.optimizers.Adagrad(0.1), name=f"C{i + 1}", seed=i
+            ),
+            num_categorical=NUM_CATEGORICAL,
+            bottom_mlp=(16,),
+            top_mlp=(32,),
+        )
+        model.compile(keras.optimizers.Adam(3e-3), "binary_crossentropy")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
+    history = model.fit(dataset, epochs=args.epochs, verbose=0)
+    scores = np.concatenate(
+        [
+            keras.ops.convert_to_numpy(
+                model({k: v[i : i + 4096] for k, v in x_test.items()}, training=False)
+            )[:, 0]
+            for i in range(0, len(y_test), 4096)
+        ]
+    )
+    np.savez(
+        args.out,
+        loss=np.array(history.history["loss"]),
+        scores=scores,
+        auc=data.auc(y_test, scores),
+        **{f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())},
+    )
+    if cluster is None:  # the reference run writes its tables too
+        ee.save(os.path.join(os.path.dirname(args.out), "reference_tables"))
+    else:
+        ee.shutdown()
+    print(json.dumps({"auc": float(data.auc(y_test, scores))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""The Kubernetes manifests (docs/kubernetes) and docs/deployment.md agree with the CLI.
+
+Every `elastic-emb` command written there must parse with the real argument
+parser, and the names and ports that tie shards, workers and Services
+together must match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from elastic_emb import remote
+from elastic_emb.cli import build_parser
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+MANIFESTS = DOCS / "kubernetes"
+
+# Stands in for shell and Kubernetes variables; parses as any CLI value.
+PLACEHOLDER = "0"
+# `elastic-emb` as a command word, not inside a host or image name.
+_COMMAND = re.compile(r"(?:^|(?<=[\s;&|(]))elastic-emb(?![\w.:/-])")
+# $(NAME): expanded by Kubernetes in command and args.
+_K8S_VARIABLE = re.compile(r"\$\((\w+)\)")
+# $NAME and ${NAME}: expanded by the shell.
+_SHELL_VARIABLE = re.compile(r"\$\{?[A-Za-z_]\w*\}?")
+_OPERATOR_CHARS = set(";&|()<>")
+
+
+@functools.cache
+def _documents() -> list[tuple[str, dict[str, Any]]]:
+    """(file name, document) for every YAML document of docs/kubernetes."""
+    docs = []
+    for path in sorted(MANIFESTS.glob("*.yaml")):
+        with path.open() as f:
+            docs += [(path.name, d) for d in yaml.safe_load_all(f) if d is not None]
+    return docs
+
+
+def _one(kind: str) -> dict[str, Any]:
+    found = [d for _, d in _documents() if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _service(name: str) -> dict[str, Any]:
+    found = [d for _, d in _documents() if d["kind"] == "Service" and d["metadata"]["name"] == name]
+    assert found, f"no Service named {name!r}"
+    return found[0]
+
+
+def _workloads() -> list[dict[str, Any]]:
+    return [d for _, d in _documents() if "template" in d.get("spec", {})]
+
+
+def _containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    pod = workload["spec"]["template"]["spec"]
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def _env(container: dict[str, Any], **fields: str) -> dict[str, str]:
+    """The container's variables: plain values, and `fields` for valueFrom ones."""
+    env = {}
+    for var in container.get("env", []):
+        env[var["name"]] = var["value"] if "value" in var else fields.get(var["name"], PLACEHOLDER)
+    return env
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of $(NAME) in command and args (unknown names stay)."""
+    return _K8S_VARIABLE.sub(lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def _argv(container: dict[str, Any]) -> list[str]:
+    return [*container.get("command", []), *container.get("args", [])]
+
+
+def _shell_invocations(script: str) -> tuple[list[list[str]], int]:
+    """The arguments of each `elastic-emb` command in shell text, and how many were skipped.
+
+    Variables become PLACEHOLDER; a command ends at a shell operator. Commands
+    with placeholders like `<name>` or `...` are skipped.
+    """
+    script = _K8S_VARIABLE.sub(PLACEHOLDER, script.replace("\\\n", " "))
+    script = _SHELL_VARIABLE.sub(PLACEHOLDER, script)
+    found, skipped = [], 0
+    for line in script.splitlines():
+        for match in _COMMAND.finditer(line):
+            rest = line[match.end() :]
+            if re.search(r"<[^<>\s]+>|\.\.\.", rest):
+                skipped += 1
+                continue
+            lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            args = []
+            for token in lexer:
+                if set(token) <= _OPERATOR_CHARS:
+                    break
+                args.append(token)
+            found.append(args)
+    return found, skipped
+
+
+def _invocations(argv: list[str]) -> list[list[str]]:
+    """The arguments of each `elastic-emb` command a container argv runs."""
+    if not argv:
+        return []
+    if os.path.basename(argv[0]) == "elastic-emb":
+        return [[_K8S_VARIABLE.sub(PLACEHOLDER, a) for a in argv[1:]]]
+    if os.path.basename(argv[0]) in ("sh", "bash") and "-c" in argv:
+        return _shell_invocations(argv[argv.index("-c") + 1])[0]
+    return []
+
+
+def _container_invocations(container: dict[str, Any]) -> list[list[str]]:
+    """Invocations of the container's command and of its exec probes."""
+    argvs = [_argv(container)]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if "exec" in container.get(probe, {}):
+            argvs.append(container[probe]["exec"]["command"])
+    return [inv for argv in argvs for inv in _invocations(argv)]
+
+
+def _parse(args: list[str], where: str) -> Any:
+    """`build_parser().parse_args(args)`, failing the test with argparse's message."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(
+            f"{where}: `elastic-emb {shlex.join(args)}` does not parse:\n{stderr.getvalue()}"
+        )
+
+
+def _ps_parts() -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(StatefulSet, its Service, parsed `serve` arguments)."""
+    sts = _one("StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    (args,) = _invocations(_argv(container))
+    return sts, _service(sts["spec"]["serviceName"]), _parse(args, "ps.yaml")
+
+
+def _demo_args() -> Any:
+    job = _one("Job")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    (args,) = _invocations(_argv(container))
+    return _parse(args, "workers.yaml")
+
+
+def test_every_document_is_a_named_kubernetes_object():
+    names = {path.name for path in MANIFESTS.glob("*.yaml")}
+    assert {"ps.yaml", "workers.yaml", "pvc.yaml"} <= names
+    for file, doc in _documents():
+        assert isinstance(doc.get("apiVersion"), str), file
+        assert isinstance(doc.get("kind"), str), file
+        assert isinstance(doc.get("metadata", {}).get("name"), str), file
+    kinds = sorted(d["kind"] for _, d in _documents())
+    assert kinds == ["Job", "PersistentVolumeClaim", "Service", "Service", "StatefulSet"]
+
+
+def test_services_are_headless_and_select_pods():
+    _, service, _ = _ps_parts()
+    assert service["spec"]["clusterIP"] == "None"
+    for _, doc in _documents():
+        if doc["kind"] != "Service":
+            continue
+        assert doc["spec"]["clusterIP"] == "None", doc["metadata"]["name"]
+        selector = doc["spec"]["selector"].items()
+        selected = [
+            w
+            for w in _workloads()
+            if selector <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(selected) == 1, f"Service {doc['metadata']['name']} selects {len(selected)}"
+
+
+def test_workload_selectors_match_their_pod_labels():
+    for workload in _workloads():
+        labels = workload["spec"]["template"]["metadata"]["labels"].items()
+        match = workload["spec"].get("selector", {}).get("matchLabels")
+        if workload["kind"] == "StatefulSet":
+            assert match, "a StatefulSet needs spec.selector"
+        if match:
+            assert match.items() <= labels, workload["metadata"]["name"]
+
+
+def test_worker_job_is_indexed_with_a_stable_subdomain():
+    job = _one("Job")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 2
+    assert pod["restartPolicy"] in ("Never", "OnFailure")
+    service = _service(pod["subdomain"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert (
+        service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+def test_every_elastic_emb_command_in_the_manifests_parses():
+    checked = []
+    for workload in _workloads():
+        for container in _containers(workload):
+            for args in _container_invocations(container):
+                ns = _parse(args, f"{workload['metadata']['name']}/{container['name']}")
+                checked.append(ns.command)
+    # PS serve and its two probes, the workers' wait for the PS, the demo.
+    assert sorted(checked) == ["demo", "health", "health", "health", "serve"]
+
+
+def test_ps_port_matches_the_service_probes_and_worker_addresses():
+    sts, service, serve = _ps_parts()
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == serve.port
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert [p["containerPort"] for p in container["ports"]] == [serve.port]
+    for probe in ("readinessProbe", "livenessProbe"):
+        (health,) = _invocations(container[probe]["exec"]["command"])
+        assert _parse(health, probe).address == f"127.0.0.1:{serve.port}"
+
+    demo = _demo_args()
+    name, replicas = sts["metadata"]["name"], sts["spec"]["replicas"]
+    expected = [f"{name}-{i}.{service['metadata']['name']}:{serve.port}" for i in range(replicas)]
+    assert demo.ps.split(",") == expected
+    assert demo.mode == "sync"
+
+
+def test_ps_shutdown_fits_the_grace_period_and_saves_per_pod():
+    sts, _, serve = _ps_parts()
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > serve.grace_seconds
+    (container,) = pod["containers"]
+    assert container["resources"]["requests"]["cpu"]
+    assert container["resources"]["requests"]["memory"]
+    # Shards saving into one directory would replace each other's files.
+    raw_dir = _argv(container)[_argv(container).index("--checkpoint-dir") + 1]
+    assert "$(POD_NAME)" in raw_dir
+    pod_name = {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert {"name": "POD_NAME", "valueFrom": pod_name} in container["env"]
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    assert any(raw_dir.startswith(m.rstrip("/") + "/") for m in mounts)
+
+
+def test_checkpoint_volume_is_shared_at_the_same_path():
+    pvc = _one("PersistentVolumeClaim")
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"]
+    paths = {}
+    for workload in _workloads():
+        pod = workload["spec"]["template"]["spec"]
+        volumes = {
+            v["name"]
+            for v in pod["volumes"]
+            if v.get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"]
+        }
+        assert volumes, f"{workload['metadata']['name']} does not mount the checkpoint claim"
+        for container in pod["containers"]:
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] in volumes:
+                    paths[workload["kind"]] = mount["mountPath"]
+    # ee.save sends its directory to the shards: the path must be the same.
+    assert paths["StatefulSet"] == paths["Job"]
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
+def test_worker_scripts_build_tf_config_from_the_completion_index(tmp_path, monkeypatch):
+    """Runs the worker pod's shell scripts with a stand-in `elastic-emb` that records calls."""
+    job = _one("Job")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    sts, ps_service, serve = _ps_parts()
+    ps = [
+        f"{sts['metadata']['name']}-{i}.{ps_service['metadata']['name']}:{serve.port}"
+        for i in range(sts["spec"]["replicas"])
+    ]
+    (port,) = _service(pod["subdomain"])["spec"]["ports"]
+    workers = [
+        f"{job['metadata']['name']}-{i}.{pod['subdomain']}:{port['port']}"
+        for i in range(spec["completions"])
+    ]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "elastic-emb"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        "with open(os.environ['FAKE_LOG'], 'a') as f:\n"
+        "    call = {'argv': sys.argv[1:], 'tf_config': os.environ.get('TF_CONFIG')}\n"
+        "    f.write(json.dumps(call) + '\\n')\n"
+    )
+    fake.chmod(0o755)
+
+    for index in range(spec["completions"]):
+        log = tmp_path / f"calls-{index}.jsonl"
+        for container in _containers(job):
+            env = {
+                **_env(container),
+                "JOB_COMPLETION_INDEX": str(index),
+                "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                "FAKE_LOG": str(log),
+            }
+            argv = [_expand(a, env) for a in _argv(container)]
+            result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+            assert result.returncode == 0, f"{container['name']}: {result.stderr}"
+        calls = [json.loads(line) for line in log.read_text().splitlines()]
+        *waits, train = calls
+        assert [_parse(c["argv"], "wait-for-ps").address for c in waits] == ps
+        assert _parse(train["argv"], "worker").command == "demo"
+        config = json.loads(train["tf_config"])
+        assert config == {
+            "cluster": {"worker": workers},
+            "task": {"type": "worker", "index": index},
+        }
+        # What the library itself reads from it: (worker index, number of workers).
+        monkeypatch.setenv("TF_CONFIG", train["tf_config"])
+        assert remote._tf_config_worker() == (index, len(workers))
+
+
+def test_every_elastic_emb_command_in_deployment_md_parses():
+    text = (DOCS / "deployment.md").read_text()
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)
+    checked, skipped = [], 0
+    for block in blocks:
+        invocations, n_skipped = _shell_invocations(block)
+        skipped += n_skipped
+        for args in invocations:
+            checked.append(_parse(args, "docs/deployment.md").command)
+    assert len(checked) >= 5 and len(checked) > skipped, (checked, skipped)
+    assert {"serve", "health", "demo"} <= set(checked)

@@ -1,0 +1,312 @@
+"""Training against real `elastic-emb serve` shards: the modes, multi-worker, resharding."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import keras
+import numpy as np
+import pytest
+from _cluster import serve_command, shards
+from _processes import run_python
+
+import elastic_emb as ee
+from elastic_emb import checkpoint, remote, wire
+from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+
+WORKER = Path(__file__).parent / "_remote_worker.py"
+
+
+@pytest.fixture
+def connected():
+    """Calls ee.init(...) and always disconnects."""
+    yield ee.init
+    ee.shutdown()
+
+
+def _small_model(prefix: str) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((2,), dtype="int64")
+    a = ee.Embedding(8, optimizer=ee.optimizers.Adagrad(0.1), name=f"{prefix}_a", seed=1)
+    b = ee.Embedding(8, optimizer=ee.optimizers.Adam(0.01), name=f"{prefix}_b", seed=2)
+    x = keras.layers.Concatenate()([a(ids[:, 0]), b(ids[:, 1])])
+    out = keras.layers.Dense(1, activation="sigmoid")(x)
+    model = keras.Model(ids, out)
+    model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+    return model
+
+
+def _tables(model: keras.Model) -> list[ee.Embedding]:
+    return [layer for layer in model.layers if isinstance(layer, ee.Embedding)]
+
+
+def _sorted_rows(table: ee.Table) -> tuple[np.ndarray, np.ndarray]:
+    keys, values = table.export_rows()
+    order = np.argsort(keys)
+    return keys[order], values[order]
+
+
+def test_one_worker_sync_equals_in_process_exactly(connected):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 300, (1024, 2))
+    y = rng.integers(0, 2, (1024, 1)).astype(np.float32)
+    local = _small_model("exact")
+    local_loss = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    with shards(2) as ps:
+        cluster = connected(ps=[s.address for s in ps], mode="sync")
+        model = _small_model("exact")
+        loss = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        assert loss.history["loss"] == local_loss.history["loss"]
+        for remote_layer, local_layer in zip(_tables(model), _tables(local), strict=True):
+            assert isinstance(remote_layer.table, remote.RemoteTable)
+            assert remote_layer.table.iterations == local_layer.table.iterations == 32
+            keys, values = _sorted_rows(remote_layer.table)
+            local_keys, local_values = _sorted_rows(local_layer.table)
+            np.testing.assert_array_equal(keys, local_keys)
+            np.testing.assert_array_equal(values, local_values)
+        for weight, local_weight in zip(model.get_weights(), local.get_weights(), strict=True):
+            np.testing.assert_array_equal(weight, local_weight)
+        # Fused: one Pull and one Push per shard per step, for both tables.
+        for stats in cluster.server_stats():
+            calls = {m.method: m.calls for m in stats.methods}
+            assert calls["Pull"] == calls["Push"] == 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _export(address: str, table: str) -> tuple[np.ndarray, np.ndarray]:
+    with grpc.insecure_channel(address) as channel:
+        reply = ps_pb2_grpc.ParameterServerStub(channel).ExportRows(
+            ps_pb2.ExportRowsRequest(table=table), timeout=60
+        )
+    keys = wire.decode_keys(reply.keys)
+    return keys, wire.decode_floats(reply.values, ps_pb2.FLOAT32, len(keys), 8)
+
+
+def _multi_worker_run(data: Path, out: Path, mode: str) -> dict:
+    """2 workers under MultiWorkerMirroredStrategy with 2 PS shards; results of worker 0."""
+    out.mkdir()
+    with shards(2) as ps:
+        workers = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+        procs = []
+        for i in range(2):
+            tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        str(data),
+                        str(out / f"worker{i}.npz"),
+                        "--batch",
+                        "1024",
+                        "--epochs",
+                        "2",
+                        "--ps",
+                        ",".join(s.address for s in ps),
+                        "--mode",
+                        mode,
+                        "--tf-config",
+                        json.dumps(tf_config),
+                    ],  # fmt: skip
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, stdout + stderr[-4000:]
+        tables = {}
+        for i in range(8):
+            parts = [_export(s.address, f"C{i + 1}") for s in ps]
+            keys = np.concatenate([k for k, _ in parts])
+            values = np.concatenate([v for _, v in parts])
+            order = np.argsort(keys)
+            tables[f"C{i + 1}"] = (keys[order], values[order])
+    result = dict(np.load(out / "worker0.npz"))
+    result["tables"] = tables
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The reference (1 worker, batch B, in-process) and 2-worker sync and async runs."""
+    root = tmp_path_factory.mktemp("runs")
+    data = root / "data"
+    data.mkdir()
+    ee.data.generate_criteo(data / "train.tsv", 65536, seed=0)
+    ee.data.generate_criteo(data / "test.tsv", 16384, seed=0, sample_seed=1)
+    (root / "reference").mkdir()
+    run_python(WORKER, data, root / "reference" / "out.npz", "--batch", "1024", "--epochs", "2")
+    reference = dict(np.load(root / "reference" / "out.npz"))
+    _, states = checkpoint.read_shards([root / "reference" / "reference_tables"], None)
+    reference["tables"] = {}
+    for name, state in states.items():
+        order = np.argsort(state.keys)
+        reference["tables"][name] = (state.keys[order], state.values[order])
+    return {
+        "reference": reference,
+        "sync": _multi_worker_run(data, root / "sync", "sync"),
+        "async": _multi_worker_run(data, root / "async", "async"),
+    }
+
+
+def test_two_workers_sync_equal_one_worker_with_twice_the_batch(runs):
+    """MultiWorkerMirroredStrategy, 2 workers x batch B/2 + 2 PS == 1 worker x batch B."""
+    reference, sync = runs["reference"], runs["sync"]
+    np.testing.assert_allclose(sync["loss"], reference["loss"], rtol=1e-5)
+    weights = sorted(k for k in reference if k.startswith("w"))
+    assert weights
+    for k in weights:
+        np.testing.assert_allclose(sync[k], reference[k], rtol=1e-5, atol=1e-6)
+    assert sorted(sync["tables"]) == sorted(reference["tables"])
+    for name, (keys, values) in reference["tables"].items():
+        np.testing.assert_array_equal(sync["tables"][name][0], keys)
+        np.testing.assert_allclose(sync["tables"][name][1], values, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sync["scores"], reference["scores"], rtol=1e-5, atol=1e-6)
+
+
+def test_async_reaches_the_auc_of_sync(runs):
+    sync_auc, async_auc = float(runs["sync"]["auc"]), float(runs["async"]["auc"])
+    assert sync_auc > 0.65  # the models learned the planted signal
+    assert abs(async_auc - sync_auc) < 0.01
+
+
+def _sgd_table(cluster: remote.Cluster, name: str) -> None:
+    config = ee.Table(dim=2, optimizer=ee.optimizers.SGD(1.0), initializer="zeros", name=name)
+    cluster.create_tables([config.config()])
+
+
+def test_sync_sums_the_workers_pushes_and_waits_for_all_of_them():
+    with shards(2) as ps:
+        addresses = [s.address for s in ps]
+        workers = [
+            remote.Cluster(addresses, "sync", None, "float32", i, 2, 3.0, 30) for i in (0, 1)
+        ]
+        try:
+            _sgd_table(workers[0], "sync_sum")
+            keys = np.arange(6)
+            g0 = np.arange(12, dtype=np.float32).reshape(6, 2)
+            g1 = np.full((6, 2), 0.5, np.float32)
+            workers[0].push({"sync_sum": (2, keys, g0)})
+            # Worker 1 has not pushed step 1: worker 0 cannot pull step 2.
+            with pytest.raises(TimeoutError, match=r"workers \[1\] have not pushed"):
+                workers[0].pull([("sync_sum", 2, keys)], insert=False)
+            workers[1].push({"sync_sum": (2, keys, g1)})
+            (rows,) = workers[0].pull([("sync_sum", 2, keys)], insert=False)
+            np.testing.assert_array_equal(rows, -(g0 + g1))  # one SGD step, lr 1, from zeros
+        finally:
+            for w in workers:
+                w.close()
+
+
+def test_bounded_staleness_holds_the_fast_worker_back():
+    with shards(1) as ps:
+        addresses = [ps[0].address]
+        workers = [remote.Cluster(addresses, "async", 1, "float32", i, 2, 2.0, 30) for i in (0, 1)]
+        try:
+            _sgd_table(workers[0], "stale")
+            keys = np.arange(3)
+            ones = np.ones((3, 2), np.float32)
+            workers[0].push({"stale": (2, keys, ones)})  # step 1, applied at once
+            (rows,) = workers[0].pull([("stale", 2, keys)], insert=False)
+            np.testing.assert_array_equal(rows, -ones)
+            workers[0].push({"stale": (2, keys, ones)})  # step 2
+            # Starting step 3 needs every worker at step 3 - 1 - 1 = 1.
+            with pytest.raises(TimeoutError, match=r"staleness 1"):
+                workers[0].pull([("stale", 2, keys)], insert=False)
+            workers[1].push({"stale": (2, keys, ones)})
+            (rows,) = workers[0].pull([("stale", 2, keys)], insert=False)
+            np.testing.assert_array_equal(rows, -3 * ones)
+        finally:
+            for w in workers:
+                w.close()
+
+
+def _state(table: ee.Table) -> dict[str, np.ndarray]:
+    state = table.export_state()
+    order = np.argsort(state.keys)
+    return {
+        **{f: getattr(state, f)[order] for f in state.FIELDS},
+        "iterations": np.array(state.iterations),
+    }
+
+
+def test_restore_onto_a_different_number_of_shards(connected, tmp_path):
+    rng = np.random.default_rng(3)
+    keys = rng.integers(-(2**62), 2**62, 5000)
+    with shards(2) as ps:
+        connected(ps=[s.address for s in ps], mode="async")
+        table = ee.Table(dim=5, optimizer=ee.optimizers.Adam(0.01), name="reshard")
+        for _ in range(3):
+            batch = rng.choice(keys, 2000)
+            table.pull(batch)
+            table.push(batch, rng.normal(size=(2000, 5)).astype(np.float32))
+        saved = _state(table)
+        ee.save(tmp_path / "ckpt")
+        ee.shutdown()
+    assert saved["iterations"] == 3 and len(saved["keys"]) > 2000
+    with shards(3) as ps:
+        connected(ps=[s.address for s in ps], mode="async")
+        restored = ee.restore(tmp_path / "ckpt")["reshard"]
+        assert isinstance(restored, remote.RemoteTable)
+        for field, expected in saved.items():
+            np.testing.assert_array_equal(_state(restored)[field], expected)
+        # Every shard holds exactly the keys it owns now.
+        counts = [int(r.tables[0].rows) for r in restored.cluster.per_shard(
+            "DescribeTables", lambda i: ps_pb2.DescribeTablesRequest(names=["reshard"])
+        )]  # fmt: skip
+        owners = ee.sharding.shard_of(saved["keys"], 3)
+        assert counts == [int((owners == i).sum()) for i in range(3)]
+        ee.save(tmp_path / "ckpt3")
+        ee.shutdown()
+    # And back in-process.
+    local = ee.Table(dim=5, optimizer=ee.optimizers.Adam(0.01), name="reshard_local")
+    checkpoint_tables = ee.restore(tmp_path / "ckpt3")
+    for field, expected in saved.items():
+        np.testing.assert_array_equal(_state(checkpoint_tables["reshard"])[field], expected)
+    del local
+
+
+def _demo(*args: str) -> str:
+    proc = subprocess.run(
+        [
+            *serve_command(),
+            "demo",
+            "--examples",
+            "20000",
+            "--test-examples",
+            "5000",
+            "--epochs",
+            "1",
+            "--verbose",
+            "0",
+            *args,
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_demo_trains_against_a_cluster_as_in_process():
+    with shards(2) as ps:
+        addresses = [s.address for s in ps]
+        remote_out = _demo("--ps", ",".join(addresses), "--mode", "sync")
+    assert "tables on 2 PS shard(s) (sync, float32 wire)" in remote_out
+    for address in addresses:
+        assert address in remote_out  # the per-shard traffic table
+    # One sync worker trains exactly as in-process: the same test AUC.
+    local_out = _demo()
+    auc = [out.split("test AUC")[1].split()[0] for out in (remote_out, local_out)]
+    assert auc[0] == auc[1]
