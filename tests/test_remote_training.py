@@ -98,28 +98,12 @@ def _multi_worker_run(data: Path, out: Path, mode: str) -> dict:
         procs = []
         for i in range(2):
             tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+            command = [sys.executable, str(WORKER), str(data), str(out / f"worker{i}.npz")]
+            command += ["--batch", "1024", "--epochs", "2", "--mode", mode]
+            command += ["--ps", ",".join(s.address for s in ps)]
+            command += ["--tf-config", json.dumps(tf_config)]
             procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(WORKER),
-                        str(data),
-                        str(out / f"worker{i}.npz"),
-                        "--batch",
-                        "1024",
-                        "--epochs",
-                        "2",
-                        "--ps",
-                        ",".join(s.address for s in ps),
-                        "--mode",
-                        mode,
-                        "--tf-config",
-                        json.dumps(tf_config),
-                    ],  # fmt: skip
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
+                subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
         for proc in procs:
             stdout, stderr = proc.communicate(timeout=600)
@@ -277,20 +261,9 @@ def test_restore_onto_a_different_number_of_shards(connected, tmp_path):
 
 
 def _demo(*args: str) -> str:
+    small = ["--examples", "20000", "--test-examples", "5000", "--epochs", "1", "--verbose", "0"]
     proc = subprocess.run(
-        [
-            *serve_command(),
-            "demo",
-            "--examples",
-            "20000",
-            "--test-examples",
-            "5000",
-            "--epochs",
-            "1",
-            "--verbose",
-            "0",
-            *args,
-        ],  # fmt: skip
+        [*serve_command(), "demo", *small, *args],
         capture_output=True,
         text=True,
         timeout=600,
