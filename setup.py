@@ -47,12 +47,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["elastic_emb", "elastic_emb.*"]),
-    package_data={"elastic_emb": ["py.typed", "_core.pyi"]},
+    package_data={"elastic_emb": ["py.typed", "_core.pyi", "_proto/*.pyi"]},
     ext_modules=[core],
     cmdclass={"build_ext": build_ext},
     # TensorFlow is an extra so that installing never pulls a second
     # TensorFlow next to the user's `tensorflow` or `tensorflow-cpu`.
-    install_requires=["numpy>=1.23"],
+    # grpcio and protobuf are TensorFlow's own dependencies too; the generated
+    # code in elastic_emb/_proto works with protobuf 4.25 through 7.x.
+    install_requires=["numpy>=1.23", "grpcio>=1.59", "protobuf>=4.25.1,<8"],
     extras_require={
         "tensorflow": ["tensorflow>=2.16,<2.22"],
         "tensorflow-cpu": ["tensorflow-cpu>=2.16,<2.22"],

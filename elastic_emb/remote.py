@@ -247,6 +247,7 @@ class Cluster:
         self._step_dims: dict[str, int] = {}
         self._received_pushes = 0
         self._in_flight: collections.deque[concurrent.futures.Future[None]] = collections.deque()
+        self._in_flight_lock = threading.Lock()
         self._connect(connect_timeout)
         join = ps_pb2.JoinRequest(
             worker=worker_index,
@@ -394,7 +395,8 @@ class Cluster:
         """Queues the push of the next step (under `_lock`)."""
         self._step += 1
         future = self._pusher.submit(self._push_step, self._step, tables)
-        self._in_flight.append(future)
+        with self._in_flight_lock:
+            self._in_flight.append(future)
         return future
 
     def _push_step(self, step: int, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]) -> None:
@@ -422,10 +424,14 @@ class Cluster:
 
     def _raise_push_errors(self, wait_all: bool = False, keep: int = 2) -> None:
         """Surfaces failed background pushes; bounds (or drains) those in flight."""
-        while self._in_flight and (
-            wait_all or self._in_flight[0].done() or len(self._in_flight) > keep
-        ):
-            self._in_flight.popleft().result()
+        while True:
+            with self._in_flight_lock:
+                if not self._in_flight or not (
+                    wait_all or self._in_flight[0].done() or len(self._in_flight) > keep
+                ):
+                    return
+                future = self._in_flight.popleft()
+            future.result()
 
     def flush(self) -> None:
         """Sends the pushes of a step not complete yet and waits for all pushes."""
