@@ -1,45 +1,86 @@
 """elastic_emb: large sparse embeddings for TensorFlow/Keras.
 
 A drop-in `keras.layers.Embedding` replacement whose rows live in a C++
-hash table (in-process by default) with server-side sparse optimizers.
+hash table (in-process by default, or on parameter-server shards after
+`ee.init`) with server-side sparse optimizers.
+
+Names load on first use, so tools that need no TensorFlow (`elastic-emb
+health`) start fast.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import importlib
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:
-    import keras
-    import tensorflow as _tf
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "elastic_emb needs TensorFlow 2.16-2.21 with Keras 3. Install it with "
-        "`pip install 'elastic_emb[tensorflow-cpu]'` (or `[tensorflow]`), or install "
-        "tensorflow yourself."
-    ) from e
-
-if keras.backend.backend() != "tensorflow":  # pragma: no cover
-    raise ImportError(
-        "elastic_emb runs on Keras' TensorFlow backend; KERAS_BACKEND is "
-        f"{keras.backend.backend()!r}. Unset it or set KERAS_BACKEND=tensorflow."
-    )
-
-from elastic_emb import _core, callbacks, data, initializers, models, optimizers, sharding
-from elastic_emb.checkpoint import CheckpointError, restore, save
-from elastic_emb.layers import Embedding
-from elastic_emb.remote import init, shutdown
-from elastic_emb.table import Table
+_SUBMODULES = {
+    "_core", "callbacks", "checkpoint", "data", "distribute", "initializers", "layers", "models",
+    "optimizers", "remote", "server", "sharding", "table", "wire",
+}  # fmt: skip
+_NAMES = {
+    "CheckpointError": "checkpoint",
+    "restore": "checkpoint",
+    "save": "checkpoint",
+    "Embedding": "layers",
+    "init": "remote",
+    "shutdown": "remote",
+    "Table": "table",
+}
 
 
 class ElasticEmbWarning(UserWarning):
     """Warnings issued by elastic_emb."""
 
 
+_tensorflow_checked = False
+
+
+def _check_tensorflow() -> None:
+    """Raises a clear ImportError unless TensorFlow with Keras 3 on its TF backend is there."""
+    global _tensorflow_checked
+    if _tensorflow_checked:
+        return
+    try:
+        import keras
+        import tensorflow  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "elastic_emb needs TensorFlow 2.16-2.21 with Keras 3. Install it with "
+            "`pip install 'elastic_emb[tensorflow-cpu]'` (or `[tensorflow]`), or install "
+            "tensorflow yourself."
+        ) from e
+    if keras.backend.backend() != "tensorflow":  # pragma: no cover
+        raise ImportError(
+            "elastic_emb runs on Keras' TensorFlow backend; KERAS_BACKEND is "
+            f"{keras.backend.backend()!r}. Unset it or set KERAS_BACKEND=tensorflow."
+        )
+    _tensorflow_checked = True
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        _check_tensorflow()
+        value = importlib.import_module(f"elastic_emb.{name}")
+    elif name in _NAMES:
+        _check_tensorflow()
+        value = getattr(importlib.import_module(f"elastic_emb.{_NAMES[name]}"), name)
+    else:
+        raise AttributeError(f"module 'elastic_emb' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
 def build_info() -> dict[str, Any]:
     """How this copy of elastic_emb was built and what it runs on."""
+    _check_tensorflow()
+    import keras
+    import tensorflow as tf
+
+    from elastic_emb import _core
+
     return {
         "version": __version__,
         "compiler": _core.compiler(),
@@ -47,10 +88,25 @@ def build_info() -> dict[str, Any]:
         "cuda": bool(_core.with_cuda),
         "threads": _core.pool_threads(),
         "python": platform.python_version(),
-        "tensorflow": _tf.__version__,
+        "tensorflow": tf.__version__,
         "keras": keras.__version__,
     }
 
+
+if TYPE_CHECKING:
+    from elastic_emb import (
+        callbacks,
+        data,
+        distribute,
+        initializers,
+        models,
+        optimizers,
+        sharding,
+    )
+    from elastic_emb.checkpoint import CheckpointError, restore, save
+    from elastic_emb.layers import Embedding
+    from elastic_emb.remote import init, shutdown
+    from elastic_emb.table import Table
 
 __all__ = [
     "CheckpointError",
@@ -61,6 +117,7 @@ __all__ = [
     "build_info",
     "callbacks",
     "data",
+    "distribute",
     "init",
     "initializers",
     "models",

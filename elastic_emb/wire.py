@@ -57,7 +57,8 @@ def encode_floats(values: np.ndarray, enc: int) -> bytes:
     if enc == ps_pb2.FLOAT32:
         return values.astype("<f4", copy=False).tobytes()
     if enc == ps_pb2.FLOAT16:
-        return values.astype("<f2").tobytes()
+        with np.errstate(over="ignore"):  # beyond float16's range: infinity
+            return values.astype("<f2").tobytes()
     if enc == ps_pb2.BFLOAT16:
         bits = values.view(np.uint32)
         # Round to nearest even on the 16 bits dropped; NaNs stay NaN.
