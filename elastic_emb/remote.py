@@ -351,9 +351,10 @@ class Cluster:
         requests: list[ps_pb2.PullRequest | None] = []
         for shard in range(self.num_shards):
             entries = [
-                ps_pb2.TableKeys(table=name, keys=wire.encode_keys(keys[split[i][shard]]))
+                ps_pb2.TableKeys(table=name, keys=raw, key_encoding=key_encoding)
                 for i, (name, _, keys) in enumerate(tables)
                 if len(split[i][shard])
+                for raw, key_encoding in [wire.encode_keys_compact(keys[split[i][shard]])]
             ]
             requests.append(
                 ps_pb2.PullRequest(
@@ -408,11 +409,18 @@ class Cluster:
             entries = []
             for name, (_, keys, grads) in sorted(tables.items()):
                 positions = split[name][shard]
+                raw_keys, key_encoding = wire.encode_keys_compact(keys[positions])
+                shard_grads = grads[positions]
+                exponent = wire.gradient_exponent(shard_grads, self._encoding)
                 entries.append(
                     ps_pb2.TableGradients(
                         table=name,
-                        keys=wire.encode_keys(keys[positions]),
-                        gradients=wire.encode_floats(grads[positions], self._encoding),
+                        keys=raw_keys,
+                        key_encoding=key_encoding,
+                        gradients=wire.encode_floats(
+                            wire.scale(shard_grads, exponent), self._encoding
+                        ),
+                        gradient_exponent=exponent,
                     )
                 )
             requests.append(

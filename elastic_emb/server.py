@@ -281,7 +281,7 @@ class ParameterServer(ps_pb2_grpc.ParameterServerServicer):
                     f"so it can pull step {last + 1 + MAX_PUSHES_IN_FLIGHT} at most"
                 )
         work = [
-            (self._table(t.table), wire.decode_keys(t.keys, f"keys of {t.table}"))
+            (self._table(t.table), wire.decode_keys(t.keys, f"keys of {t.table}", t.key_encoding))
             for t in request.tables
         ]
         timeout = request.timeout_ms / 1000 if request.timeout_ms > 0 else 3600.0
@@ -304,10 +304,13 @@ class ParameterServer(ps_pb2_grpc.ParameterServerServicer):
             table = self._table(t.table)
             if t.table in work:
                 raise _invalid(f"Table {t.table!r} appears twice in one push")
-            keys = wire.decode_keys(t.keys, f"keys of {t.table}")
+            keys = wire.decode_keys(t.keys, f"keys of {t.table}", t.key_encoding)
             grads = wire.decode_floats(
                 t.gradients, request.encoding, len(keys), table.dim, f"gradients of {t.table}"
             )
+            if abs(t.gradient_exponent) > 200:
+                raise _invalid(f"gradient_exponent {t.gradient_exponent} of {t.table!r} is absurd")
+            grads = wire.scale(grads, -t.gradient_exponent)
             if not np.isfinite(grads).all():
                 raise _invalid(f"gradients of {t.table!r} hold NaN or infinity")
             work[t.table] = (table, keys, grads)

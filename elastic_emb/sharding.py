@@ -40,10 +40,16 @@ def shard_of(keys: np.ndarray, num_shards: int, num_slots: int = NUM_SLOTS) -> n
 
 
 def split_by_shard(keys: np.ndarray, num_shards: int) -> list[np.ndarray]:
-    """Positions into `keys` of the keys owned by each shard (each in input order)."""
+    """Positions into `keys` of the keys owned by each shard, each in ascending key order.
+
+    Keys are ordered as unsigned 64-bit numbers, which makes them compact
+    on the wire (`wire.encode_keys_compact`).
+    """
+    by_key = np.argsort(np.asarray(keys, np.int64).view(np.uint64), kind="stable")
     if num_shards == 1:
-        return [np.arange(len(keys))]
-    shard = shard_of(keys, num_shards)
-    order = np.argsort(shard, kind="stable")
-    bounds = np.searchsorted(shard[order], np.arange(num_shards + 1))
+        return [by_key]
+    shard = shard_of(keys[by_key], num_shards)
+    order = by_key[np.argsort(shard, kind="stable")]
+    shard = shard[np.argsort(shard, kind="stable")]
+    bounds = np.searchsorted(shard, np.arange(num_shards + 1))
     return [order[bounds[i] : bounds[i + 1]] for i in range(num_shards)]

@@ -134,7 +134,9 @@ class RawWorker:
         kwargs.setdefault("step", self.step + 1)
         return ps_pb2.PushRequest(worker=RAW_WORKER, tables=tables, **kwargs)
 
-    def entry(self, table: int = 0, keys: Any = None, grads: bytes | None = None) -> Any:
+    def entry(
+        self, table: int = 0, keys: Any = None, grads: bytes | None = None, **fields: Any
+    ) -> Any:
         keys = self.keys if keys is None else keys
         raw_keys = keys if isinstance(keys, bytes) else _keys(keys)
         n = len(raw_keys) // 8
@@ -142,6 +144,7 @@ class RawWorker:
             table=self.tables[table],
             keys=raw_keys,
             gradients=self.grads(n) if grads is None else grads,
+            **fields,
         )
 
     def snapshot(self) -> tuple[Any, ...]:
@@ -320,6 +323,35 @@ MALFORMED: list[tuple[str, str, Builder, grpc.StatusCode, tuple[str, ...]]] = [
         lambda w, _: w.pull(w.keys, step=w.step + 100),
         CODE.INVALID_ARGUMENT,
         ("wrong step",),
+    ),
+    (
+        "pull-truncated-varint-keys",
+        "Pull",
+        lambda w, _: w.pull(
+            None,
+            tables=[
+                ps_pb2.TableKeys(table=w.tables[0], keys=_keys(_NEW_KEYS)),
+                ps_pb2.TableKeys(
+                    table=w.tables[1], keys=b"\x05\x81", key_encoding=ps_pb2.KEYS_DELTA_VARINT
+                ),
+            ],
+        ),
+        CODE.INVALID_ARGUMENT,
+        ("truncated",),
+    ),
+    (
+        "push-unknown-key-encoding",
+        "Push",
+        lambda w, _: w.push([w.entry(0), w.entry(1, key_encoding=9)]),
+        CODE.INVALID_ARGUMENT,
+        ("key encoding 9",),
+    ),
+    (
+        "push-absurd-gradient-exponent",
+        "Push",
+        lambda w, _: w.push([w.entry(0), w.entry(1, gradient_exponent=5000)]),
+        CODE.INVALID_ARGUMENT,
+        ("gradient_exponent 5000",),
     ),
     (
         "push-table-twice",
@@ -554,6 +586,64 @@ def test_decode_rejects_wrong_lengths(enc, itemsize):
     assert wire.decode_floats(b"", enc, 0, 4).shape == (0, 4)
 
 
+KEY_CASES = [
+    np.zeros(0, np.int64),
+    np.array([0, 1, -1, 127, 128, 2**63 - 1, -(2**63)], np.int64),
+    np.random.default_rng(5).integers(-(2**63), 2**63 - 1, 1000),  # unsorted: wraps
+    np.repeat(np.arange(5, dtype=np.int64), 3),  # duplicates: zero deltas
+]
+
+
+@pytest.mark.parametrize("keys", KEY_CASES, ids=["empty", "edges", "random", "duplicates"])
+def test_varint_keys_round_trip(keys):
+    raw = wire.encode_keys(keys, ps_pb2.KEYS_DELTA_VARINT)
+    np.testing.assert_array_equal(
+        wire.decode_keys(raw, key_encoding=ps_pb2.KEYS_DELTA_VARINT), keys
+    )
+    compact, encoding = wire.encode_keys_compact(keys)
+    assert len(compact) <= 8 * len(keys)
+    np.testing.assert_array_equal(wire.decode_keys(compact, key_encoding=encoding), keys)
+
+
+def test_ascending_keys_take_few_bytes():
+    keys = np.unique(np.random.default_rng(6).integers(1, 1_000_000, 4000))
+    raw, encoding = wire.encode_keys_compact(keys)
+    assert encoding == ps_pb2.KEYS_DELTA_VARINT
+    # Gaps average 250 < 2^14: at most two bytes a key.
+    assert len(raw) <= 2 * len(keys)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"\x80", "truncated"),
+        (b"\xff" * 9 + b"\x02", "beyond 64 bits"),
+        (b"\xff" * 11, "truncated"),
+    ],
+)
+def test_malformed_varints_are_rejected(raw, message):
+    with pytest.raises(wire.WireError, match=message):
+        wire.decode_keys(raw, key_encoding=ps_pb2.KEYS_DELTA_VARINT)
+
+
+def test_gradient_exponent_keeps_tiny_float16_gradients_precise():
+    grads = np.random.default_rng(7).normal(size=(500, 16)).astype(np.float32) * 3e-6
+    exponent = wire.gradient_exponent(grads, ps_pb2.FLOAT16)
+    assert 2**14 <= np.abs(wire.scale(grads, exponent)).max() < 2**15
+    raw = wire.encode_floats(wire.scale(grads, exponent), ps_pb2.FLOAT16)
+    back = wire.scale(wire.decode_floats(raw, ps_pb2.FLOAT16, 500, 16), -exponent)
+    # Rounding to float16's 11 significant bits, down to 2^-24 of the largest value.
+    tolerance = 2.0**-11 * np.abs(grads) + 2.0**-24 * np.abs(grads).max()
+    assert (np.abs(back - grads) <= tolerance).all()
+    # Without the exponent most of them would be float16 subnormals, far less precise.
+    plain = np.frombuffer(wire.encode_floats(grads, ps_pb2.FLOAT16), "<f2").astype(np.float32)
+    relative = [
+        np.median(np.abs(x.reshape(grads.shape) - grads) / np.abs(grads)) for x in (plain, back)
+    ]
+    assert relative[0] > 10 * relative[1]
+    assert wire.gradient_exponent(grads, ps_pb2.BFLOAT16) == 0
+
+
 def test_wire_rejects_unknown_encodings_and_truncated_keys():
     with pytest.raises(wire.WireError, match="Unknown encoding 7"):
         wire.decode_floats(b"\0" * 8, 7, 1, 2)
@@ -739,13 +829,19 @@ def test_stats_count_the_calls_and_bytes_the_client_sent(cluster, stubs):
         assert delta(shard, "Pull", "calls") == sum(len(k) > 0 for k in pulled)
         assert delta(shard, "Push", "calls") == len(pushes)  # every shard hears every step
         assert delta(shard, "Pull", "errors") == delta(shard, "Push", "errors") == 0
-        # Payloads: 8 bytes a key; 4 bytes a float. Message framing adds < 64 bytes a call.
+
+        # Payloads: keys in their compact coding (ascending, delta + varint, or raw
+        # if smaller); 4 bytes a float. Message framing adds < 64 bytes a call.
+        def key_bytes(keys: np.ndarray) -> int:
+            ascending = np.sort(keys.view(np.uint64)).view(np.int64)
+            return len(wire.encode_keys_compact(ascending)[0])
+
         n_pull = sum(len(k) for k in pulled)
         n_push = sum(len(k) for k in pushed)
         calls = delta(shard, "Pull", "calls") + delta(shard, "Push", "calls")
         request = delta(shard, "Pull", "request_bytes") + delta(shard, "Push", "request_bytes")
         response = delta(shard, "Pull", "response_bytes") + delta(shard, "Push", "response_bytes")
-        payload_sent = 8 * n_pull + (8 + 4 * dim) * n_push
+        payload_sent = sum(map(key_bytes, pulled + pushed)) + 4 * dim * n_push
         assert payload_sent <= request <= payload_sent + 64 * calls
         assert 4 * dim * n_pull <= response <= 4 * dim * n_pull + 64 * calls
         # And exactly what the client counted.

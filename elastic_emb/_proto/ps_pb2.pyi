@@ -12,6 +12,11 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT16: _ClassVar[Encoding]
     BFLOAT16: _ClassVar[Encoding]
 
+class KeyEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KEYS_RAW: _ClassVar[KeyEncoding]
+    KEYS_DELTA_VARINT: _ClassVar[KeyEncoding]
+
 class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ASYNC: _ClassVar[Mode]
@@ -19,6 +24,8 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 FLOAT32: Encoding
 FLOAT16: Encoding
 BFLOAT16: Encoding
+KEYS_RAW: KeyEncoding
+KEYS_DELTA_VARINT: KeyEncoding
 ASYNC: Mode
 SYNC: Mode
 
@@ -85,12 +92,14 @@ class JoinResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class TableKeys(_message.Message):
-    __slots__ = ("table", "keys")
+    __slots__ = ("table", "keys", "key_encoding")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_ENCODING_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    key_encoding: KeyEncoding
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_encoding: _Optional[_Union[KeyEncoding, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker", "step", "train", "encoding", "timeout_ms", "tables")
@@ -125,14 +134,18 @@ class PullResponse(_message.Message):
     def __init__(self, encoding: _Optional[_Union[Encoding, str]] = ..., tables: _Optional[_Iterable[_Union[TableValues, _Mapping]]] = ...) -> None: ...
 
 class TableGradients(_message.Message):
-    __slots__ = ("table", "keys", "gradients")
+    __slots__ = ("table", "keys", "gradients", "gradient_exponent", "key_encoding")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_EXPONENT_FIELD_NUMBER: _ClassVar[int]
+    KEY_ENCODING_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
     gradients: bytes
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., gradients: _Optional[bytes] = ...) -> None: ...
+    gradient_exponent: int
+    key_encoding: KeyEncoding
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., gradients: _Optional[bytes] = ..., gradient_exponent: _Optional[int] = ..., key_encoding: _Optional[_Union[KeyEncoding, str]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("worker", "step", "encoding", "tables")
