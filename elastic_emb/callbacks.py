@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from elastic_emb import checkpoint
+from elastic_emb import checkpoint, remote
 
 __all__ = ["Checkpoint"]
 
@@ -83,6 +83,14 @@ class Checkpoint(keras.callbacks.Callback):
         return path
 
     def on_train_begin(self, logs: Any = None) -> None:
+        cluster = remote.current()
+        if cluster is not None and cluster.num_workers > 1:
+            # Every worker would write (and on resume, restore) the shared tables.
+            raise ValueError(
+                "ee.callbacks.Checkpoint supports one worker; with "
+                f"{cluster.num_workers} workers, call ee.save(...) from worker 0 between epochs "
+                "(see docs/distributed.md)"
+            )
         path = self.latest() if self.resume else None
         if path is None:
             return

@@ -283,3 +283,13 @@ def test_demo_trains_against_a_cluster_as_in_process():
     local_out = _demo()
     auc = [out.split("test AUC")[1].split()[0] for out in (remote_out, local_out)]
     assert auc[0] == auc[1]
+
+
+def test_checkpoint_callback_refuses_several_workers(connected, tmp_path):
+    with shards(1) as ps:
+        connected(ps=[ps[0].address], mode="async", worker_index=0, num_workers=2)
+        model = _small_model("several")
+        x = np.zeros((8, 2), np.int64)
+        y = np.zeros((8, 1), np.float32)
+        with pytest.raises(ValueError, match="supports one worker; with 2 workers"):
+            model.fit(x, y, epochs=1, verbose=0, callbacks=[ee.callbacks.Checkpoint(tmp_path)])
