@@ -6,9 +6,14 @@ import sys
 from pathlib import Path
 
 
-def run_python(*args: str | Path, cwd: Path | None = None, timeout: int = 300) -> str:
+def run_python(
+    *args: str | Path,
+    cwd: Path | None = None,
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+) -> str:
     """Runs `python ARGS...` quietly, fails the test on a non-zero exit, returns stdout."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run(
         [sys.executable, *map(str, args)],
         cwd=cwd,

@@ -293,3 +293,49 @@ def test_checkpoint_callback_refuses_several_workers(connected, tmp_path):
         y = np.zeros((8, 1), np.float32)
         with pytest.raises(ValueError, match="supports one worker; with 2 workers"):
             model.fit(x, y, epochs=1, verbose=0, callbacks=[ee.callbacks.Checkpoint(tmp_path)])
+
+
+def test_environment_variable_makes_tables_remote(tmp_path):
+    script = tmp_path / "env_worker.py"
+    script.write_text(
+        "import numpy as np\n"
+        "import elastic_emb as ee\n"
+        "t = ee.Table(dim=3, optimizer=ee.optimizers.SGD(1.0), initializer='zeros', name='env')\n"
+        "t.push(np.array([5]), np.ones((1, 3), np.float32))\n"
+        "print(type(t).__name__, t.pull(np.array([5]))[0].tolist())\n"
+    )
+    with shards(1) as ps:
+        env = {"ELASTIC_EMB_PS": ps[0].address}
+        out = run_python(script, env=env)
+        # A second process sees the first one's update on the shard.
+        out2 = run_python(script, env=env)
+    assert out.strip() == "RemoteTable [-1.0, -1.0, -1.0]"
+    assert out2.strip() == "RemoteTable [-2.0, -2.0, -2.0]"
+
+
+@pytest.mark.parametrize(
+    "tf_config, expected",
+    [
+        ({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 1}}, (1, 2)),
+        (
+            {
+                "cluster": {"chief": ["c:1"], "worker": ["a:1", "b:1"]},
+                "task": {"type": "worker", "index": 0},
+            },
+            (1, 3),
+        ),
+        (
+            {
+                "cluster": {"chief": ["c:1"], "worker": ["a:1"]},
+                "task": {"type": "chief", "index": 0},
+            },
+            (0, 2),
+        ),
+    ],
+)
+def test_worker_index_and_count_come_from_tf_config(monkeypatch, tf_config, expected):
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    assert remote._tf_config_worker() == expected
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="TF_CONFIG"):
+        remote._tf_config_worker()
