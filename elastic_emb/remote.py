@@ -590,17 +590,24 @@ class RemoteTable(Table):
         g = _rows_arg(grads, "grads", k.shape[0], self.dim)
         self.cluster.push({self.name: (self.dim, k, g)})
 
+    def _call_by_shard(
+        self, method: str, keys: np.ndarray, make: Any
+    ) -> tuple[list[np.ndarray], list[Any]]:
+        """Calls `method` on every shard with `make(positions of the keys it owns)`."""
+        split = sharding.split_by_shard(keys, self.cluster.num_shards)
+        self.cluster.flush()
+        return split, self.cluster.per_shard(method, lambda i: make(split[i]))
+
     def import_rows(self, keys: Any, values: Any) -> None:
         k = _keys_arg(keys)
         v = _rows_arg(values, "values", k.shape[0], self.dim)
-        split = sharding.split_by_shard(k, self.cluster.num_shards)
-        self.cluster.flush()
-        self.cluster.per_shard(
+        self._call_by_shard(
             "ImportRows",
-            lambda i: ps_pb2.ImportRowsRequest(
+            k,
+            lambda p: ps_pb2.ImportRowsRequest(
                 table=self.name,
-                keys=wire.encode_keys(k[split[i]]),
-                values=wire.encode_floats(v[split[i]], ps_pb2.FLOAT32),
+                keys=wire.encode_keys(k[p]),
+                values=wire.encode_floats(v[p], ps_pb2.FLOAT32),
             ),
         )
 
@@ -610,21 +617,19 @@ class RemoteTable(Table):
 
     def erase(self, keys: Any) -> int:
         k = _keys_arg(keys)
-        split = sharding.split_by_shard(k, self.cluster.num_shards)
-        self.cluster.flush()
-        responses = self.cluster.per_shard(
+        _, responses = self._call_by_shard(
             "EraseRows",
-            lambda i: ps_pb2.EraseRowsRequest(table=self.name, keys=wire.encode_keys(k[split[i]])),
+            k,
+            lambda p: ps_pb2.EraseRowsRequest(table=self.name, keys=wire.encode_keys(k[p])),
         )
         return sum(int(r.erased) for r in responses)
 
     def metadata(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         k = _keys_arg(keys)
-        split = sharding.split_by_shard(k, self.cluster.num_shards)
-        self.cluster.flush()
-        responses = self.cluster.per_shard(
+        split, responses = self._call_by_shard(
             "Metadata",
-            lambda i: ps_pb2.MetadataRequest(table=self.name, keys=wire.encode_keys(k[split[i]])),
+            k,
+            lambda p: ps_pb2.MetadataRequest(table=self.name, keys=wire.encode_keys(k[p])),
         )
         last_step = np.empty(len(k), np.int64)
         update_count = np.empty(len(k), np.int64)
@@ -667,18 +672,17 @@ class RemoteTable(Table):
         keys = _keys_arg(state.keys)
         values = _rows_arg(state.values, "values", n, self.dim)
         slots = _rows_arg(state.slots, "slots", n, self.num_slots * self.dim)
-        split = sharding.split_by_shard(keys, self.cluster.num_shards)
-        self.cluster.flush()
-        self.cluster.per_shard(
+        self._call_by_shard(
             "ImportRows",
-            lambda i: ps_pb2.ImportRowsRequest(
+            keys,
+            lambda p: ps_pb2.ImportRowsRequest(
                 table=self.name,
-                keys=wire.encode_keys(keys[split[i]]),
-                values=wire.encode_floats(values[split[i]], ps_pb2.FLOAT32),
+                keys=wire.encode_keys(keys[p]),
+                values=wire.encode_floats(values[p], ps_pb2.FLOAT32),
                 replace=True,
-                slots=wire.encode_floats(slots[split[i]], ps_pb2.FLOAT32),
-                last_step=np.ascontiguousarray(state.last_step[split[i]], "<u4").tobytes(),
-                update_count=np.ascontiguousarray(state.update_count[split[i]], "<u4").tobytes(),
+                slots=wire.encode_floats(slots[p], ps_pb2.FLOAT32),
+                last_step=np.ascontiguousarray(state.last_step[p], "<u4").tobytes(),
+                update_count=np.ascontiguousarray(state.update_count[p], "<u4").tobytes(),
                 iterations=int(state.iterations),
             ),
         )

@@ -339,3 +339,29 @@ def test_worker_index_and_count_come_from_tf_config(monkeypatch, tf_config, expe
     monkeypatch.setenv("TF_CONFIG", "{not json")
     with pytest.raises(ValueError, match="TF_CONFIG"):
         remote._tf_config_worker()
+
+
+def test_remote_table_behaves_as_the_local_table(connected):
+    """Every Table method, remote over 3 shards vs in-process, on the same calls."""
+    rng = np.random.default_rng(11)
+    keys = rng.integers(-(2**40), 2**40, 300)
+    local = ee.Table(dim=3, optimizer=ee.optimizers.Adagrad(0.1), name="same_local", seed=4)
+    with shards(3) as ps:
+        connected(ps=[s.address for s in ps], mode="async")
+        table = ee.Table(dim=3, optimizer=ee.optimizers.Adagrad(0.1), name="same_remote", seed=4)
+        assert isinstance(table, remote.RemoteTable)
+        for t in (local, table):
+            t.import_rows(keys[:100], np.arange(300, dtype=np.float32).reshape(100, 3))
+            t.pull(keys[50:200])
+            t.push(keys[::3], np.ones((100, 3), np.float32))
+            t.push(keys[::5], np.full((60, 3), 0.5, np.float32))
+        for got, expected in zip(
+            (table.pull(keys, train=False), table.metadata(keys), table.erase(keys[:7])),
+            (local.pull(keys, train=False), local.metadata(keys), local.erase(keys[:7])),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(got, expected)
+        assert len(table) == len(local) and table.iterations == local.iterations == 2
+        assert _sorted_rows(table)[0].tolist() == _sorted_rows(local)[0].tolist()
+        np.testing.assert_array_equal(_sorted_rows(table)[1], _sorted_rows(local)[1])
+        assert table.memory_bytes() > 0
