@@ -59,6 +59,7 @@ class _Steps:
         self.num_workers = 1
         self.staleness = -1
         self.pushed: dict[int, int] = {}  # worker -> last step pushed
+        self.applying: set[int] = set()  # ASYNC: workers whose push is being applied
         self.applied = 0  # SYNC: steps applied
         # SYNC: step -> (workers that pushed it, table -> [(keys, grads)])
         self.pending: dict[int, tuple[set[int], dict[str, list[tuple[np.ndarray, np.ndarray]]]]]
@@ -317,23 +318,31 @@ class ParameterServer(ps_pb2_grpc.ParameterServerServicer):
         s = self._steps
         with s.cond:
             last = s.pushed.get(request.worker, 0)
-            if request.step != last + 1:
+            if request.step != last + 1 or request.worker in s.applying:
                 raise _invalid(
                     f"wrong step {request.step}: worker {request.worker} pushed step {last} "
                     f"last, so its next push is step {last + 1}"
+                    + (" (once that one is applied)" if request.worker in s.applying else "")
                 )
-            s.pushed[request.worker] = request.step
-            if s.mode != ps_pb2.SYNC:
-                s.cond.notify_all()
-            else:
+            if s.mode == ps_pb2.SYNC:
+                s.pushed[request.worker] = request.step
                 workers, tables = s.pending.setdefault(request.step, (set(), {}))
                 workers.add(request.worker)
                 for name, (_, keys, grads) in work.items():
                     tables.setdefault(name, []).append((keys, grads))
                 self._apply_complete_steps()
                 return ps_pb2.PushResponse(step=s.applied)
-        for table, keys, grads in work.values():
-            table.push(keys, grads)
+            s.applying.add(request.worker)
+        # ASYNC: applied at once, outside the lock. The step counts as pushed
+        # once applied, so the worker's next pull reads its own update.
+        try:
+            for table, keys, grads in work.values():
+                table.push(keys, grads)
+        finally:
+            with s.cond:
+                s.applying.discard(request.worker)
+                s.pushed[request.worker] = request.step
+                s.cond.notify_all()
         with s.cond:
             return ps_pb2.PushResponse(step=s.step())
 

@@ -49,14 +49,16 @@ def _sorted_rows(table: ee.Table) -> tuple[np.ndarray, np.ndarray]:
     return keys[order], values[order]
 
 
-def test_one_worker_sync_equals_in_process_exactly(connected):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_worker_equals_in_process_exactly(connected, mode):
+    """One worker reads its own pushes in every mode: training is exactly in-process."""
     rng = np.random.default_rng(0)
     x = rng.integers(0, 300, (1024, 2))
     y = rng.integers(0, 2, (1024, 1)).astype(np.float32)
     local = _small_model("exact")
     local_loss = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     with shards(2) as ps:
-        cluster = connected(ps=[s.address for s in ps], mode="sync")
+        cluster = connected(ps=[s.address for s in ps], mode=mode)
         model = _small_model("exact")
         loss = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
         assert loss.history["loss"] == local_loss.history["loss"]
