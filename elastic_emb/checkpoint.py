@@ -22,6 +22,8 @@ __all__ = ["CheckpointError", "restore", "save"]
 FORMAT = "elastic_emb.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+# Shards write and read whole tables: allow them hours, not the step timeout.
+CLUSTER_IO_TIMEOUT = 6 * 3600.0
 
 
 class CheckpointError(ValueError):
@@ -112,7 +114,9 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
         parts.append(f"{parts_dir}/local")
         _save_part(root / parts[-1], local)
     cluster.per_shard(
-        "Save", lambda i: ps_pb2.SaveRequest(directory=str(root / parts[i]), tables=names)
+        "Save",
+        lambda i: ps_pb2.SaveRequest(directory=str(root / parts[i]), tables=names),
+        timeout=CLUSTER_IO_TIMEOUT,
     )
     for part in parts:
         _fsync_directory(root / part)
@@ -363,6 +367,7 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
                     shard_index=i,
                     num_slots=sharding.NUM_SLOTS,
                 ),
+                timeout=CLUSTER_IO_TIMEOUT,
             )
         except ValueError as e:
             raise CheckpointError(str(e)) from e

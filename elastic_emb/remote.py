@@ -310,10 +310,12 @@ class Cluster:
             s.max_seconds = max(s.max_seconds, elapsed)
         return response
 
-    def _call_all(self, method: str, requests: list[Any]) -> list[Any]:
+    def _call_all(
+        self, method: str, requests: list[Any], timeout: float | None = None
+    ) -> list[Any]:
         """Calls shard i with requests[i] (None: skip), concurrently."""
         jobs = {
-            i: self._pool.submit(self._call, i, method, r)
+            i: self._pool.submit(self._call, i, method, r, timeout)
             for i, r in enumerate(requests)
             if r is not None
         }
@@ -338,9 +340,12 @@ class Cluster:
     def server_stats(self) -> list[ps_pb2.StatsResponse]:
         return self._call_all("Stats", [ps_pb2.StatsRequest()] * self.num_shards)
 
-    def per_shard(self, method: str, make: Any) -> list[Any]:
-        """Calls `method` on every shard with `make(shard_index)`'s request."""
-        return self._call_all(method, [make(i) for i in range(self.num_shards)])
+    def per_shard(self, method: str, make: Any, timeout: float | None = None) -> list[Any]:
+        """Calls `method` on every shard with `make(shard_index)`'s request.
+
+        `timeout`: seconds per call; default `self.timeout` plus a minute.
+        """
+        return self._call_all(method, [make(i) for i in range(self.num_shards)], timeout)
 
     # Pull and push, fused over tables.
 
