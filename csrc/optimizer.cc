@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "check.h"
+#include "update_rules.h"
 
 namespace elastic_emb {
 
@@ -64,69 +65,30 @@ StepScalars MakeStepScalars(const OptimizerOptions& opts, float learning_rate, i
   return s;
 }
 
-void ApplyUpdate(const OptimizerOptions& opts, const StepScalars& s, int dim,
-                 const float* __restrict grad, float* __restrict value, float* __restrict slots) {
+UpdateRule MakeUpdateRule(const OptimizerOptions& opts, const StepScalars& s) {
   // Python-float expressions are evaluated in double and rounded once to
   // float32, as happens when Keras combines them with float32 tensors.
-  const float lr = s.learning_rate;
-  switch (opts.kind) {
-    case OptimizerKind::kSgd: {
-      if (opts.momentum == 0.0) {
-        for (int j = 0; j < dim; ++j) value[j] -= grad[j] * lr;
-        break;
-      }
-      float* m = slots;
-      const float mu = static_cast<float>(opts.momentum);
-      for (int j = 0; j < dim; ++j) {
-        m[j] = m[j] * mu - grad[j] * lr;
-        value[j] += opts.nesterov ? m[j] * mu - grad[j] * lr : m[j];
-      }
-      break;
-    }
-    case OptimizerKind::kAdagrad: {
-      float* acc = slots;
-      const float eps = static_cast<float>(opts.epsilon);
-      for (int j = 0; j < dim; ++j) {
-        acc[j] += grad[j] * grad[j];
-        value[j] -= (lr * grad[j]) / std::sqrt(acc[j] + eps);
-      }
-      break;
-    }
-    case OptimizerKind::kAdam: {
-      float* m = slots;
-      float* v = slots + dim;
-      const float one_minus_b1 = static_cast<float>(1.0 - opts.beta_1);
-      const float one_minus_b2 = static_cast<float>(1.0 - opts.beta_2);
-      const float eps = static_cast<float>(opts.epsilon);
-      for (int j = 0; j < dim; ++j) {
-        m[j] += (grad[j] - m[j]) * one_minus_b1;
-        v[j] += (grad[j] * grad[j] - v[j]) * one_minus_b2;
-        value[j] -= (m[j] * s.adam_alpha) / (std::sqrt(v[j]) + eps);
-      }
-      break;
-    }
-    case OptimizerKind::kFtrl: {
-      float* accum = slots;
-      float* linear = slots + dim;
-      const float p = static_cast<float>(-opts.learning_rate_power);
-      const float l1 = static_cast<float>(opts.l1_regularization_strength);
-      const float l2 = static_cast<float>(opts.l2_regularization_strength) +
-                       static_cast<float>(opts.beta) / (2.0f * lr);
-      const float shrink = static_cast<float>(2.0 * opts.l2_shrinkage_regularization_strength);
-      for (int j = 0; j < dim; ++j) {
-        const float g = grad[j];
-        const float grad_to_use = g + shrink * value[j];
-        const float new_accum = accum[j] + g * g;
-        const float new_pow = std::pow(new_accum, p);
-        linear[j] += grad_to_use - (new_pow - std::pow(accum[j], p)) / lr * value[j];
-        const float quadratic = new_pow / lr + 2.0f * l2;
-        const float clipped = std::min(std::max(linear[j], -l1), l1);
-        value[j] = (clipped - linear[j]) / quadratic;
-        accum[j] = new_accum;
-      }
-      break;
-    }
-  }
+  UpdateRule r;
+  r.kind = opts.kind;
+  r.momentum = opts.momentum != 0.0;
+  r.nesterov = opts.nesterov;
+  r.lr = s.learning_rate;
+  r.mu = static_cast<float>(opts.momentum);
+  r.eps = static_cast<float>(opts.epsilon);
+  r.one_minus_b1 = static_cast<float>(1.0 - opts.beta_1);
+  r.one_minus_b2 = static_cast<float>(1.0 - opts.beta_2);
+  r.adam_alpha = s.adam_alpha;
+  r.power = static_cast<float>(-opts.learning_rate_power);
+  r.l1 = static_cast<float>(opts.l1_regularization_strength);
+  r.l2 = static_cast<float>(opts.l2_regularization_strength) +
+         static_cast<float>(opts.beta) / (2.0f * r.lr);
+  r.shrink = static_cast<float>(2.0 * opts.l2_shrinkage_regularization_strength);
+  return r;
+}
+
+void ApplyUpdate(const UpdateRule& r, int dim, const float* __restrict grad,
+                 float* __restrict value, float* __restrict slots) {
+  for (int j = 0; j < dim; ++j) UpdateElement(r, dim, j, grad[j], value, slots);
 }
 
 }  // namespace elastic_emb

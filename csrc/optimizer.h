@@ -50,9 +50,12 @@ struct StepScalars {
 
 StepScalars MakeStepScalars(const OptimizerOptions& opts, float learning_rate, int64_t step);
 
-// Applies one update. value: (dim,), slots: (NumSlots() * dim,), grad: (dim,),
-// all host memory, not overlapping. Not synchronized: the caller owns the row.
-void ApplyUpdate(const OptimizerOptions& opts, const StepScalars& s, int dim,
-                 const float* __restrict grad, float* __restrict value, float* __restrict slots);
+struct UpdateRule;
+
+// Applies one update (the rule from MakeUpdateRule, update_rules.h).
+// value: (dim,), slots: (NumSlots() * dim,), grad: (dim,), all host memory,
+// not overlapping. Not synchronized: the caller owns the row.
+void ApplyUpdate(const UpdateRule& rule, int dim, const float* __restrict grad,
+                 float* __restrict value, float* __restrict slots);
 
 }  // namespace elastic_emb

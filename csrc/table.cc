@@ -7,6 +7,7 @@
 #include "check.h"
 #include "memory.h"
 #include "thread_pool.h"
+#include "update_rules.h"
 
 namespace elastic_emb {
 namespace {
@@ -226,7 +227,8 @@ void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
 void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate,
                  int64_t step) {
   EE_CHECK(step >= 1 && step <= 0xFFFFFFFFll, "step must be in [1, 2^32), got " << step);
-  const StepScalars scalars = MakeStepScalars(options_.optimizer, learning_rate, step);
+  const UpdateRule rule =
+      MakeUpdateRule(options_.optimizer, MakeStepScalars(options_.optimizer, learning_rate, step));
   const int dim = options_.dim;
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     thread_local std::vector<uint32_t> scratch;
@@ -258,7 +260,7 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
         grad = sum.data();
       }
       float* r = Row(s, row);
-      ApplyUpdate(options_.optimizer, scalars, dim, grad, r, r + dim);
+      ApplyUpdate(rule, dim, grad, r, r + dim);
       SetWord(r + row_floats_ - 2, static_cast<uint32_t>(step));
       SetWord(r + row_floats_ - 1, GetWord(r + row_floats_ - 1) + 1);
       a = e;
