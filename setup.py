@@ -2,6 +2,8 @@
 
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -11,15 +13,82 @@ HERE = Path(__file__).parent
 CXX_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
 
 
-def cuda_objects() -> list[str]:
-    """Object files of optional CUDA kernels to link into _core.
+CUDA_ARCHS = ["80", "90"]  # A100, H100/H200; PTX of the last for newer GPUs
+NVCC_FLAGS = [
+    "-std=c++17",
+    "-O3",
+    "--fmad=false",  # no contraction into FMA: results match the CPU core
+    "-Xcompiler=-fPIC,-fvisibility=hidden",
+    "-DEE_WITH_CUDA=1",
+    *(f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS),
+    f"-gencode=arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}",
+]
 
-    The CPU build links none. GPU kernels (csrc/*.cu) are compiled here with
-    nvcc when `ELASTIC_EMB_CUDA` asks for them; see docs/architecture.md.
-    """
-    if os.environ.get("ELASTIC_EMB_CUDA", "0") not in ("0", "auto"):
-        raise RuntimeError("ELASTIC_EMB_CUDA=1: this release has no CUDA kernels yet")
-    return []
+
+def cuda_mode() -> str:
+    """ELASTIC_EMB_CUDA: "1" (require CUDA), "0" (CPU only) or "auto" (default: if nvcc is found)."""
+    mode = os.environ.get("ELASTIC_EMB_CUDA", "auto").strip().lower()
+    if mode not in ("0", "1", "auto"):
+        raise RuntimeError(f"ELASTIC_EMB_CUDA must be 0, 1 or auto, not {mode!r}")
+    return mode
+
+
+def find_nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [Path(home) / "bin" / "nvcc"] if home else []
+    found = shutil.which("nvcc")
+    candidates += [Path(found)] if found else []
+    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+    return next((str(c) for c in candidates if c.is_file()), None)
+
+
+def cuda_lib_dir(nvcc: str) -> Path:
+    """The directory of libcudart_static.a of this nvcc's CUDA (nvcc may be a wrapper script)."""
+    roots = [Path(nvcc).resolve().parent.parent]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    roots += [Path(home)] if home else []
+    roots.append(Path("/usr/local/cuda"))
+    for root in roots:
+        for lib in ("lib64", "lib", "targets/x86_64-linux/lib"):
+            if (root / lib / "libcudart_static.a").is_file():
+                return root / lib
+    raise RuntimeError(f"libcudart_static.a not found under {[str(r) for r in roots]}")
+
+
+class BuildExt(build_ext):
+    """Compiles csrc/*.cu with nvcc (when ELASTIC_EMB_CUDA allows) and links them into _core."""
+
+    def build_extensions(self) -> None:
+        mode, nvcc = cuda_mode(), find_nvcc()
+        if mode == "1" and nvcc is None:
+            raise RuntimeError("ELASTIC_EMB_CUDA=1, but nvcc was not found (set CUDA_HOME)")
+        if mode != "0" and nvcc is not None:
+            objects = self.compile_cuda(nvcc)
+            for ext in self.extensions:
+                ext.extra_objects += objects
+                ext.extra_link_args += [f"-L{cuda_lib_dir(nvcc)}", "-lcudart_static", "-ldl", "-lrt"]
+                ext.define_macros = [(k, v) for k, v in ext.define_macros if k != "EE_WITH_CUDA"]
+                ext.define_macros.append(("EE_WITH_CUDA", "1"))
+        super().build_extensions()
+
+    def compile_cuda(self, nvcc: str) -> list[str]:
+        out_dir = Path(self.build_temp) / "cuda"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        headers = list(Path("csrc").glob("*.h"))
+        jobs, objects = [], []
+        for source in sorted(Path("csrc").glob("*.cu")):
+            obj = out_dir / (source.stem + ".o")
+            objects.append(str(obj))
+            newest = max(p.stat().st_mtime for p in [source, *headers])
+            if obj.exists() and obj.stat().st_mtime >= newest and not self.force:
+                continue
+            command = [nvcc, *NVCC_FLAGS, "-Icsrc", "-c", str(source), "-o", str(obj)]
+            print(" ".join(command))
+            jobs.append((source, subprocess.Popen(command)))
+        for source, job in jobs:
+            if job.wait() != 0:
+                raise RuntimeError(f"nvcc failed on {source}")
+        return objects
 
 
 def version() -> str:
@@ -32,7 +101,6 @@ core = Pybind11Extension(
     sorted(str(p) for p in Path("csrc").glob("*.cc")),
     cxx_std=17,
     extra_compile_args=CXX_FLAGS,
-    extra_objects=cuda_objects(),
     define_macros=[
         ("EE_CXX_FLAGS", '"' + " ".join(CXX_FLAGS) + '"'),
         ("EE_WITH_CUDA", "0"),
@@ -49,7 +117,7 @@ setup(
     packages=find_packages(include=["elastic_emb", "elastic_emb.*"]),
     package_data={"elastic_emb": ["py.typed", "_core.pyi", "_proto/*.pyi"]},
     ext_modules=[core],
-    cmdclass={"build_ext": build_ext},
+    cmdclass={"build_ext": BuildExt},
     # TensorFlow is an extra so that installing never pulls a second
     # TensorFlow next to the user's `tensorflow` or `tensorflow-cpu`.
     # grpcio and protobuf are TensorFlow's own dependencies too; the generated

@@ -17,6 +17,9 @@
 #ifndef EE_WITH_CUDA
 #define EE_WITH_CUDA 0
 #endif
+#if EE_WITH_CUDA
+#include "device_table.h"
+#endif
 
 namespace py = pybind11;
 using elastic_emb::InvalidArgument;
@@ -92,41 +95,35 @@ elastic_emb::TableOptions MakeOptions(int dim, const std::string& initializer, f
   return o;
 }
 
-}  // namespace
+void PullToHost(elastic_emb::Table& t, int64_t n, const int64_t* k, float* o, bool train) {
+  t.Pull(n, k, o, train);
+}
 
-PYBIND11_MODULE(_core, m) {
-  m.doc() = "elastic_emb C++ core (private; use the elastic_emb package).";
-  py::register_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+void PushFromHost(elastic_emb::Table& t, int64_t n, const int64_t* k, const float* g, float lr,
+                  int64_t step) {
+  t.Push(n, k, g, lr, step);
+}
 
-  m.attr("cxx_flags") = EE_CXX_FLAGS;
-  m.attr("with_cuda") = static_cast<bool>(EE_WITH_CUDA);
-  m.def("pool_threads", &elastic_emb::PoolThreads, "Threads used by batch calls.");
-  m.def("compiler", [] {
-#if defined(__clang__)
-    return std::string("clang ") + __clang_version__;
-#elif defined(__GNUC__)
-    return std::string("gcc ") + __VERSION__;
-#else
-    return std::string("unknown");
+#if EE_WITH_CUDA
+void PullToHost(elastic_emb::DeviceTable& t, int64_t n, const int64_t* k, float* o, bool train) {
+  t.Pull(n, k, o, /*out_on_device=*/false, train);
+}
+
+void PushFromHost(elastic_emb::DeviceTable& t, int64_t n, const int64_t* k, const float* g,
+                  float lr, int64_t step) {
+  t.Push(n, k, g, /*grads_on_device=*/false, lr, step);
+}
+
 #endif
-  });
 
-  using elastic_emb::Table;
-  py::class_<Table>(m, "Table")
-      .def(py::init([](int dim, const std::string& initializer, float init_a, float init_b,
-                       uint64_t seed, const std::string& optimizer, const py::dict& optimizer_args,
-                       int shard_bits) {
-             return new Table(MakeOptions(dim, initializer, init_a, init_b, seed, optimizer,
-                                          optimizer_args, shard_bits));
-           }),
-           py::arg("dim"), py::arg("initializer"), py::arg("init_a"), py::arg("init_b"),
-           py::arg("seed"), py::arg("optimizer"), py::arg("optimizer_args"),
-           py::arg("shard_bits") = 6)
-      .def_property_readonly("dim", &Table::dim)
-      .def_property_readonly("num_slots", &Table::num_slots)
+// The methods Table and DeviceTable share, with the same Python signatures.
+template <typename T>
+void BindTableMethods(py::class_<T>& cls) {
+  cls.def_property_readonly("dim", &T::dim)
+      .def_property_readonly("num_slots", &T::num_slots)
       .def(
           "pull",
-          [](Table& t, const py::array& keys_in, bool train) {
+          [](T& t, const py::array& keys_in, bool train) {
             auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
             const py::ssize_t n = keys.shape(0);
             py::array_t<float> out({n, static_cast<py::ssize_t>(t.dim())});
@@ -134,28 +131,27 @@ PYBIND11_MODULE(_core, m) {
             float* o = out.mutable_data();
             {
               py::gil_scoped_release release;
-              t.Pull(n, k, o, train);
+              PullToHost(t, n, k, o, train);
             }
             return out;
           },
           py::arg("keys"), py::arg("train"))
       .def(
           "push",
-          [](Table& t, const py::array& keys_in, const py::array& grads_in, float learning_rate,
+          [](T& t, const py::array& keys_in, const py::array& grads_in, float learning_rate,
              int64_t step) {
             auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
             auto grads = CheckArray<float>(grads_in, "grads", {keys.shape(0), t.dim()});
             const int64_t* k = keys.data();
             const float* g = grads.data();
             py::gil_scoped_release release;
-            t.Push(keys.shape(0), k, g, learning_rate, step);
+            PushFromHost(t, keys.shape(0), k, g, learning_rate, step);
           },
           py::arg("keys"), py::arg("grads"), py::arg("learning_rate"), py::arg("step"))
       .def(
           "import_rows",
-          [](Table& t, const py::array& keys_in, const py::array& values_in,
-             const py::object& slots_in, const py::object& last_step_in,
-             const py::object& update_count_in) {
+          [](T& t, const py::array& keys_in, const py::array& values_in, const py::object& slots_in,
+             const py::object& last_step_in, const py::object& update_count_in) {
             auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
             const py::ssize_t n = keys.shape(0);
             auto values = CheckArray<float>(values_in, "values", {n, t.dim()});
@@ -181,7 +177,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("keys"), py::arg("values"), py::arg("slots") = py::none(),
           py::arg("last_step") = py::none(), py::arg("update_count") = py::none())
       .def("export_rows",
-           [](const Table& t) {
+           [](T& t) {
              elastic_emb::ExportedRows rows;
              {
                py::gil_scoped_release release;
@@ -197,7 +193,7 @@ PYBIND11_MODULE(_core, m) {
            })
       .def(
           "erase",
-          [](Table& t, const py::array& keys_in) {
+          [](T& t, const py::array& keys_in) {
             auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
             const int64_t* k = keys.data();
             py::gil_scoped_release release;
@@ -206,7 +202,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("keys"))
       .def(
           "metadata",
-          [](const Table& t, const py::array& keys_in) {
+          [](T& t, const py::array& keys_in) {
             auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
             const py::ssize_t n = keys.shape(0);
             py::array_t<int64_t> last_step(n), update_count(n);
@@ -220,6 +216,203 @@ PYBIND11_MODULE(_core, m) {
             return py::make_tuple(last_step, update_count);
           },
           py::arg("keys"))
-      .def("size", &Table::Size, py::call_guard<py::gil_scoped_release>())
-      .def("memory_bytes", &Table::MemoryBytes, py::call_guard<py::gil_scoped_release>());
+      .def("size", &T::Size, py::call_guard<py::gil_scoped_release>())
+      .def("memory_bytes", &T::MemoryBytes, py::call_guard<py::gil_scoped_release>());
+}
+
+#if EE_WITH_CUDA
+// DLPack (https://dmlc.github.io/dlpack): the C ABI of a tensor handed
+// between frameworks in a PyCapsule named "dltensor".
+struct DLDevice {
+  int32_t device_type;  // 1: CPU, 2: CUDA
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 0: int, 1: uint, 2: float
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // in elements; null: C-contiguous
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+
+// A DLManagedTensor over memory owned by a Python object (kept alive until
+// the consumer calls the deleter).
+struct Exported {
+  DLManagedTensor managed;
+  std::vector<int64_t> shape;
+  PyObject* owner;
+};
+
+py::capsule ToDlpack(uintptr_t data, std::vector<int64_t> shape, int code, int bits, int device_id,
+                     py::object owner) {
+  auto* e = new Exported{};
+  e->shape = std::move(shape);
+  e->owner = owner.release().ptr();
+  DLTensor& t = e->managed.dl_tensor;
+  t.data = reinterpret_cast<void*>(data);
+  t.device = {2, device_id};
+  t.ndim = static_cast<int32_t>(e->shape.size());
+  t.dtype = {static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+  t.shape = e->shape.data();
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  e->managed.manager_ctx = e;
+  e->managed.deleter = [](DLManagedTensor* self) {
+    auto* owned = static_cast<Exported*>(self->manager_ctx);
+    py::gil_scoped_acquire gil;
+    Py_XDECREF(owned->owner);
+    delete owned;
+  };
+  return py::capsule(&e->managed, "dltensor", [](PyObject* capsule) {
+    // Unconsumed (still named "dltensor"): the producer frees it.
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+      auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+      managed->deleter(managed);
+    }
+  });
+}
+
+// What a "dltensor" capsule describes; the capsule must outlive the use.
+py::dict DlpackInfo(const py::capsule& capsule) {
+  EE_CHECK(PyCapsule_IsValid(capsule.ptr(), "dltensor"),
+           "expected an unconsumed DLPack capsule named 'dltensor'");
+  const auto* managed =
+      static_cast<const DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  const DLTensor& t = managed->dl_tensor;
+  std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
+  py::object strides = py::none();
+  if (t.strides != nullptr) strides = py::cast(std::vector<int64_t>(t.strides, t.strides + t.ndim));
+  py::dict info;
+  info["data"] = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
+  info["device_type"] = t.device.device_type;
+  info["device_id"] = t.device.device_id;
+  info["shape"] = shape;
+  info["strides"] = strides;
+  info["code"] = static_cast<int>(t.dtype.code);
+  info["bits"] = static_cast<int>(t.dtype.bits);
+  info["lanes"] = static_cast<int>(t.dtype.lanes);
+  return info;
+}
+
+void BindDevice(py::module_& m) {
+  using elastic_emb::DeviceTable;
+  py::register_exception<elastic_emb::CudaError>(m, "CudaError", PyExc_RuntimeError);
+  py::register_exception<elastic_emb::CudaOutOfMemory>(m, "CudaOutOfMemory", PyExc_MemoryError);
+  py::class_<DeviceTable> cls(m, "DeviceTable");
+  cls.def(py::init([](int dim, const std::string& initializer, float init_a, float init_b,
+                      uint64_t seed, const std::string& optimizer, const py::dict& optimizer_args) {
+            return new DeviceTable(MakeOptions(dim, initializer, init_a, init_b, seed, optimizer,
+                                               optimizer_args, /*shard_bits=*/0));
+          }),
+          py::arg("dim"), py::arg("initializer"), py::arg("init_a"), py::arg("init_b"),
+          py::arg("seed"), py::arg("optimizer"), py::arg("optimizer_args"));
+  BindTableMethods(cls);
+  // Device pointers are passed as integers; the Python wrapper checks them.
+  cls.def(
+         "pull_to_device",
+         [](DeviceTable& t, const py::array& keys_in, uintptr_t out, bool train) {
+           auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
+           const int64_t* k = keys.data();
+           py::gil_scoped_release release;
+           t.Pull(keys.shape(0), k, reinterpret_cast<float*>(out), /*out_on_device=*/true, train);
+         },
+         py::arg("keys"), py::arg("out"), py::arg("train"))
+      .def(
+          "push_from_device",
+          [](DeviceTable& t, const py::array& keys_in, uintptr_t grads, float learning_rate,
+             int64_t step) {
+            auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
+            const int64_t* k = keys.data();
+            py::gil_scoped_release release;
+            t.Push(keys.shape(0), k, reinterpret_cast<const float*>(grads),
+                   /*grads_on_device=*/true, learning_rate, step);
+          },
+          py::arg("keys"), py::arg("grads"), py::arg("learning_rate"), py::arg("step"))
+      .def("reserve", &DeviceTable::Reserve, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("capacity", &DeviceTable::capacity)
+      .def(
+          "gather_rows",
+          [](DeviceTable& t, uintptr_t rows, int64_t n, uintptr_t out) {
+            t.GatherRows(reinterpret_cast<const uint32_t*>(rows), n, reinterpret_cast<float*>(out));
+          },
+          py::arg("rows"), py::arg("n"), py::arg("out"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "apply_rows",
+          [](DeviceTable& t, uintptr_t rows, int64_t n, uintptr_t grads, float lr, int64_t step) {
+            t.ApplyRows(reinterpret_cast<const uint32_t*>(rows), n,
+                        reinterpret_cast<const float*>(grads), lr, step);
+          },
+          py::arg("rows"), py::arg("n"), py::arg("grads"), py::arg("learning_rate"),
+          py::arg("step"), py::call_guard<py::gil_scoped_release>())
+      .def("synchronize", &DeviceTable::Synchronize, py::call_guard<py::gil_scoped_release>());
+
+  m.def("device_malloc", [](int64_t bytes) {
+    return reinterpret_cast<uintptr_t>(elastic_emb::DeviceMalloc(bytes));
+  });
+  m.def("device_free", [](uintptr_t p) { elastic_emb::DeviceFree(reinterpret_cast<void*>(p)); });
+  m.def("copy_to_host", [](py::array out, uintptr_t src) {
+    EE_CHECK(out.flags() & py::array::c_style, "`out` must be C-contiguous");
+    elastic_emb::CopyToHost(out.mutable_data(), reinterpret_cast<const void*>(src), out.nbytes());
+  });
+  m.def("copy_to_device", [](uintptr_t dst, const py::array& in) {
+    EE_CHECK(in.flags() & py::array::c_style, "`in` must be C-contiguous");
+    elastic_emb::CopyToDevice(reinterpret_cast<void*>(dst), in.data(), in.nbytes());
+  });
+  m.def("device_synchronize", &elastic_emb::DeviceSynchronize,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("to_dlpack", &ToDlpack, py::arg("data"), py::arg("shape"), py::arg("code"), py::arg("bits"),
+        py::arg("device_id"), py::arg("owner"));
+  m.def("dlpack_info", &DlpackInfo, py::arg("capsule"));
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "elastic_emb C++ core (private; use the elastic_emb package).";
+  py::register_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+
+  m.attr("cxx_flags") = EE_CXX_FLAGS;
+  m.attr("with_cuda") = static_cast<bool>(EE_WITH_CUDA);
+  m.def("pool_threads", &elastic_emb::PoolThreads, "Threads used by batch calls.");
+  m.def("compiler", [] {
+#if defined(__clang__)
+    return std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+    return std::string("gcc ") + __VERSION__;
+#else
+    return std::string("unknown");
+#endif
+  });
+
+  py::class_<elastic_emb::Table> table(m, "Table");
+  table.def(py::init([](int dim, const std::string& initializer, float init_a, float init_b,
+                        uint64_t seed, const std::string& optimizer, const py::dict& optimizer_args,
+                        int shard_bits) {
+              return new elastic_emb::Table(MakeOptions(dim, initializer, init_a, init_b, seed,
+                                                        optimizer, optimizer_args, shard_bits));
+            }),
+            py::arg("dim"), py::arg("initializer"), py::arg("init_a"), py::arg("init_b"),
+            py::arg("seed"), py::arg("optimizer"), py::arg("optimizer_args"),
+            py::arg("shard_bits") = 6);
+  BindTableMethods(table);
+
+#if EE_WITH_CUDA
+  BindDevice(m);
+  m.def("cuda_device_count", &elastic_emb::CudaDeviceCount, "Visible CUDA devices.");
+#else
+  m.def("cuda_device_count", [] { return 0; }, "Visible CUDA devices (none: CPU-only build).");
+#endif
 }

@@ -5,7 +5,9 @@ hash table (in-process by default, or on parameter-server shards after
 `ee.init`) with server-side sparse optimizers.
 
 Names load on first use, so tools that need no TensorFlow (`elastic-emb
-health`) start fast.
+health`) start fast. In-process tables (`Table`, `optimizers`,
+`initializers`, `checkpoint`, `gpu`...) work without TensorFlow/Keras; the
+Keras layers, callbacks, data pipeline, models and remote tables need them.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import importlib
 import platform
 from typing import TYPE_CHECKING, Any
 
-_SUBMODULES = {
-    "_core", "callbacks", "checkpoint", "data", "distribute", "initializers", "layers", "models",
-    "optimizers", "remote", "server", "sharding", "table", "wire",
+# Submodules and names that need TensorFlow with Keras 3.
+_TF_SUBMODULES = {"callbacks", "data", "distribute", "layers", "models", "remote", "server"}
+# Submodules that work without TensorFlow and Keras (remote tables aside).
+_PLAIN_SUBMODULES = {
+    "_core", "checkpoint", "gpu", "initializers", "optimizers", "sharding", "table", "wire",
 }  # fmt: skip
+_SUBMODULES = _TF_SUBMODULES | _PLAIN_SUBMODULES
 _NAMES = {
     "CheckpointError": "checkpoint",
     "restore": "checkpoint",
@@ -62,10 +67,12 @@ def _check_tensorflow() -> None:
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        _check_tensorflow()
+        if name in _TF_SUBMODULES:
+            _check_tensorflow()
         value = importlib.import_module(f"elastic_emb.{name}")
     elif name in _NAMES:
-        _check_tensorflow()
+        if _NAMES[name] in _TF_SUBMODULES:
+            _check_tensorflow()
         value = getattr(importlib.import_module(f"elastic_emb.{_NAMES[name]}"), name)
     else:
         raise AttributeError(f"module 'elastic_emb' has no attribute {name!r}")
@@ -74,11 +81,10 @@ def __getattr__(name: str) -> Any:
 
 
 def build_info() -> dict[str, Any]:
-    """How this copy of elastic_emb was built and what it runs on."""
-    _check_tensorflow()
-    import keras
-    import tensorflow as tf
+    """How this copy of elastic_emb was built and what it runs on.
 
+    `tensorflow` and `keras` are None where they are not installed.
+    """
     from elastic_emb import _core
 
     return {
@@ -88,9 +94,17 @@ def build_info() -> dict[str, Any]:
         "cuda": bool(_core.with_cuda),
         "threads": _core.pool_threads(),
         "python": platform.python_version(),
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
+        "tensorflow": _version_of("tensorflow"),
+        "keras": _version_of("keras"),
     }
+
+
+def _version_of(module: str) -> str | None:
+    """`module.__version__`, or None if it cannot be imported."""
+    try:
+        return str(importlib.import_module(module).__version__)
+    except ImportError:
+        return None
 
 
 if TYPE_CHECKING:

@@ -7,14 +7,13 @@ import json
 import os
 import secrets
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from elastic_emb import sharding
-from elastic_emb._proto import ps_pb2
-from elastic_emb.remote import RemoteTable
 from elastic_emb.table import Table, TableState, registered_tables, unregister
 
 __all__ = ["CheckpointError", "restore", "save"]
@@ -67,6 +66,17 @@ def _layout(num_rows: int, dim: int, num_slots: int) -> list[tuple[str, np.dtype
     ]
 
 
+def _is_remote(table: Table) -> bool:
+    """Whether `table` is a `RemoteTable`.
+
+    Remote tables exist only once `elastic_emb.remote` is loaded, so this
+    imports neither it nor gRPC and protobuf (checkpoints of in-process tables
+    work without them).
+    """
+    remote = sys.modules.get("elastic_emb.remote")
+    return remote is not None and isinstance(table, remote.RemoteTable)
+
+
 def _tables_arg(tables: Any) -> dict[str, Table]:
     if tables is None:
         return registered_tables()
@@ -96,7 +106,7 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
     root = Path(directory).absolute()
     root.mkdir(parents=True, exist_ok=True)
     chosen = _tables_arg(tables)
-    remote_tables = {n: t for n, t in chosen.items() if isinstance(t, RemoteTable)}
+    remote_tables = {n: t for n, t in chosen.items() if _is_remote(t)}
     if not remote_tables:
         _save_part(root, chosen)
         _remove_unused(root, keep_parts=set())
@@ -105,6 +115,8 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
     if len(clusters) != 1:
         raise ValueError("ee.save: the remote tables belong to different ee.init() connections")
     (cluster,) = clusters.values()
+    from elastic_emb._proto import ps_pb2
+
     cluster.flush()
     parts_dir = f"parts-{secrets.token_hex(4)}"
     parts = [f"{parts_dir}/shard-{i:04d}" for i in range(cluster.num_shards)]
@@ -340,7 +352,7 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
                 created.append(table)
             check_fits(table, entries[name], root)
             targets[name] = table
-        local = [n for n, t in targets.items() if not isinstance(t, RemoteTable)]
+        local = [n for n, t in targets.items() if not _is_remote(t)]
         _, states = read_shards([root], local) if local else ({}, {})
     except Exception as e:
         for table in created:  # a failed restore leaves no trace
@@ -353,8 +365,10 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
     # Phase 2: apply.
     for name, state in states.items():
         targets[name].load_state(state)
-    remote_names = sorted(n for n, t in targets.items() if isinstance(t, RemoteTable))
+    remote_names = sorted(n for n, t in targets.items() if _is_remote(t))
     if remote_names:
+        from elastic_emb._proto import ps_pb2
+
         cluster = targets[remote_names[0]].cluster  # type: ignore[attr-defined]
         cluster.flush()
         try:

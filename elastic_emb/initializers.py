@@ -3,14 +3,20 @@
 A table draws a row's initial value from the same distribution as the Keras
 initializer, but as a pure function of (table seed, key) rather than from a
 random stream, so any process computes the same value for the same key.
+
+Keras is optional: the names below resolve without it; it is only imported
+for Keras objects, config dicts and other names (to resolve or reject them
+as Keras does).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-import keras
+if TYPE_CHECKING:
+    import keras
 
 __all__ = ["InitializerSpec", "get"]
 
@@ -30,6 +36,26 @@ _KINDS = {
 }
 
 
+# The names `keras.initializers.get` resolves to a supported initializer, with
+# the Keras defaults (case-sensitive, as in Keras); "constant" is special-cased.
+_KERAS_NAMES = {
+    "zeros": ("zeros", 0.0, 0.0),
+    "zero": ("zeros", 0.0, 0.0),
+    "Zeros": ("zeros", 0.0, 0.0),
+    "ones": ("ones", 0.0, 0.0),
+    "one": ("ones", 0.0, 0.0),
+    "Ones": ("ones", 0.0, 0.0),
+    "uniform": ("uniform", -0.05, 0.05),
+    "random_uniform": ("uniform", -0.05, 0.05),
+    "RandomUniform": ("uniform", -0.05, 0.05),
+    "normal": ("normal", 0.0, 0.05),
+    "random_normal": ("normal", 0.0, 0.05),
+    "RandomNormal": ("normal", 0.0, 0.05),
+    "truncated_normal": ("truncated_normal", 0.0, 0.05),
+    "TruncatedNormal": ("truncated_normal", 0.0, 0.05),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class InitializerSpec:
     """A core initializer: `kind` with parameters `a`, `b`.
@@ -44,6 +70,8 @@ class InitializerSpec:
 
     def to_keras(self) -> keras.initializers.Initializer:
         """The Keras initializer with the same distribution."""
+        import keras
+
         if self.kind == "uniform":
             return keras.initializers.RandomUniform(self.a, self.b)
         if self.kind == "normal":
@@ -66,12 +94,18 @@ def get(identifier: Any) -> InitializerSpec:
         return identifier
     if isinstance(identifier, str) and identifier.lower() == "constant":
         return InitializerSpec("constant", 0.0)  # keras.initializers.Constant()'s default
+    if isinstance(identifier, str) and identifier in _KERAS_NAMES:
+        return InitializerSpec(*_KERAS_NAMES[identifier])
     if isinstance(identifier, str | dict):
         try:
+            import keras
+
             obj = keras.initializers.get(identifier)
-        except (ValueError, KeyError, TypeError):
+        except (ImportError, ValueError, KeyError, TypeError):
             obj = None
-    if isinstance(obj, keras.initializers.Initializer):
+    keras_module = sys.modules.get("keras")
+    initializer_cls = getattr(getattr(keras_module, "initializers", None), "Initializer", None)
+    if isinstance(initializer_cls, type) and isinstance(obj, initializer_cls):
         kind = _KINDS.get(type(obj).__name__.lower())
         config = obj.get_config()
         if kind == "uniform":

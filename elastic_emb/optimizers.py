@@ -4,19 +4,63 @@ Each class mirrors the `keras.optimizers` class of the same name: the same
 update formula, arguments and defaults. They are applied lazily: a push
 updates only the rows it touches (see docs/optimizers.md for where that
 differs from dense Keras updates).
+
+Keras is optional here: it is only touched when given a Keras object (an
+optimizer or a learning-rate schedule) or a serialized schedule, so tables
+work in processes without TensorFlow/Keras.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, TypeAlias
+import sys
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
-import keras
+if TYPE_CHECKING:
+    import keras
 
 __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "Optimizer", "get"]
 
 LearningRate: TypeAlias = "float | keras.optimizers.schedules.LearningRateSchedule"
+
+
+def _loaded_keras_class(module: str, name: str) -> type | None:
+    """`keras.<module>.<name>` if Keras is already imported, else None.
+
+    An object can only be an instance of a Keras class once Keras is loaded,
+    so checking needs no import (which would load TensorFlow).
+    """
+    keras_module = sys.modules.get("keras")
+    if keras_module is None:
+        return None
+    obj: Any = keras_module
+    for part in (*module.split("."), name):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, type) else None
+
+
+def _is_schedule(value: Any) -> bool:
+    """Whether `value` is a `keras.optimizers.schedules.LearningRateSchedule`."""
+    cls = _loaded_keras_class("optimizers.schedules", "LearningRateSchedule")
+    return cls is not None and isinstance(value, cls)
+
+
+def _is_keras_optimizer(value: Any) -> bool:
+    """Whether `value` is a `keras.optimizers.Optimizer`."""
+    cls = _loaded_keras_class("optimizers", "Optimizer")
+    return cls is not None and isinstance(value, cls)
+
+
+def _import_keras(what: str) -> Any:
+    """Imports Keras, or raises an ImportError that says what needed it."""
+    try:
+        import keras
+    except ImportError as e:
+        raise ImportError(f"{what} needs Keras (install tensorflow with Keras 3)") from e
+    return keras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +78,7 @@ class Optimizer:
 
     def __post_init__(self) -> None:
         lr = self.learning_rate
-        if not isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+        if not _is_schedule(lr):
             if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
                 raise ValueError(
                     "`learning_rate` must be a positive float or a LearningRateSchedule. "
@@ -45,7 +89,8 @@ class Optimizer:
     def learning_rate_at(self, iterations: int) -> float:
         """The learning rate of the update that follows `iterations` updates."""
         lr = self.learning_rate
-        if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+        if _is_schedule(lr):
+            keras = _import_keras("A learning-rate schedule")
             return float(keras.ops.convert_to_numpy(lr(iterations)))
         return lr
 
@@ -61,7 +106,8 @@ class Optimizer:
         config: dict[str, Any] = {"class_name": type(self).__name__}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, keras.optimizers.schedules.LearningRateSchedule):
+            if _is_schedule(value):
+                keras = _import_keras("Serializing a learning-rate schedule")
                 value = keras.saving.serialize_keras_object(value)
             config[f.name] = value
         return config
@@ -72,6 +118,7 @@ class Optimizer:
         cls = _BY_NAME[config.pop("class_name").lower()]
         lr = config.get("learning_rate")
         if isinstance(lr, dict):
+            keras = _import_keras("A serialized learning-rate schedule")
             config["learning_rate"] = keras.saving.deserialize_keras_object(lr)
         return cls(**config)
 
@@ -193,6 +240,7 @@ def from_keras(optimizer: keras.optimizers.Optimizer) -> Optimizer:
         ValueError: for an optimizer class without a sparse version, or an
             option that the table cannot honour (named in the message).
     """
+    keras = _import_keras("Converting a keras.optimizers optimizer")
     name = type(optimizer).__name__
     cls = _BY_NAME.get(name.lower())
     if cls is None:
@@ -209,7 +257,7 @@ def from_keras(optimizer: keras.optimizers.Optimizer) -> Optimizer:
                 f"tables. Received: {option}={value!r}"
             )
     lr = optimizer._learning_rate
-    if not isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+    if not _is_schedule(lr):
         lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     args = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
     args["learning_rate"] = lr
@@ -226,7 +274,7 @@ def get(identifier: Any) -> Optimizer:
     """
     if isinstance(identifier, Optimizer):
         return identifier
-    if isinstance(identifier, keras.optimizers.Optimizer):
+    if _is_keras_optimizer(identifier):
         return from_keras(identifier)
     if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
         return _BY_NAME[identifier.lower()]()

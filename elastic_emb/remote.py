@@ -567,7 +567,12 @@ class RemoteTable(Table):
         initializer: Any = "uniform",
         name: str = "table",
         seed: int | None = None,
+        device: str = "cpu",
     ) -> None:
+        if device != "cpu":
+            raise ValueError(
+                f"Remote tables live on the PS shards' CPUs. Received: device={device!r}"
+            )
         cluster = current()
         if cluster is None:
             raise ValueError("RemoteTable needs ee.init(ps=[...]) first")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import weakref
 import zlib
@@ -45,6 +47,19 @@ def unregister(table: Table) -> None:
 def default_seed(name: str) -> int:
     """The seed of a table created without one: a stable hash of its name."""
     return zlib.crc32(name.encode())
+
+
+def _remote_module() -> Any:
+    """`elastic_emb.remote` where remote tables are possible, else None.
+
+    Remote tables need `ee.init` (which imports the module) or the
+    `ELASTIC_EMB_PS` variable; otherwise gRPC is not imported at all, so
+    in-process tables work where it is not installed.
+    """
+    module = sys.modules.get("elastic_emb.remote")
+    if module is None and os.environ.get("ELASTIC_EMB_PS"):
+        from elastic_emb import remote as module
+    return module
 
 
 class TableState:
@@ -136,6 +151,8 @@ class Table:
         name: str, unique within the process (a suffix is added if taken);
             checkpoints match tables by name.
         seed: int, initialization seed. Defaults to a hash of `name`.
+        device: "cpu" (default) or "gpu": where rows and optimizer slots live
+            (a GPU table needs a CUDA build; see `elastic_emb.gpu`).
 
     Raises:
         ValueError: on an invalid argument.
@@ -143,11 +160,16 @@ class Table:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Table:
         if cls is Table:
-            # After ee.init(ps=...) (or with ELASTIC_EMB_PS set) tables are remote.
-            from elastic_emb import remote
+            device = kwargs.get("device", args[5] if len(args) > 5 else "cpu")
+            if device == "gpu":
+                from elastic_emb.gpu import GpuTable
 
-            if remote.current() is not None:
-                cls = remote.RemoteTable
+                cls = GpuTable
+            elif device == "cpu":
+                # After ee.init(ps=...) (or with ELASTIC_EMB_PS set) tables are remote.
+                remote = _remote_module()
+                if remote is not None and remote.current() is not None:
+                    cls = remote.RemoteTable
         return super().__new__(cls)
 
     def __init__(
@@ -157,8 +179,9 @@ class Table:
         initializer: Any = "uniform",
         name: str = "table",
         seed: int | None = None,
+        device: str = "cpu",
     ) -> None:
-        self._configure(dim, optimizer, initializer, name, seed)
+        self._configure(dim, optimizer, initializer, name, seed, device)
         self._core = _core.Table(
             dim=self.dim,
             initializer=self.initializer.kind,
@@ -169,11 +192,25 @@ class Table:
             optimizer_args=self.optimizer.core_args(),
         )
         self._iterations = 0
-        self._step_lock = threading.Lock()
+        self._init_step_lock()
         self.name = _register(self, name)
 
-    def _configure(self, dim: Any, optimizer: Any, initializer: Any, name: Any, seed: Any) -> None:
+    def _init_step_lock(self) -> None:
+        self._step_lock = threading.Lock()
+
+    def _configure(
+        self,
+        dim: Any,
+        optimizer: Any,
+        initializer: Any,
+        name: Any,
+        seed: Any,
+        device: Any = "cpu",
+    ) -> None:
         """Checks and stores the arguments every implementation shares."""
+        if device not in ("cpu", "gpu"):
+            raise ValueError(f'`device` must be "cpu" or "gpu". Received: device={device!r}')
+        self.device = device
         if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
             raise ValueError(f"`dim` must be a positive integer. Received: dim={dim!r}")
         if not isinstance(name, str) or not name:

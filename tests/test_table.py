@@ -265,6 +265,97 @@ def test_unknown_initializer_raises_naming_embeddings_initializer(initializer) -
     assert "Received" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "zeros", "zero", "Zeros", "ones", "one", "Ones", "uniform", "random_uniform",
+        "RandomUniform", "normal", "random_normal", "RandomNormal", "truncated_normal",
+        "TruncatedNormal",
+    ],
+)  # fmt: skip
+def test_initializer_names_resolve_as_keras_resolves_them(name: str) -> None:
+    """Names resolve without Keras (initializers._KERAS_NAMES); Keras agrees."""
+    assert ee.initializers.get(name) == ee.initializers.get(keras.initializers.get(name))
+
+
+# Without TensorFlow, Keras and gRPC (e.g. on a GPU machine).
+
+_BLOCK_IMPORTS = """
+    import sys
+
+    BLOCKED = ("keras", "tensorflow", "tf_keras", "grpc", "google.protobuf")
+
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+            return None
+
+    sys.meta_path.insert(0, Block())
+"""
+
+
+def test_tables_optimizers_and_checkpoints_work_without_tensorflow_and_keras(
+    tmp_path: Path,
+) -> None:
+    keys = np.array([5, -3, 2**40, 5, 77], np.int64)
+    grads = np.arange(5 * 4, dtype=np.float32).reshape(5, 4) / 7
+    np.save(tmp_path / "keys.npy", keys)
+    np.save(tmp_path / "grads.npy", grads)
+    script = _BLOCK_IMPORTS + """
+    import numpy as np
+
+    import elastic_emb as ee
+    import elastic_emb.table as T
+
+    keys, grads = np.load("keys.npy"), np.load("grads.npy")
+    t = T.Table(dim=4, optimizer="adagrad", name="t")
+    assert t.pull(keys).shape == (5, 4)
+    t.push(keys, grads)
+    u = ee.Table(dim=4, optimizer=ee.optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
+                 initializer="truncated_normal", seed=3, name="u")
+    u.push(keys, grads)
+    ee.save("ckpt", tables=[t, u])
+    t.push(keys, grads)
+    ee.restore("ckpt", tables=[t])
+    assert t.iterations == 1
+    for table in (t, u):
+        with open(f"{table.name}.bin", "wb") as f:
+            f.write(table.pull(np.sort(keys), train=False).tobytes())
+    info = ee.build_info()
+    assert info["tensorflow"] is None and info["keras"] is None, info
+    for name in ("Embedding", "init", "layers", "callbacks", "data", "remote"):
+        try:
+            getattr(ee, name)
+        except ImportError as e:
+            assert "TensorFlow" in str(e), e
+        else:
+            raise AssertionError(f"ee.{name} imported without TensorFlow")
+    for name in ("optimizers", "initializers", "sharding", "checkpoint", "CheckpointError",
+                 "save", "restore", "_core"):
+        getattr(ee, name)
+    loaded = [m for m in sys.modules if m.split(".")[0] in ("keras", "tensorflow", "grpc")]
+    assert not loaded, loaded
+    print("ok")
+    """
+    out = run_python("-c", textwrap.dedent(script), cwd=tmp_path)
+    assert out.strip().endswith("ok"), out
+    # The same tables, built with Keras loaded here, give the same bytes.
+    t = ee.Table(dim=4, optimizer="adagrad", name=_name(), seed=ee.table.default_seed("t"))
+    t.push(keys, grads)
+    u = ee.Table(
+        dim=4,
+        optimizer=eo.Ftrl(0.1, l1_regularization_strength=0.01),
+        initializer=keras.initializers.TruncatedNormal(0.0, 0.05),
+        seed=3,
+        name=_name(),
+    )
+    u.push(keys, grads)
+    for table, name in ((t, "t"), (u, "u")):
+        child = (tmp_path / f"{name}.bin").read_bytes()
+        assert table.pull(np.sort(keys), train=False).tobytes() == child, name
+
+
 # Import, export, erase, metadata, size.
 
 
