@@ -237,4 +237,3 @@ class GpuTable(Table):
     def synchronize(self) -> None:
         """Waits for the table's GPU work."""
         self._core.synchronize()
-

@@ -143,6 +143,9 @@ class Embedding(keras.layers.Layer):
             has no vocabulary size). `Embedding(input_dim, output_dim)` written
             positionally, as for `keras.layers.Embedding`, also works.
         name: str, layer name; also the table name in checkpoints.
+        device: "cpu" (default) or "gpu": where the table's rows and
+            optimizer slots live (`ee.Table(device=...)`). The layer hands
+            the rows to TensorFlow through host memory.
 
     Call arguments:
         inputs: ids (int32/int64, or string with `key_dtype="string"`).
@@ -171,6 +174,7 @@ class Embedding(keras.layers.Layer):
         seed: int | None = None,
         input_dim: int | None = None,
         name: str | None = None,
+        device: str = "cpu",
         **kwargs: Any,
     ) -> None:
         for unsupported in ("embeddings_regularizer", "embeddings_constraint", "weights"):
@@ -224,7 +228,9 @@ class Embedding(keras.layers.Layer):
             initializer=initializers.get(embeddings_initializer),
             name=self.name,
             seed=seed,
+            device=device,
         )
+        self.device = device
         self._replica_pushes = _ReplicaPushes(self.table)
 
     @property
@@ -286,6 +292,7 @@ class Embedding(keras.layers.Layer):
             "mask_zero": self.mask_zero,
             "seed": self.table.seed,
             "input_dim": self.input_dim,
+            "device": self.device,
         }
         return {**base_config, **config}
 

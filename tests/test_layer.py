@@ -313,3 +313,13 @@ def test_checkpoint_callback_resume_equals_uninterrupted(tmp_path):
         np.testing.assert_array_equal(resumed[name], full[name], err_msg=name)
     # And the comparison can fail: one epoch is not two.
     assert not np.array_equal(half["a_values"], full["a_values"])
+
+
+def test_device_argument_is_checked_and_needs_a_gpu_for_gpu():
+    with pytest.raises(ValueError, match='`device` must be "cpu" or "gpu"'):
+        ee.Embedding(4, device="tpu", name="device_tpu")
+    layer = ee.Embedding(4, device="cpu", name="device_cpu")
+    assert layer.get_config()["device"] == "cpu" and layer.table.device == "cpu"
+    if not (ee._core.with_cuda and ee._core.cuda_device_count() > 0):
+        with pytest.raises(RuntimeError, match="without CUDA|no CUDA device is visible"):
+            ee.Embedding(4, device="gpu", name="device_gpu")

@@ -302,7 +302,9 @@ def test_tables_optimizers_and_checkpoints_work_without_tensorflow_and_keras(
     grads = np.arange(5 * 4, dtype=np.float32).reshape(5, 4) / 7
     np.save(tmp_path / "keys.npy", keys)
     np.save(tmp_path / "grads.npy", grads)
-    script = _BLOCK_IMPORTS + """
+    script = (
+        _BLOCK_IMPORTS
+        + """
     import numpy as np
 
     import elastic_emb as ee
@@ -338,6 +340,7 @@ def test_tables_optimizers_and_checkpoints_work_without_tensorflow_and_keras(
     assert not loaded, loaded
     print("ok")
     """
+    )
     out = run_python("-c", textwrap.dedent(script), cwd=tmp_path)
     assert out.strip().endswith("ok"), out
     # The same tables, built with Keras loaded here, give the same bytes.
