@@ -83,7 +83,8 @@ def __getattr__(name: str) -> Any:
 def build_info() -> dict[str, Any]:
     """How this copy of elastic_emb was built and what it runs on.
 
-    `tensorflow` and `keras` are None where they are not installed.
+    `cuda`: whether the CUDA kernels were compiled in; `cuda_devices`: GPUs
+    visible now. `tensorflow` and `keras` are None where they are not installed.
     """
     from elastic_emb import _core
 
@@ -92,6 +93,7 @@ def build_info() -> dict[str, Any]:
         "compiler": _core.compiler(),
         "cxx_flags": _core.cxx_flags,
         "cuda": bool(_core.with_cuda),
+        "cuda_devices": _core.cuda_device_count(),
         "threads": _core.pool_threads(),
         "python": platform.python_version(),
         "tensorflow": _version_of("tensorflow"),

@@ -9,12 +9,15 @@ import secrets
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
 from elastic_emb import sharding
 from elastic_emb.table import Table, TableState, registered_tables, unregister
+
+if TYPE_CHECKING:
+    from elastic_emb.remote import RemoteTable
 
 __all__ = ["CheckpointError", "restore", "save"]
 
@@ -66,7 +69,7 @@ def _layout(num_rows: int, dim: int, num_slots: int) -> list[tuple[str, np.dtype
     ]
 
 
-def _is_remote(table: Table) -> bool:
+def _is_remote(table: Table) -> TypeGuard[RemoteTable]:
     """Whether `table` is a `RemoteTable`.
 
     Remote tables exist only once `elastic_emb.remote` is loaded, so this

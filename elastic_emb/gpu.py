@@ -167,7 +167,7 @@ class GpuTable(Table):
             )
         if _core.cuda_device_count() == 0:
             raise RuntimeError("device='gpu': no CUDA device is visible")
-        self._core = _core.DeviceTable(
+        self._device = _core.DeviceTable(
             dim=self.dim,
             initializer=self.initializer.kind,
             init_a=self.initializer.a,
@@ -176,6 +176,7 @@ class GpuTable(Table):
             optimizer=self.optimizer.kind,
             optimizer_args=self.optimizer.core_args(),
         )
+        self._core = self._device  # the methods shared with the CPU table
         self._iterations = 0
         self._init_step_lock()
         self.name = _register(self, name)
@@ -187,7 +188,7 @@ class GpuTable(Table):
         if not device_output:
             return self._core.pull(k, bool(train))
         out = DeviceArray((len(k), self.dim), np.float32)
-        self._core.pull_to_device(k, out.ptr, bool(train))
+        self._device.pull_to_device(k, out.ptr, bool(train))
         return out
 
     def push(self, keys: Any, grads: Any) -> None:
@@ -201,7 +202,7 @@ class GpuTable(Table):
             self._iterations += 1
             step = self._iterations
             lr = self.optimizer.learning_rate_at(step - 1)
-            self._core.push_from_device(k, g.ptr, lr, step)
+            self._device.push_from_device(k, g.ptr, lr, step)
 
     def _host_keys(self, keys: Any) -> np.ndarray:
         if not _on_device(keys):
@@ -216,24 +217,24 @@ class GpuTable(Table):
     @property
     def capacity(self) -> int:
         """Rows the GPU arena holds now."""
-        return int(self._core.capacity)
+        return int(self._device.capacity)
 
     def reserve(self, num_rows: int) -> None:
         """Grows the GPU arena to at least `num_rows` rows."""
-        self._core.reserve(int(num_rows))
+        self._device.reserve(int(num_rows))
 
     def gather_rows(self, rows: Any, out: Any) -> None:
         """out[i] = arena row rows[i]: uint32 `(n,)` and float32 `(n, dim)` GPU arrays."""
         r = _DeviceInput(rows, "rows", np.uint32, (-1,))
         o = _DeviceInput(out, "out", np.float32, (r.shape[0], self.dim))
-        self._core.gather_rows(r.ptr, r.shape[0], o.ptr)
+        self._device.gather_rows(r.ptr, r.shape[0], o.ptr)
 
     def apply_rows(self, rows: Any, grads: Any, learning_rate: float, step: int) -> None:
         """One optimizer step on arena rows (duplicates summed); GPU arrays."""
         r = _DeviceInput(rows, "rows", np.uint32, (-1,))
         g = _DeviceInput(grads, "grads", np.float32, (r.shape[0], self.dim))
-        self._core.apply_rows(r.ptr, r.shape[0], g.ptr, float(learning_rate), int(step))
+        self._device.apply_rows(r.ptr, r.shape[0], g.ptr, float(learning_rate), int(step))
 
     def synchronize(self) -> None:
         """Waits for the table's GPU work."""
-        self._core.synchronize()
+        self._device.synchronize()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 if TYPE_CHECKING:
     import keras
@@ -83,6 +83,14 @@ class InitializerSpec:
         return keras.initializers.get(self.kind)
 
 
+def _is_keras_initializer(value: Any) -> TypeGuard[keras.initializers.Initializer]:
+    """Whether `value` is a `keras.initializers.Initializer` (never imports Keras:
+    an object can only be one once Keras is loaded)."""
+    keras_module = sys.modules.get("keras")
+    cls = getattr(getattr(keras_module, "initializers", None), "Initializer", None)
+    return isinstance(cls, type) and isinstance(value, cls)
+
+
 def get(identifier: Any) -> InitializerSpec:
     """Resolves a Keras initializer name or object.
 
@@ -103,9 +111,7 @@ def get(identifier: Any) -> InitializerSpec:
             obj = keras.initializers.get(identifier)
         except (ImportError, ValueError, KeyError, TypeError):
             obj = None
-    keras_module = sys.modules.get("keras")
-    initializer_cls = getattr(getattr(keras_module, "initializers", None), "Initializer", None)
-    if isinstance(initializer_cls, type) and isinstance(obj, initializer_cls):
+    if _is_keras_initializer(obj):
         kind = _KINDS.get(type(obj).__name__.lower())
         config = obj.get_config()
         if kind == "uniform":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeGuard
 
 if TYPE_CHECKING:
     import keras
@@ -42,13 +42,13 @@ def _loaded_keras_class(module: str, name: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-def _is_schedule(value: Any) -> bool:
+def _is_schedule(value: Any) -> TypeGuard[keras.optimizers.schedules.LearningRateSchedule]:
     """Whether `value` is a `keras.optimizers.schedules.LearningRateSchedule`."""
     cls = _loaded_keras_class("optimizers.schedules", "LearningRateSchedule")
     return cls is not None and isinstance(value, cls)
 
 
-def _is_keras_optimizer(value: Any) -> bool:
+def _is_keras_optimizer(value: Any) -> TypeGuard[keras.optimizers.Optimizer]:
     """Whether `value` is a `keras.optimizers.Optimizer`."""
     cls = _loaded_keras_class("optimizers", "Optimizer")
     return cls is not None and isinstance(value, cls)

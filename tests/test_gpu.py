@@ -504,7 +504,7 @@ def _sequential_sums(rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, n
 @pytest.mark.parametrize("dim", [1, 8, 33, 128])
 def test_apply_rows_adagrad_matches_numpy_sum_then_apply(dim: int) -> None:
     m, n, lr = 5000, 50_000, 0.1
-    t, keys, _ = _filled_table(dim, m, opt="adagrad")
+    t, _, _ = _filled_table(dim, m, opt="adagrad")
     opt = t.optimizer
     assert isinstance(opt, eo.Adagrad)
     before = _gather_all(t, m, dim)

@@ -321,5 +321,5 @@ def test_device_argument_is_checked_and_needs_a_gpu_for_gpu():
     layer = ee.Embedding(4, device="cpu", name="device_cpu")
     assert layer.get_config()["device"] == "cpu" and layer.table.device == "cpu"
     if not (ee._core.with_cuda and ee._core.cuda_device_count() > 0):
-        with pytest.raises(RuntimeError, match="without CUDA|no CUDA device is visible"):
+        with pytest.raises(RuntimeError, match=r"without CUDA|no CUDA device is visible"):
             ee.Embedding(4, device="gpu", name="device_gpu")
