@@ -228,12 +228,14 @@ class GpuTable(Table):
         r = _DeviceInput(rows, "rows", np.uint32, (-1,))
         o = _DeviceInput(out, "out", np.float32, (r.shape[0], self.dim))
         self._device.gather_rows(r.ptr, r.shape[0], o.ptr)
+        self._device.synchronize()
 
     def apply_rows(self, rows: Any, grads: Any, learning_rate: float, step: int) -> None:
         """One optimizer step on arena rows (duplicates summed); GPU arrays."""
         r = _DeviceInput(rows, "rows", np.uint32, (-1,))
         g = _DeviceInput(grads, "grads", np.float32, (r.shape[0], self.dim))
         self._device.apply_rows(r.ptr, r.shape[0], g.ptr, float(learning_rate), int(step))
+        self._device.synchronize()
 
     def synchronize(self) -> None:
         """Waits for the table's GPU work."""
