@@ -302,19 +302,6 @@ RowPlan PlanRows(int64_t n, int nvec) {
   return p;
 }
 
-int NumSlots(const UpdateRule& r) {
-  switch (r.kind) {
-    case OptimizerKind::kSgd:
-      return r.momentum ? 1 : 0;
-    case OptimizerKind::kAdagrad:
-      return 1;
-    case OptimizerKind::kAdam:
-    case OptimizerKind::kFtrl:
-      return 2;
-  }
-  return 0;
-}
-
 // Launches kernel<V> for the V of `vec`.
 #define EE_LAUNCH_VEC(vec, kernel, blocks, stream, ...)                   \
   do {                                                                    \
@@ -420,7 +407,7 @@ void ApplyGradients(float* arena, int64_t row_floats, int dim, const UpdateRule&
                     const uint32_t* rows, int64_t n, const float* grads, void* scratch,
                     Stream stream) {
   CheckPushSize(n);
-  const int num_slots = NumSlots(rule);
+  const int num_slots = rule.num_slots;
   EE_CHECK(dim > 0 && row_floats >= static_cast<int64_t>(dim) * (1 + num_slots),
            "ApplyGradients: need 0 < dim and dim * (1 + " << num_slots << " slots) <= row_floats, "
                                                           << "got dim " << dim << ", row_floats "

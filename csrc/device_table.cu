@@ -195,16 +195,21 @@ void DeviceTable::LookupRows(int64_t n, const int64_t* keys, bool insert,
     rows[i] = row;
   }
   if (fresh.empty()) return;
-  const int64_t m = static_cast<int64_t>(fresh.size());
-  const uint32_t* fresh_dev = UploadRows(fresh, scratch_dev_);
+  // The scratch buffers may be reallocated by the caller next: WriteRows waits.
+  WriteRows(fresh, initial, scratch_dev_, "initializing rows");
+}
+
+void DeviceTable::WriteRows(const std::vector<uint32_t>& rows, const std::vector<float>& values,
+                            DeviceBuffer& rows_buffer, const char* what) {
+  const int64_t m = static_cast<int64_t>(rows.size());
+  const uint32_t* rows_dev = UploadRows(rows, rows_buffer);
   auto* staged = static_cast<float*>(staging_dev_.Reserve(m * row_floats_ * sizeof(float)));
-  CudaCheck(cudaMemcpyAsync(staged, initial.data(), m * row_floats_ * sizeof(float),
+  CudaCheck(cudaMemcpyAsync(staged, values.data(), m * row_floats_ * sizeof(float),
                             cudaMemcpyHostToDevice, AsStream(stream_)),
-            "uploading initial rows");
-  ScatterRows(static_cast<float*>(arena_.data()), row_floats_, row_floats_, fresh_dev, m, staged,
+            what);
+  ScatterRows(static_cast<float*>(arena_.data()), row_floats_, row_floats_, rows_dev, m, staged,
               stream_);
-  // The scratch buffers may be reallocated by the caller next.
-  CudaCheck(cudaStreamSynchronize(AsStream(stream_)), "initializing rows");
+  CudaCheck(cudaStreamSynchronize(AsStream(stream_)), what);
 }
 
 void DeviceTable::Pull(int64_t n, const int64_t* keys, float* out, bool out_on_device, bool train) {
@@ -314,16 +319,7 @@ void DeviceTable::Import(int64_t n, const int64_t* keys, const float* values, co
     last_step_[row] = last_step != nullptr ? last_step[i] : 0;
     update_count_[row] = update_count != nullptr ? update_count[i] : 0;
   }
-  if (distinct.empty()) return;
-  const int64_t m = static_cast<int64_t>(distinct.size());
-  const uint32_t* rows_dev = UploadRows(distinct, rows_dev_);
-  auto* staged_dev = static_cast<float*>(staging_dev_.Reserve(m * row_floats_ * sizeof(float)));
-  CudaCheck(cudaMemcpyAsync(staged_dev, staged.data(), m * row_floats_ * sizeof(float),
-                            cudaMemcpyHostToDevice, AsStream(stream_)),
-            "uploading imported rows");
-  ScatterRows(static_cast<float*>(arena_.data()), row_floats_, row_floats_, rows_dev, m, staged_dev,
-              stream_);
-  CudaCheck(cudaStreamSynchronize(AsStream(stream_)), "import");
+  if (!distinct.empty()) WriteRows(distinct, staged, rows_dev_, "importing rows");
 }
 
 ExportedRows DeviceTable::Export() {

@@ -129,6 +129,9 @@ class DeviceTable {
   void EnsureCapacity(int64_t rows);  // caller holds mu_
   // Initial [value | slots] of a key, host. row: (row_floats_,).
   void InitRow(int64_t key, float* row) const;
+  // arena[rows[i]] = values[i] ([value | slots] each), via `rows_buffer`; waits.
+  void WriteRows(const std::vector<uint32_t>& rows, const std::vector<float>& values,
+                 DeviceBuffer& rows_buffer, const char* what);
   // Copies host rows to the device scratch buffer `buffer`; returns it.
   const uint32_t* UploadRows(const std::vector<uint32_t>& rows, DeviceBuffer& buffer);
   void ApplyLocked(const uint32_t* rows, int64_t n, const float* grads, float learning_rate,

@@ -70,6 +70,7 @@ UpdateRule MakeUpdateRule(const OptimizerOptions& opts, const StepScalars& s) {
   // float32, as happens when Keras combines them with float32 tensors.
   UpdateRule r;
   r.kind = opts.kind;
+  r.num_slots = opts.NumSlots();
   r.momentum = opts.momentum != 0.0;
   r.nesterov = opts.nesterov;
   r.lr = s.learning_rate;

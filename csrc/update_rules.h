@@ -19,6 +19,7 @@ namespace elastic_emb {
 // The float32 constants of one push: everything an element update needs.
 struct UpdateRule {
   OptimizerKind kind = OptimizerKind::kSgd;
+  int num_slots = 0;  // slot vectors per row (OptimizerOptions::NumSlots)
   bool momentum = false;
   bool nesterov = false;
   float lr = 0.0f;
