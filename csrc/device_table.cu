@@ -172,18 +172,26 @@ const uint32_t* DeviceTable::UploadRows(const std::vector<uint32_t>& rows, Devic
 void DeviceTable::LookupRows(int64_t n, const int64_t* keys, bool insert,
                              std::vector<uint32_t>& rows) {
   rows.resize(n);
+  int64_t missing = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i] = index_.Find(keys[i]);
+    missing += rows[i] == kNoRow;
+  }
+  if (!insert || missing == 0) return;
+  // Grow first, so that running out of memory changes nothing.
+  EnsureCapacity(used_rows_ +
+                 std::max<int64_t>(0, missing - static_cast<int64_t>(free_rows_.size())));
   std::vector<uint32_t> fresh;
   std::vector<float> initial;
   for (int64_t i = 0; i < n; ++i) {
-    uint32_t row = index_.Find(keys[i]);
-    if (row == kNoRow && insert) {
+    if (rows[i] != kNoRow) continue;
+    uint32_t row = index_.Find(keys[i]);  // an equal key earlier in this call
+    if (row == kNoRow) {
       if (!free_rows_.empty()) {
         row = free_rows_.back();
         free_rows_.pop_back();
       } else {
-        row = static_cast<uint32_t>(used_rows_);
-        EnsureCapacity(used_rows_ + 1);
-        ++used_rows_;
+        row = static_cast<uint32_t>(used_rows_++);
       }
       index_.Insert(keys[i], row);
       row_keys_[row] = keys[i];
