@@ -26,7 +26,7 @@ NVCC_FLAGS = [
 
 
 def cuda_mode() -> str:
-    """ELASTIC_EMB_CUDA: "1" (require CUDA), "0" (CPU only) or "auto" (default: if nvcc is found)."""
+    """ELASTIC_EMB_CUDA: "1" (require CUDA), "0" (CPU only) or "auto" (default: with nvcc)."""
     mode = os.environ.get("ELASTIC_EMB_CUDA", "auto").strip().lower()
     if mode not in ("0", "1", "auto"):
         raise RuntimeError(f"ELASTIC_EMB_CUDA must be 0, 1 or auto, not {mode!r}")
@@ -62,11 +62,20 @@ class BuildExt(build_ext):
         mode, nvcc = cuda_mode(), find_nvcc()
         if mode == "1" and nvcc is None:
             raise RuntimeError("ELASTIC_EMB_CUDA=1, but nvcc was not found (set CUDA_HOME)")
+        objects: list[str] = []
+        link_args: list[str] = []
         if mode != "0" and nvcc is not None:
-            objects = self.compile_cuda(nvcc)
+            try:
+                link_args = [f"-L{cuda_lib_dir(nvcc)}", "-lcudart_static", "-ldl", "-lrt"]
+                objects = self.compile_cuda(nvcc)
+            except RuntimeError as e:
+                if mode == "1":
+                    raise
+                print(f"warning: {e}; building elastic_emb without CUDA (ELASTIC_EMB_CUDA=auto)")
+        if objects:
             for ext in self.extensions:
                 ext.extra_objects += objects
-                ext.extra_link_args += [f"-L{cuda_lib_dir(nvcc)}", "-lcudart_static", "-ldl", "-lrt"]
+                ext.extra_link_args += link_args
                 ext.define_macros = [(k, v) for k, v in ext.define_macros if k != "EE_WITH_CUDA"]
                 ext.define_macros.append(("EE_WITH_CUDA", "1"))
         super().build_extensions()
