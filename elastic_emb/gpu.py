@@ -167,15 +167,7 @@ class GpuTable(Table):
             )
         if _core.cuda_device_count() == 0:
             raise RuntimeError("device='gpu': no CUDA device is visible")
-        self._device = _core.DeviceTable(
-            dim=self.dim,
-            initializer=self.initializer.kind,
-            init_a=self.initializer.a,
-            init_b=self.initializer.b,
-            seed=self.seed,
-            optimizer=self.optimizer.kind,
-            optimizer_args=self.optimizer.core_args(),
-        )
+        self._device = _core.DeviceTable(**self._core_options())
         self._core = self._device  # the methods shared with the CPU table
         self._iterations = 0
         self._init_step_lock()

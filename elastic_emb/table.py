@@ -182,18 +182,22 @@ class Table:
         device: str = "cpu",
     ) -> None:
         self._configure(dim, optimizer, initializer, name, seed, device)
-        self._core = _core.Table(
-            dim=self.dim,
-            initializer=self.initializer.kind,
-            init_a=self.initializer.a,
-            init_b=self.initializer.b,
-            seed=self.seed,
-            optimizer=self.optimizer.kind,
-            optimizer_args=self.optimizer.core_args(),
-        )
+        self._core = _core.Table(**self._core_options())
         self._iterations = 0
         self._init_step_lock()
         self.name = _register(self, name)
+
+    def _core_options(self) -> dict[str, Any]:
+        """The C++ table's constructor arguments (CPU and GPU tables alike)."""
+        return {
+            "dim": self.dim,
+            "initializer": self.initializer.kind,
+            "init_a": self.initializer.a,
+            "init_b": self.initializer.b,
+            "seed": self.seed,
+            "optimizer": self.optimizer.kind,
+            "optimizer_args": self.optimizer.core_args(),
+        }
 
     def _init_step_lock(self) -> None:
         self._step_lock = threading.Lock()
