@@ -27,7 +27,7 @@ import numpy as np
 BATCH_SIZE = 4096
 EMBEDDING_DIM = 16
 TOP_MLP = (512, 256)
-BOTTOM_MLP = (64, 16)  # `elastic_emb.models.build_dlrm`'s default
+BOTTOM_MLP = (64, 16)  # `elastic_emb.examples.dlrm.build_dlrm`'s default
 LEARNING_RATE = 0.05
 NUM_DENSE = 13
 NUM_CATEGORICAL = 26
@@ -52,7 +52,7 @@ def make_data(
         num_examples: int, number of examples to generate.
         seed: int, seed of `generate_criteo`.
         vocab_size: int or None, vocabulary size of every categorical feature;
-            None keeps `elastic_emb.data.DEFAULT_VOCAB_SIZES`.
+            None keeps `elastic_emb.examples.criteo.DEFAULT_VOCAB_SIZES`.
 
     Returns:
         `(arrays, vocab_sizes)`: the arrays of `Arrays`, and the 26 vocabulary
@@ -66,7 +66,7 @@ def make_data(
         info = ee_data.generate_criteo(path, num_examples, seed=seed, vocab_sizes=vocab_sizes)
         dense, categorical, labels = ee_data.read_criteo(path)
     arrays = {
-        "dense": np.log1p(np.maximum(dense, 0.0)).astype(np.float32),
+        "dense": ee_data.log_counts(dense).astype(np.float32),
         "categorical": categorical.astype(np.int64),
         "labels": labels.astype(np.float32),
     }
@@ -170,7 +170,7 @@ def build_keras3_dlrm(
     learning_rate: float = LEARNING_RATE,
     jit_compile: bool | str = "auto",
 ) -> Any:
-    """The compiled DLRM of `elastic_emb.models.build_dlrm`, with either embedding layer.
+    """The compiled DLRM of `elastic_emb.examples.dlrm.build_dlrm`, with either embedding layer.
 
     Args:
         kind: str, `"ee"` for `ee.Embedding` (sparse optimizer in the table),
@@ -189,7 +189,7 @@ def build_keras3_dlrm(
     """
     import keras
 
-    from elastic_emb.models import build_dlrm
+    from elastic_emb.examples.dlrm import build_dlrm
 
     if optimizer not in ("adagrad", "sgd"):
         raise ValueError(f"`optimizer` must be 'adagrad' or 'sgd'. Received: {optimizer!r}")

@@ -1,6 +1,6 @@
 """End-to-end CTR training throughput: `ee.Embedding` vs `keras.layers.Embedding`.
 
-The DLRM-style model of `elastic_emb.models.build_dlrm` (13 dense + 26
+The DLRM-style model of `elastic_emb.examples.dlrm.build_dlrm` (13 dense + 26
 categorical Criteo features, embedding dim 16, top MLP 512-256-1, batch 4096)
 is trained with `model.fit` on generated Criteo data with Adagrad and with SGD,
 in three variants: `ee.Embedding` layers, stock `keras.layers.Embedding`

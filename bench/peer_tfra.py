@@ -10,7 +10,7 @@ starts one worker process per variant, all in the same run:
   `TF_USE_LEGACY_KERAS=1`);
 - `tf_keras`: the same `tf_keras` model with stock `tf_keras.layers.Embedding`
   sized to the vocabulary (TFRA's in-venv reference);
-- `ee`: `elastic_emb.models.build_dlrm` with `ee.Embedding` under Keras 3;
+- `ee`: `elastic_emb.examples.dlrm.build_dlrm` with `ee.Embedding` under Keras 3;
 - `keras` (optional): the Keras 3 model with `keras.layers.Embedding`.
 
 The workers load the same generated data, then train in turns, window by
@@ -52,7 +52,7 @@ _MARK = "@@bench "  # prefix of the protocol lines a worker writes to stdout
 
 
 def build_tf_keras_dlrm(kind: str, optimizer: str, vocab_sizes: list[int]) -> Any:
-    """The DLRM of `elastic_emb.models.build_dlrm`, rebuilt with legacy `tf_keras`.
+    """The DLRM of `elastic_emb.examples.dlrm.build_dlrm`, rebuilt with legacy `tf_keras`.
 
     Same layers, widths, initializers and seeds; only the embedding layers
     differ: TFRA's dynamic embedding (`kind="tfra"`) or `tf_keras`'s stock one

@@ -3,7 +3,7 @@
 BENCH.md's reference for remote tables is "the same run with in-process
 tables". Three measurements, each a ratio taken within this one run:
 
-1. End-to-end training: the DLRM of `e2e.py` (`elastic_emb.models.build_dlrm`:
+1. End-to-end training: the DLRM of `e2e.py` (`elastic_emb.examples.dlrm.build_dlrm`:
    13 dense + 26 categorical features, dim 16, MLP 512-256-1, batch 4096,
    Adagrad tables, `model.fit`) with in-process `ee.Embedding` tables, and
    with remote tables on 2 `elastic-emb serve` shards on 127.0.0.1 (async
@@ -204,7 +204,7 @@ def e2e_worker(
     import tensorflow as tf
 
     import elastic_emb as ee
-    from elastic_emb.remote import RemoteTable
+    from elastic_emb.ps.remote_table import RemoteTable
 
     cluster = ee.init(ps=ps, mode="async", wire_dtype=wire) if ps else None
     arrays, vocab_sizes = c.load_data(data_path)

@@ -18,26 +18,41 @@ import importlib
 import platform
 from typing import TYPE_CHECKING, Any
 
-# Submodules and names that need TensorFlow with Keras 3.
-_TF_SUBMODULES = {"callbacks", "data", "distribute", "layers", "models", "remote", "server"}
-# Submodules that work without TensorFlow and Keras (remote tables aside).
+# Imported first: `Table(...)` asks the placement where a new table lives.
+from elastic_emb import placement as _placement  # noqa: F401
+from elastic_emb.errors import ElasticEmbWarning
+from elastic_emb.table import Table
+
+# Public submodules, by attribute: those that need TensorFlow with Keras 3,
+# and those that work without it (remote tables aside).
+_TF_SUBMODULES = {
+    "callbacks": "elastic_emb.callbacks",
+    "data": "elastic_emb.examples.criteo",
+    "keras_patches": "elastic_emb.keras_patches",
+    "layers": "elastic_emb.layers",
+    "models": "elastic_emb.examples.dlrm",
+}
 _PLAIN_SUBMODULES = {
-    "_core", "checkpoint", "gpu", "initializers", "optimizers", "sharding", "table", "wire",
-}  # fmt: skip
+    name: f"elastic_emb.{name}"
+    for name in (
+        "checkpoint",
+        "gpu",
+        "initializers",
+        "optimizers",
+        "placement",
+        "sharding",
+        "table",
+    )
+}
 _SUBMODULES = _TF_SUBMODULES | _PLAIN_SUBMODULES
 _NAMES = {
-    "CheckpointError": "checkpoint",
-    "restore": "checkpoint",
-    "save": "checkpoint",
-    "Embedding": "layers",
-    "init": "remote",
-    "shutdown": "remote",
-    "Table": "table",
+    "CheckpointError": "elastic_emb.checkpoint",
+    "restore": "elastic_emb.checkpoint",
+    "save": "elastic_emb.checkpoint",
+    "Embedding": "elastic_emb.layers",
+    "init": "elastic_emb.placement",
+    "shutdown": "elastic_emb.placement",
 }
-
-
-class ElasticEmbWarning(UserWarning):
-    """Warnings issued by elastic_emb."""
 
 
 _tensorflow_checked = False
@@ -69,11 +84,11 @@ def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         if name in _TF_SUBMODULES:
             _check_tensorflow()
-        value = importlib.import_module(f"elastic_emb.{name}")
+        value = importlib.import_module(_SUBMODULES[name])
     elif name in _NAMES:
-        if _NAMES[name] in _TF_SUBMODULES:
+        if _NAMES[name] in _TF_SUBMODULES.values():
             _check_tensorflow()
-        value = getattr(importlib.import_module(f"elastic_emb.{_NAMES[name]}"), name)
+        value = getattr(importlib.import_module(_NAMES[name]), name)
     else:
         raise AttributeError(f"module 'elastic_emb' has no attribute {name!r}")
     globals()[name] = value
@@ -112,17 +127,17 @@ def _version_of(module: str) -> str | None:
 if TYPE_CHECKING:
     from elastic_emb import (
         callbacks,
-        data,
-        distribute,
         initializers,
-        models,
+        keras_patches,
         optimizers,
+        placement,
         sharding,
     )
     from elastic_emb.checkpoint import CheckpointError, restore, save
+    from elastic_emb.examples import criteo as data
+    from elastic_emb.examples import dlrm as models
     from elastic_emb.layers import Embedding
-    from elastic_emb.remote import init, shutdown
-    from elastic_emb.table import Table
+    from elastic_emb.placement import init, shutdown
 
 __all__ = [
     "CheckpointError",
@@ -133,11 +148,12 @@ __all__ = [
     "build_info",
     "callbacks",
     "data",
-    "distribute",
     "init",
     "initializers",
+    "keras_patches",
     "models",
     "optimizers",
+    "placement",
     "restore",
     "save",
     "sharding",

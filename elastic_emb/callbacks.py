@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from elastic_emb import checkpoint, remote
+from elastic_emb import checkpoint, placement
 
 __all__ = ["Checkpoint"]
 
@@ -83,7 +83,7 @@ class Checkpoint(keras.callbacks.Callback):
         return path
 
     def on_train_begin(self, logs: Any = None) -> None:
-        cluster = remote.current()
+        cluster = placement.current_cluster()
         if cluster is not None and cluster.num_workers > 1:
             # Every worker would write (and on resume, restore) the shared tables.
             raise ValueError(

@@ -13,19 +13,17 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
-from elastic_emb import sharding
-from elastic_emb.table import Table, TableState, registered_tables, unregister
+from elastic_emb.placement import registered_tables, unregister
+from elastic_emb.table import Table, TableState
 
 if TYPE_CHECKING:
-    from elastic_emb.remote import RemoteTable
+    from elastic_emb.ps.remote_table import RemoteTable
 
 __all__ = ["CheckpointError", "restore", "save"]
 
 FORMAT = "elastic_emb.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
-# Shards write and read whole tables: allow them hours, not the step timeout.
-CLUSTER_IO_TIMEOUT = 6 * 3600.0
 
 
 class CheckpointError(ValueError):
@@ -72,11 +70,11 @@ def _layout(num_rows: int, dim: int, num_slots: int) -> list[tuple[str, np.dtype
 def _is_remote(table: Table) -> TypeGuard[RemoteTable]:
     """Whether `table` is a `RemoteTable`.
 
-    Remote tables exist only once `elastic_emb.remote` is loaded, so this
-    imports neither it nor gRPC and protobuf (checkpoints of in-process tables
-    work without them).
+    Remote tables exist only once `elastic_emb.ps.remote_table` is loaded, so
+    this imports neither it nor gRPC and protobuf (checkpoints of in-process
+    tables work without them).
     """
-    remote = sys.modules.get("elastic_emb.remote")
+    remote = sys.modules.get("elastic_emb.ps.remote_table")
     return remote is not None and isinstance(table, remote.RemoteTable)
 
 
@@ -118,9 +116,6 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
     if len(clusters) != 1:
         raise ValueError("ee.save: the remote tables belong to different ee.init() connections")
     (cluster,) = clusters.values()
-    from elastic_emb._proto import ps_pb2
-
-    cluster.flush()
     parts_dir = f"parts-{secrets.token_hex(4)}"
     parts = [f"{parts_dir}/shard-{i:04d}" for i in range(cluster.num_shards)]
     names = sorted(remote_tables)
@@ -128,11 +123,7 @@ def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
     if local:
         parts.append(f"{parts_dir}/local")
         _save_part(root / parts[-1], local)
-    cluster.per_shard(
-        "Save",
-        lambda i: ps_pb2.SaveRequest(directory=str(root / parts[i]), tables=names),
-        timeout=CLUSTER_IO_TIMEOUT,
-    )
+    cluster.save_tables([str(root / p) for p in parts[: cluster.num_shards]], names)
     for part in parts:
         _fsync_directory(root / part)
     manifest = {"format": FORMAT, "version": VERSION, "parts": parts}
@@ -370,22 +361,9 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
         targets[name].load_state(state)
     remote_names = sorted(n for n, t in targets.items() if _is_remote(t))
     if remote_names:
-        from elastic_emb._proto import ps_pb2
-
         cluster = targets[remote_names[0]].cluster  # type: ignore[attr-defined]
-        cluster.flush()
         try:
-            cluster.per_shard(
-                "Restore",
-                lambda i: ps_pb2.RestoreRequest(
-                    directories=[str(root)],
-                    tables=remote_names,
-                    num_shards=cluster.num_shards,
-                    shard_index=i,
-                    num_slots=sharding.NUM_SLOTS,
-                ),
-                timeout=CLUSTER_IO_TIMEOUT,
-            )
+            cluster.restore_tables(str(root), remote_names)
         except ValueError as e:
             raise CheckpointError(str(e)) from e
     return targets

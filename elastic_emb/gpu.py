@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from elastic_emb import _core
-from elastic_emb.table import Table, _keys_arg, _register
+from elastic_emb.local import LocalTable, core_options
+from elastic_emb.table import TableConfig, check_keys
 
 __all__ = ["DeviceArray", "GpuTable", "available"]
 
@@ -139,27 +140,20 @@ def _on_device(value: Any) -> bool:
     )
 
 
-class GpuTable(Table):
+class GpuTable(LocalTable):
     """A table whose rows and optimizer slots live in GPU memory.
 
-    Created by `ee.Table(..., device="gpu")`; the same interface and results
-    as the CPU table (optimizer formulas shared with it, float32 sums of
+    Created by `ee.Table(..., device="gpu")`; the in-process table's interface
+    and results (optimizer formulas shared with the CPU core, float32 sums of
     duplicate keys in the same order), plus GPU array inputs and outputs.
 
     Raises:
         RuntimeError: this build has no CUDA, or no GPU is visible.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        optimizer: Any = None,
-        initializer: Any = "uniform",
-        name: str = "table",
-        seed: int | None = None,
-        device: str = "gpu",
-    ) -> None:
-        self._configure(dim, optimizer, initializer, name, seed, device)
+    device = "gpu"
+
+    def __init__(self, config: TableConfig) -> None:
         if not _core.with_cuda:
             raise RuntimeError(
                 "elastic_emb was built without CUDA, so device='gpu' is unavailable; rebuild "
@@ -167,11 +161,8 @@ class GpuTable(Table):
             )
         if _core.cuda_device_count() == 0:
             raise RuntimeError("device='gpu': no CUDA device is visible")
-        self._device = _core.DeviceTable(**self._core_options())
-        self._core = self._device  # the methods shared with the CPU table
-        self._iterations = 0
-        self._init_step_lock()
-        self.name = _register(self, name)
+        self._device = _core.DeviceTable(**core_options(config))
+        super().__init__(config, core=self._device)
 
     def pull(self, keys: Any, train: bool = True, device_output: bool = False) -> Any:
         """Rows of `keys` (numpy or GPU int64 `(n,)`): numpy float32 `(n, dim)`,
@@ -190,15 +181,11 @@ class GpuTable(Table):
             super().push(k, grads)
             return
         g = _DeviceInput(grads, "grads", np.float32, (len(k), self.dim))
-        with self._step_lock:
-            self._iterations += 1
-            step = self._iterations
-            lr = self.optimizer.learning_rate_at(step - 1)
-            self._device.push_from_device(k, g.ptr, lr, step)
+        self._push(k, g.ptr, self._device.push_from_device)
 
     def _host_keys(self, keys: Any) -> np.ndarray:
         if not _on_device(keys):
-            return _keys_arg(keys)
+            return check_keys(keys)
         device_keys = _DeviceInput(keys, "keys", np.int64, (-1,))
         host = np.empty(device_keys.shape, np.int64)
         _core.copy_to_host(host, device_keys.ptr)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any
 
@@ -11,7 +10,6 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_emb import initializers, optimizers
-from elastic_emb.remote import RemoteTable
 from elastic_emb.table import Table
 
 __all__ = ["Embedding", "string_keys"]
@@ -31,10 +29,10 @@ _PULL_BARRIERS: weakref.WeakKeyDictionary[Any, tuple[Any, set[Any]]] = weakref.W
 
 
 def _fuse_pulls(ticket: tf.Tensor, rows: tf.Tensor) -> None:
-    """Orders every remote key submission of a graph before any collection.
+    """Orders every key submission of a graph before any collection.
 
     All layers of a traced step submit their keys first; the first collect
-    then sends one fused Pull per shard for all of them. (Without this, TF
+    of a remote table then sends one fused Pull per shard for all of them. (Without this, TF
     runs each layer's submit and collect back to back.) Skipped when the
     keys depend on another layer's rows, which would make a cycle.
     """
@@ -75,33 +73,6 @@ def _local_replicas() -> int:
     if not tf.distribute.has_strategy():
         return 1
     return len(tf.distribute.get_strategy().extended.worker_devices)
-
-
-class _ReplicaPushes:
-    """Sums the pushes of the replicas of one training step into one push.
-
-    Under a `tf.distribute` strategy every replica's backward pass pushes its
-    own gradients; the table must see them as one step (gradients summed,
-    one optimizer update per key), as without the strategy.
-    """
-
-    def __init__(self, table: Table) -> None:
-        self._table = table
-        self._lock = threading.Lock()
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
-
-    def push(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
-        if num_replicas == 1:
-            self._table.push(keys, grads)
-            return
-        with self._lock:
-            self._pending.append((keys, grads))
-            if len(self._pending) < num_replicas:
-                return
-            batch, self._pending = self._pending, []
-        self._table.push(
-            np.concatenate([k for k, _ in batch]), np.concatenate([g for _, g in batch])
-        )
 
 
 @keras.saving.register_keras_serializable(package="elastic_emb")
@@ -231,7 +202,6 @@ class Embedding(keras.layers.Layer):
             device=device,
         )
         self.device = device
-        self._replica_pushes = _ReplicaPushes(self.table)
 
     @property
     def optimizer(self) -> optimizers.Optimizer:
@@ -317,56 +287,33 @@ class Embedding(keras.layers.Layer):
         return tf.cast(ids, tf.int64)
 
     def _lookup(self, flat_ids: tf.Tensor, training: bool | None) -> tf.Tensor:
-        """Rows of `flat_ids` (n,) -> (n, dim); their gradient, if computed, is pushed."""
+        """Rows of `flat_ids` (n,) -> (n, dim); their gradient, if computed, is pushed.
+
+        Forward: unique ids, then the table's `StepFusion` in two phases (all
+        layers of a traced step submit before any collects, so a remote
+        table pulls for every layer at once), then a gather. Backward: the
+        gradient summed per unique id goes to `push_gradient`; its output is
+        the gradient of the push trigger, so it runs once per step whatever
+        optimizer `model.compile` uses.
+        """
         unique_ids, index = tf.unique(flat_ids)
         if not self.trainable:  # frozen: the table neither grows nor trains
             training = False
-        if isinstance(self.table, RemoteTable):
-            return self._remote_lookup(unique_ids, index, training)
-        pull = self._pull_train if training else self._pull_inference
-        if training is False:
-            rows = tf.numpy_function(pull, [unique_ids], tf.float32, stateful=True)
-            rows.set_shape([None, self.output_dim])
-            return tf.gather(rows, index)
+        fusion, dim = self.table.step_fusion(), self.output_dim
+        insert, expects_push = bool(training), training is not False
         # The replicas of this process (each worker of a multi-worker strategy
         # pushes on its own).
         num_replicas = _local_replicas()
-        trigger = tf.convert_to_tensor(self._push_trigger)
-
-        @tf.custom_gradient
-        def lookup(unique_ids: tf.Tensor, trigger: tf.Tensor) -> Any:
-            rows = tf.numpy_function(pull, [unique_ids], tf.float32, stateful=True)
-            rows.set_shape([None, self.output_dim])
-            out = tf.gather(rows, index)
-
-            def grad(upstream: tf.Tensor) -> tuple[None, tf.Tensor]:
-                summed = tf.math.unsorted_segment_sum(
-                    upstream, index, tf.shape(unique_ids, out_type=index.dtype)[0]
-                )
-                pushed = tf.numpy_function(
-                    lambda k, g: self._push(k, g, num_replicas),
-                    [unique_ids, tf.cast(summed, tf.float32)],
-                    tf.float32,
-                    stateful=True,
-                )
-                return None, tf.reshape(pushed, [1])
-
-            return out, grad
-
-        return lookup(unique_ids, trigger)
-
-    def _remote_lookup(
-        self, unique_ids: tf.Tensor, index: tf.Tensor, training: bool | None
-    ) -> tf.Tensor:
-        """`_lookup` for a remote table: pulls and pushes fused with the other layers'."""
-        cluster, name, dim = self.table.cluster, self.table.name, self.output_dim  # type: ignore[attr-defined]
-        insert, expects_push = bool(training), training is not False
 
         def submit(keys: np.ndarray, _trigger: np.ndarray) -> np.ndarray:
-            return np.array(cluster.submit(name, dim, keys, insert, expects_push), np.int64)
+            return np.array(fusion.submit(keys, insert, expects_push), np.int64)
 
         def collect(ticket: np.ndarray) -> np.ndarray:
-            return cluster.collect(int(ticket))
+            return fusion.collect(int(ticket))
+
+        def push(keys: np.ndarray, grads: np.ndarray) -> np.ndarray:
+            fusion.push_gradient(keys, grads, num_replicas)
+            return np.zeros((1,), np.float32)
 
         def rows_of(ids: tf.Tensor, trigger: tf.Tensor) -> tf.Tensor:
             # The variable read keeps constant ids from being folded at trace time.
@@ -379,10 +326,6 @@ class Embedding(keras.layers.Layer):
         trigger = tf.convert_to_tensor(self._push_trigger)
         if not expects_push:
             return tf.gather(rows_of(unique_ids, trigger), index)
-
-        def push(keys: np.ndarray, grads: np.ndarray) -> np.ndarray:
-            cluster.push_gradient(name, dim, keys, grads)
-            return np.zeros((1,), np.float32)
 
         @tf.custom_gradient
         def lookup(unique_ids: tf.Tensor, trigger: tf.Tensor) -> Any:
@@ -400,16 +343,6 @@ class Embedding(keras.layers.Layer):
             return out, grad
 
         return lookup(unique_ids, trigger)
-
-    def _pull_train(self, keys: np.ndarray) -> np.ndarray:
-        return self.table.pull(keys, train=True)
-
-    def _pull_inference(self, keys: np.ndarray) -> np.ndarray:
-        return self.table.pull(keys, train=False)
-
-    def _push(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> np.ndarray:
-        self._replica_pushes.push(keys, grads, num_replicas)
-        return np.zeros((1,), np.float32)
 
     def _segments(self, inputs: Any) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """(flat ids, example index of each id, number of examples) of multi-hot ids."""

@@ -1,47 +1,25 @@
-"""`Table`: the embedding table interface, and its in-process implementation."""
+"""`Table`: the interface every embedding table implements, and what they share.
+
+Implementations are siblings: `elastic_emb.local.LocalTable` (in-process,
+C++), `elastic_emb.gpu.GpuTable` (in-process, rows in GPU memory) and
+`elastic_emb.ps.RemoteTable` (rows on parameter-server shards). Calling the
+interface itself, `Table(dim, optimizer, ...)`, creates a table where
+`elastic_emb.placement` says it lives (`device=`, `ee.init`).
+"""
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
-import weakref
+import abc
+import dataclasses
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from elastic_emb import _core, initializers, optimizers
+from elastic_emb import initializers, optimizers
 
-__all__ = ["Table", "TableState", "registered_tables", "unregister"]
-
-# Live tables of this process by name, for ee.save / ee.restore.
-_REGISTRY: weakref.WeakValueDictionary[str, Table] = weakref.WeakValueDictionary()
-_REGISTRY_LOCK = threading.Lock()
-
-
-def registered_tables() -> dict[str, Table]:
-    """The live tables of this process, by name."""
-    with _REGISTRY_LOCK:
-        return dict(_REGISTRY.items())
-
-
-def _register(table: Table, name: str) -> str:
-    """Registers `table` under `name`, or `name_1`, `name_2`... if taken."""
-    with _REGISTRY_LOCK:
-        unique, i = name, 0
-        while unique in _REGISTRY:
-            i += 1
-            unique = f"{name}_{i}"
-        _REGISTRY[unique] = table
-        return unique
-
-
-def unregister(table: Table) -> None:
-    """Removes `table` from the registry (its name becomes free)."""
-    with _REGISTRY_LOCK:
-        if _REGISTRY.get(table.name) is table:
-            del _REGISTRY[table.name]
+__all__ = ["StepFusion", "Table", "TableConfig", "TableState", "check_keys", "check_rows"]
 
 
 def default_seed(name: str) -> int:
@@ -49,21 +27,76 @@ def default_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def _remote_module() -> Any:
-    """`elastic_emb.remote` where remote tables are possible, else None.
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """What defines an empty table: checked once, shared by every implementation."""
 
-    Remote tables need `ee.init` (which imports the module) or the
-    `ELASTIC_EMB_PS` variable; otherwise gRPC is not imported at all, so
-    in-process tables work where it is not installed.
-    """
-    module = sys.modules.get("elastic_emb.remote")
-    if module is None and os.environ.get("ELASTIC_EMB_PS"):
-        from elastic_emb import remote as module
-    return module
+    dim: int
+    optimizer: optimizers.Optimizer
+    initializer: initializers.InitializerSpec
+    name: str
+    seed: int
+
+    @classmethod
+    def make(
+        cls,
+        dim: Any,
+        optimizer: Any = None,
+        initializer: Any = "uniform",
+        name: Any = "table",
+        seed: Any = None,
+    ) -> TableConfig:
+        """Checks and converts constructor arguments (optimizer and initializer names...).
+
+        Raises:
+            ValueError: on an invalid argument, naming it.
+        """
+        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
+            raise ValueError(f"`dim` must be a positive integer. Received: dim={dim!r}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
+        if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0):
+            raise ValueError(f"`seed` must be a non-negative integer. Received: seed={seed!r}")
+        return cls(
+            dim=int(dim),
+            optimizer=optimizers.get(
+                optimizers.Adagrad(learning_rate=0.05) if optimizer is None else optimizer
+            ),
+            initializer=initializers.get(initializer),
+            name=name,
+            seed=default_seed(name) if seed is None else int(seed),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (checkpoint manifests, the wire's CreateTables)."""
+        return {
+            "name": self.name,
+            "dim": self.dim,
+            "seed": self.seed,
+            "optimizer": self.optimizer.get_config(),
+            "initializer": {
+                "kind": self.initializer.kind,
+                "a": self.initializer.a,
+                "b": self.initializer.b,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> TableConfig:
+        """The inverse of `to_dict`."""
+        return cls.make(
+            dim=config["dim"],
+            optimizer=config["optimizer"],
+            initializer=initializers.InitializerSpec(**config["initializer"]),
+            name=config["name"],
+            seed=config["seed"],
+        )
 
 
 class TableState:
     """Everything a table holds, as numpy arrays (row i belongs to keys[i])."""
+
+    FIELDS = ("keys", "values", "slots", "last_step", "update_count")
 
     def __init__(
         self,
@@ -82,7 +115,7 @@ class TableState:
         self.iterations = iterations
 
     def select(self, mask: np.ndarray) -> TableState:
-        """The rows where `mask` is true (same step count)."""
+        """The rows `mask` selects (a boolean mask or positions); same step count."""
         return TableState(
             self.keys[mask],
             self.values[mask],
@@ -101,10 +134,21 @@ class TableState:
         iterations = max(p.iterations for p in parts)
         return TableState(keys, values, slots, last_step, update_count, iterations)
 
-    FIELDS = ("keys", "values", "slots", "last_step", "update_count")
+    def checked(self, dim: int, num_slots: int) -> TableState:
+        """This state with dtypes and shapes checked for a table of `dim` and `num_slots`."""
+        n = np.shape(self.keys)[0] if np.ndim(self.keys) == 1 else -1
+        return TableState(
+            check_keys(self.keys),
+            check_rows(self.values, "values", n, dim),
+            check_rows(self.slots, "slots", n, num_slots * dim),
+            np.ascontiguousarray(self.last_step, np.uint32),
+            np.ascontiguousarray(self.update_count, np.uint32),
+            int(self.iterations),
+        )
 
 
-def _keys_arg(keys: Any, name: str = "keys") -> np.ndarray:
+def check_keys(keys: Any, name: str = "keys") -> np.ndarray:
+    """`keys` as a contiguous int64 `(n,)` array; ValueError naming the problem otherwise."""
     arr = np.asarray(keys)
     if arr.size == 0 and arr.ndim == 1:  # [] is float64 to NumPy
         return np.zeros(0, np.int64)
@@ -115,7 +159,8 @@ def _keys_arg(keys: Any, name: str = "keys") -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _rows_arg(rows: Any, name: str, n: int, width: int) -> np.ndarray:
+def check_rows(rows: Any, name: str, n: int, width: int) -> np.ndarray:
+    """`rows` as a contiguous float32 `(n, width)` array; ValueError otherwise."""
     arr = np.asarray(rows)
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"`{name}` must be a float array (float32). Received dtype={arr.dtype}")
@@ -127,13 +172,33 @@ def _rows_arg(rows: Any, name: str, n: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
-class Table:
+class _Placed(type):
+    """Calling the interface, `Table(...)`, asks the placement for an implementation.
+
+    `elastic_emb.placement` registers itself here when imported (the package
+    imports it first), so this module needs none of the implementations.
+    """
+
+    create: ClassVar[Callable[..., Any] | None] = None
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is not Table:
+            return super().__call__(*args, **kwargs)
+        if _Placed.create is None:  # pragma: no cover - `import elastic_emb` registers it
+            raise TypeError("Table is an interface; create tables with elastic_emb.Table(...)")
+        return _Placed.create(*args, **kwargs)
+
+
+class Table(metaclass=_Placed):
     """An embedding table: int64 keys to rows of `dim` float32 values.
 
     Rows are created on first training use with a deterministic initial value
     (a pure function of `seed` and the key) and trained by `optimizer`, which
-    runs inside the table. The table is in-process (C++ core); every method is
-    thread-safe and releases the GIL while it works.
+    runs where the rows are. Every implementation is thread-safe.
+
+    `Table(...)` creates the table where `elastic_emb.placement` puts it: in
+    this process on the CPU (default), on the GPU with `device="gpu"`, or on
+    parameter-server shards after `ee.init(ps=...)`.
 
     Example:
         >>> t = Table(dim=4, optimizer=optimizers.SGD(0.1), initializer="zeros", name="t")
@@ -148,8 +213,8 @@ class Table:
             or a name. Defaults to `Adagrad(learning_rate=0.05)`.
         initializer: Keras initializer name or object (zeros, ones, constant,
             uniform, normal, truncated_normal).
-        name: str, unique within the process (a suffix is added if taken);
-            checkpoints match tables by name.
+        name: str; checkpoints match tables by name. A new table with the name
+            of a live one takes the name over (see `elastic_emb.placement`).
         seed: int, initialization seed. Defaults to a hash of `name`.
         device: "cpu" (default) or "gpu": where rows and optimizer slots live
             (a GPU table needs a CUDA build; see `elastic_emb.gpu`).
@@ -158,104 +223,68 @@ class Table:
         ValueError: on an invalid argument.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Table:
-        if cls is Table:
-            device = kwargs.get("device", args[5] if len(args) > 5 else "cpu")
-            if device == "gpu":
-                from elastic_emb.gpu import GpuTable
+    device: str
+    _config: TableConfig  # set by each implementation's constructor
 
-                cls = GpuTable
-            elif device == "cpu":
-                # After ee.init(ps=...) (or with ELASTIC_EMB_PS set) tables are remote.
-                remote = _remote_module()
-                if remote is not None and remote.current() is not None:
-                    cls = remote.RemoteTable
-        return super().__new__(cls)
+    if TYPE_CHECKING:  # the public constructor, as `_Placed` routes it to the placement
 
-    def __init__(
-        self,
-        dim: int,
-        optimizer: Any = None,
-        initializer: Any = "uniform",
-        name: str = "table",
-        seed: int | None = None,
-        device: str = "cpu",
-    ) -> None:
-        self._configure(dim, optimizer, initializer, name, seed, device)
-        self._core = _core.Table(**self._core_options())
-        self._iterations = 0
-        self._init_step_lock()
-        self.name = _register(self, name)
+        def __init__(
+            self,
+            dim: int,
+            optimizer: Any = None,
+            initializer: Any = "uniform",
+            name: str = "table",
+            seed: int | None = None,
+            device: str = "cpu",
+        ) -> None: ...
 
-    def _core_options(self) -> dict[str, Any]:
-        """The C++ table's constructor arguments (CPU and GPU tables alike)."""
-        return {
-            "dim": self.dim,
-            "initializer": self.initializer.kind,
-            "init_a": self.initializer.a,
-            "init_b": self.initializer.b,
-            "seed": self.seed,
-            "optimizer": self.optimizer.kind,
-            "optimizer_args": self.optimizer.core_args(),
-        }
+    @property
+    def name(self) -> str:
+        return self._config.name
 
-    def _init_step_lock(self) -> None:
-        self._step_lock = threading.Lock()
+    @property
+    def dim(self) -> int:
+        return self._config.dim
 
-    def _configure(
-        self,
-        dim: Any,
-        optimizer: Any,
-        initializer: Any,
-        name: Any,
-        seed: Any,
-        device: Any = "cpu",
-    ) -> None:
-        """Checks and stores the arguments every implementation shares."""
-        if device not in ("cpu", "gpu"):
-            raise ValueError(f'`device` must be "cpu" or "gpu". Received: device={device!r}')
-        self.device = device
-        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
-            raise ValueError(f"`dim` must be a positive integer. Received: dim={dim!r}")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
-        if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0):
-            raise ValueError(f"`seed` must be a non-negative integer. Received: seed={seed!r}")
-        self.dim = int(dim)
-        self.optimizer = optimizers.get(
-            optimizers.Adagrad(learning_rate=0.05) if optimizer is None else optimizer
-        )
-        self.initializer = initializers.get(initializer)
-        self.seed = default_seed(name) if seed is None else int(seed)
+    @property
+    def optimizer(self) -> optimizers.Optimizer:
+        return self._config.optimizer
+
+    @property
+    def initializer(self) -> initializers.InitializerSpec:
+        return self._config.initializer
+
+    @property
+    def seed(self) -> int:
+        return self._config.seed
+
+    def config(self) -> dict[str, Any]:
+        """What is needed to re-create an empty table like this one (JSON-ready)."""
+        return self._config.to_dict()
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Table:
-        """A new empty table from `config()` output."""
-        return cls(
-            dim=config["dim"],
-            optimizer=config["optimizer"],
-            initializer=initializers.InitializerSpec(**config["initializer"]),
-            name=config["name"],
-            seed=config["seed"],
-        )
+        """A new empty table from `config()` output, placed like `Table(...)`."""
+        c = TableConfig.from_dict(config)
+        return Table(c.dim, c.optimizer, c.initializer, c.name, c.seed)
 
     @property
     def iterations(self) -> int:
         """Number of pushes applied so far (the optimizer's step count)."""
-        return self._iterations
+        raise NotImplementedError
 
     @property
     def num_slots(self) -> int:
         """Optimizer slot vectors stored per row."""
-        return int(self._core.num_slots)
+        raise NotImplementedError
 
-    def pull(self, keys: Any, train: bool = True) -> np.ndarray:
+    def pull(self, keys: Any, train: bool = True) -> Any:
         """Gathers rows: int64 `(n,)` -> float32 `(n, dim)`.
 
         With `train=False`, unseen keys are not inserted; they get their
         initial value.
         """
-        return self._core.pull(_keys_arg(keys), bool(train))
+        raise NotImplementedError
 
     def push(self, keys: Any, grads: Any) -> None:
         """Applies one optimizer step: gradients of equal keys are summed first.
@@ -264,82 +293,74 @@ class Table:
             keys: int64 `(n,)`.
             grads: float32 `(n, dim)`.
         """
-        k = _keys_arg(keys)
-        g = _rows_arg(grads, "grads", k.shape[0], self.dim)
-        with self._step_lock:
-            self._iterations += 1
-            step = self._iterations
-            lr = self.optimizer.learning_rate_at(step - 1)
-            self._core.push(k, g, lr, step)
+        raise NotImplementedError
 
     def import_rows(self, keys: Any, values: Any) -> None:
         """Sets the values of rows (inserting them); their optimizer slots are reset."""
-        k = _keys_arg(keys)
-        self._core.import_rows(k, _rows_arg(values, "values", k.shape[0], self.dim))
+        raise NotImplementedError
 
     def export_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """All rows: (int64 `(m,)` keys, float32 `(m, dim)` values), in no set order."""
-        keys, values, *_ = self._core.export_rows()
-        return keys, values
+        state = self.export_state()
+        return state.keys, state.values
 
     def erase(self, keys: Any) -> int:
         """Removes rows; returns how many existed."""
-        return int(self._core.erase(_keys_arg(keys)))
+        raise NotImplementedError
 
     def metadata(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         """(last-updated step, update count) per key, int64; -1 for absent keys."""
-        last_step, update_count = self._core.metadata(_keys_arg(keys))
-        return last_step, update_count
+        raise NotImplementedError
 
     def memory_bytes(self) -> int:
-        """Bytes held by the index and the row arena."""
-        return int(self._core.memory_bytes())
+        """Bytes held by the index and the rows."""
+        raise NotImplementedError
 
     def __len__(self) -> int:
-        return int(self._core.size())
-
-    def __repr__(self) -> str:
-        return (
-            f"Table(name={self.name!r}, dim={self.dim}, rows={len(self)}, "
-            f"optimizer={type(self.optimizer).__name__})"
-        )
-
-    # Checkpoint support.
-
-    def config(self) -> dict[str, Any]:
-        """What is needed to re-create an empty table like this one."""
-        return {
-            "name": self.name,
-            "dim": self.dim,
-            "seed": self.seed,
-            "optimizer": self.optimizer.get_config(),
-            "initializer": {
-                "kind": self.initializer.kind,
-                "a": self.initializer.a,
-                "b": self.initializer.b,
-            },
-        }
+        raise NotImplementedError
 
     def export_state(self) -> TableState:
-        """Every row with optimizer slots and metadata, plus the step count."""
-        with self._step_lock:
-            keys, values, slots, last_step, update_count = self._core.export_rows()
-            return TableState(keys, values, slots, last_step, update_count, self._iterations)
+        """Every row with optimizer slots and metadata, plus the step count (one snapshot)."""
+        raise NotImplementedError
 
     def load_state(self, state: TableState) -> None:
         """Replaces the whole content of the table with `state`."""
-        n = state.keys.shape[0]
-        keys = _keys_arg(state.keys)
-        values = _rows_arg(state.values, "values", n, self.dim)
-        slots = _rows_arg(state.slots, "slots", n, self.num_slots * self.dim)
-        with self._step_lock:
-            current, *_ = self._core.export_rows()
-            self._core.erase(current)
-            self._core.import_rows(
-                keys,
-                values,
-                slots,
-                np.ascontiguousarray(state.last_step, np.uint32),
-                np.ascontiguousarray(state.update_count, np.uint32),
-            )
-            self._iterations = int(state.iterations)
+        raise NotImplementedError
+
+    def step_fusion(self) -> StepFusion:
+        """How the layers reach this table during a training step (see `StepFusion`)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self.name!r}, dim={self.dim}, rows={len(self)}, "
+            f"optimizer={type(self.optimizer).__name__})"
+        )
+
+
+class StepFusion(abc.ABC):
+    """A table's side of the layers' lookup: pulls in two phases, pushes per step.
+
+    `ee.Embedding` has one lookup path for every kind of table: each layer
+    `submit`s its unique ids, then `collect`s its rows (all submissions of a
+    traced step come before any collection, so an implementation may fetch
+    the rows of all its layers at once), and its gradient comes back through
+    `push_gradient`. Thread-safe.
+    """
+
+    @abc.abstractmethod
+    def submit(self, keys: np.ndarray, insert: bool, expects_push: bool) -> int:
+        """Announces the ids (int64, unique) a layer needs; returns a ticket for `collect`.
+
+        `insert`: training (unseen ids get rows); `expects_push`: a gradient
+        of these ids will be pushed in this step.
+        """
+
+    @abc.abstractmethod
+    def collect(self, ticket: int) -> np.ndarray:
+        """The float32 `(n, dim)` rows of a submission; blocks until they are there."""
+
+    @abc.abstractmethod
+    def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
+        """A layer's summed gradient for its unique ids, from one of `num_replicas` replicas
+        of this process (the table applies the step's gradients once, summed)."""

@@ -31,14 +31,14 @@ import tensorflow as tf  # noqa: E402
 
 import elastic_emb as ee  # noqa: E402
 from elastic_emb import data  # noqa: E402
-from elastic_emb.models import build_dlrm  # noqa: E402
+from elastic_emb.examples.dlrm import build_dlrm  # noqa: E402
 
 NUM_CATEGORICAL = 8
 
 
 def features(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
     dense, categorical, labels = data.read_criteo(path)
-    x = {"dense": np.log1p(np.maximum(dense, 0)), "categorical": categorical[:, :NUM_CATEGORICAL]}
+    x = data.model_inputs(dense, categorical[:, :NUM_CATEGORICAL])
     return x, labels.astype(np.float32)
 
 

@@ -177,7 +177,7 @@ def test_restore_creates_checkpointed_tables_without_a_live_one(tmp_path: Path) 
     ee.save(tmp_path, tables=[t])
     del t
     gc.collect()
-    assert name not in ee.table.registered_tables()
+    assert name not in ee.placement.registered_tables()
     restored = ee.restore(tmp_path)
     assert set(restored) == {name}
     new = restored[name]
@@ -489,7 +489,7 @@ def test_corrupted_checkpoint_raises_and_leaves_live_tables_unchanged(
     assert str(directory) in message or prefix in message, message  # says where
     _assert_state_equal(_state(a), before[0])
     _assert_state_equal(_state(b), before[1])
-    assert prefix + "_c" not in ee.table.registered_tables()
+    assert prefix + "_c" not in ee.placement.registered_tables()
 
 
 @pytest.mark.parametrize(

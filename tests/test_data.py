@@ -1,4 +1,4 @@
-"""Tests of elastic_emb.data: Criteo generation, parsing, AUC and the tf.data pipeline."""
+"""Tests of `ee.data` (elastic_emb.examples.criteo): Criteo generation, parsing, AUC, tf.data."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from elastic_emb import remote
+from elastic_emb import placement
 from elastic_emb.cli import build_parser
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -218,8 +218,8 @@ def test_every_elastic_emb_command_in_the_manifests_parses():
             for args in _container_invocations(container):
                 ns = _parse(args, f"{workload['metadata']['name']}/{container['name']}")
                 checked.append(ns.command)
-    # PS serve and its two probes, the workers' wait for the PS, the demo.
-    assert sorted(checked) == ["demo", "health", "health", "health", "serve"]
+    # PS serve, the workers' wait for the PS, the demo (the PS probes are gRPC probes).
+    assert sorted(checked) == ["demo", "health", "serve"]
 
 
 def test_ps_port_matches_the_service_probes_and_worker_addresses():
@@ -229,8 +229,8 @@ def test_ps_port_matches_the_service_probes_and_worker_addresses():
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     assert [p["containerPort"] for p in container["ports"]] == [serve.port]
     for probe in ("readinessProbe", "livenessProbe"):
-        (health,) = _invocations(container[probe]["exec"]["command"])
-        assert _parse(health, probe).address == f"127.0.0.1:{serve.port}"
+        # Kubernetes' gRPC probe asks the standard health service on the PS port.
+        assert container[probe]["grpc"]["port"] == serve.port
 
     demo = _demo_args()
     name, replicas = sts["metadata"]["name"], sts["spec"]["replicas"]
@@ -325,7 +325,7 @@ def test_worker_scripts_build_tf_config_from_the_completion_index(tmp_path, monk
         }
         # What the library itself reads from it: (worker index, number of workers).
         monkeypatch.setenv("TF_CONFIG", train["tf_config"])
-        assert remote._tf_config_worker() == (index, len(workers))
+        assert placement._tf_config_worker() == (index, len(workers))
 
 
 def test_every_elastic_emb_command_in_deployment_md_parses():

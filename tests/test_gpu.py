@@ -24,7 +24,8 @@ from _numpy_reference import adagrad_update
 from elastic_emb import _core
 from elastic_emb import checkpoint as ckpt
 from elastic_emb import optimizers as eo
-from elastic_emb.table import Table, TableState, unregister
+from elastic_emb.placement import unregister
+from elastic_emb.table import Table, TableState
 
 pytestmark = pytest.mark.gpu
 

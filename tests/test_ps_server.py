@@ -32,8 +32,11 @@ import pytest
 from _cluster import serve_command, shards
 
 import elastic_emb as ee
-from elastic_emb import remote, sharding, wire
+from elastic_emb import placement, sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+from elastic_emb.ps import protocol as wire
+from elastic_emb.ps.cluster import Cluster
+from elastic_emb.ps.remote_table import RemoteTable
 
 # Every Join to the module's shards must agree: ASYNC, 4 workers, unbounded
 # staleness. The ee.init sessions are worker 0; the raw-stub tests are worker 3.
@@ -64,7 +67,7 @@ def stubs(cluster):
 
 
 @contextlib.contextmanager
-def _connected(addresses: list[str], **kwargs: Any) -> Iterator[remote.Cluster]:
+def _connected(addresses: list[str], **kwargs: Any) -> Iterator[Cluster]:
     """`ee.init` as worker 0 of NUM_WORKERS (async), always shut down."""
     gc.collect()  # in-process tables of earlier tests must be gone before ee.init
     kwargs.setdefault("worker_index", 0)
@@ -489,7 +492,7 @@ def test_unreachable_ps_raises_connection_error_naming_it(cluster):
         assert time.monotonic() - start < 20  # a hang guard
         assert closed in str(info.value)
         assert cluster[0].address not in str(info.value)
-        assert remote.current() is None
+        assert placement.current_cluster() is None
 
 
 # 3. Keys spread over shards.
@@ -801,7 +804,7 @@ def test_sigterm_saves_a_checkpoint_restorable_in_process(tmp_path):
     restored = ee.restore(final)
     try:
         table = restored[name]
-        assert not isinstance(table, remote.RemoteTable)
+        assert not isinstance(table, RemoteTable)
         state = table.export_state()
         assert state.iterations == saved.iterations
         a, b = np.argsort(saved.keys), np.argsort(state.keys)

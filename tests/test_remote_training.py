@@ -14,8 +14,11 @@ from _cluster import serve_command, shards
 from _processes import run_python
 
 import elastic_emb as ee
-from elastic_emb import checkpoint, remote, wire
+from elastic_emb import checkpoint, placement
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+from elastic_emb.ps import protocol as wire
+from elastic_emb.ps.cluster import Cluster
+from elastic_emb.ps.remote_table import RemoteTable
 
 WORKER = Path(__file__).parent / "_remote_worker.py"
 
@@ -63,7 +66,7 @@ def test_one_worker_equals_in_process_exactly(connected, mode):
         loss = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
         assert loss.history["loss"] == local_loss.history["loss"]
         for remote_layer, local_layer in zip(_tables(model), _tables(local), strict=True):
-            assert isinstance(remote_layer.table, remote.RemoteTable)
+            assert isinstance(remote_layer.table, RemoteTable)
             assert remote_layer.table.iterations == local_layer.table.iterations == 32
             keys, values = _sorted_rows(remote_layer.table)
             local_keys, local_values = _sorted_rows(local_layer.table)
@@ -170,7 +173,7 @@ def test_async_reaches_the_auc_of_sync(runs):
     assert abs(async_auc - sync_auc) < 0.01
 
 
-def _sgd_table(cluster: remote.Cluster, name: str) -> None:
+def _sgd_table(cluster: Cluster, name: str) -> None:
     config = ee.Table(dim=2, optimizer=ee.optimizers.SGD(1.0), initializer="zeros", name=name)
     cluster.create_tables([config.config()])
 
@@ -178,9 +181,7 @@ def _sgd_table(cluster: remote.Cluster, name: str) -> None:
 def test_sync_sums_the_workers_pushes_and_waits_for_all_of_them():
     with shards(2) as ps:
         addresses = [s.address for s in ps]
-        workers = [
-            remote.Cluster(addresses, "sync", None, "float32", i, 2, 3.0, 30) for i in (0, 1)
-        ]
+        workers = [Cluster(addresses, "sync", None, "float32", i, 2, 3.0, 30) for i in (0, 1)]
         try:
             _sgd_table(workers[0], "sync_sum")
             keys = np.arange(6)
@@ -201,7 +202,7 @@ def test_sync_sums_the_workers_pushes_and_waits_for_all_of_them():
 def test_bounded_staleness_holds_the_fast_worker_back():
     with shards(1) as ps:
         addresses = [ps[0].address]
-        workers = [remote.Cluster(addresses, "async", 1, "float32", i, 2, 2.0, 30) for i in (0, 1)]
+        workers = [Cluster(addresses, "async", 1, "float32", i, 2, 2.0, 30) for i in (0, 1)]
         try:
             _sgd_table(workers[0], "stale")
             keys = np.arange(3)
@@ -247,7 +248,7 @@ def test_restore_onto_a_different_number_of_shards(connected, tmp_path):
     with shards(3) as ps:
         connected(ps=[s.address for s in ps], mode="async")
         restored = ee.restore(tmp_path / "ckpt")["reshard"]
-        assert isinstance(restored, remote.RemoteTable)
+        assert isinstance(restored, RemoteTable)
         for field, expected in saved.items():
             np.testing.assert_array_equal(_state(restored)[field], expected)
         # Every shard holds exactly the keys it owns now.
@@ -341,10 +342,10 @@ def test_environment_variable_makes_tables_remote(tmp_path):
 )
 def test_worker_index_and_count_come_from_tf_config(monkeypatch, tf_config, expected):
     monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
-    assert remote._tf_config_worker() == expected
+    assert placement._tf_config_worker() == expected
     monkeypatch.setenv("TF_CONFIG", "{not json")
     with pytest.raises(ValueError, match="TF_CONFIG"):
-        remote._tf_config_worker()
+        placement._tf_config_worker()
 
 
 def test_remote_table_behaves_as_the_local_table(connected):
@@ -355,7 +356,7 @@ def test_remote_table_behaves_as_the_local_table(connected):
     with shards(3) as ps:
         connected(ps=[s.address for s in ps], mode="async")
         table = ee.Table(dim=3, optimizer=ee.optimizers.Adagrad(0.1), name="same_remote", seed=4)
-        assert isinstance(table, remote.RemoteTable)
+        assert isinstance(table, RemoteTable)
         for t in (local, table):
             t.import_rows(keys[:100], np.arange(300, dtype=np.float32).reshape(100, 3))
             t.pull(keys[50:200])

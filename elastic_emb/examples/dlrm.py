@@ -1,4 +1,4 @@
-"""Reference models used by the demo and the benchmarks."""
+"""The DLRM-style CTR model of the demo, the benchmarks and the tests."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import keras
 
-from elastic_emb.data import NUM_CATEGORICAL, NUM_DENSE
+from elastic_emb.examples.criteo import NUM_CATEGORICAL, NUM_DENSE
 
 
 def build_dlrm(

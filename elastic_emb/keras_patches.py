@@ -1,4 +1,9 @@
-"""Multi-worker training support: a fix for Keras 3's `model.fit` under MultiWorkerMirroredStrategy.
+"""A patch of Keras internals: `model.fit` under MultiWorkerMirroredStrategy.
+
+This module changes two private functions of Keras' TensorFlow trainer; it
+is the only place elastic_emb touches Keras internals, and it checks the
+Keras version it patches (Keras 3.0 through `LAST_TESTED`; newer releases are
+patched if the two internals are still there, with a warning).
 
 Keras 3 (through at least 3.15) fails in `model.fit` under
 `tf.distribute.MultiWorkerMirroredStrategy` before the first step: to build
@@ -14,13 +19,24 @@ several workers.
 
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any
 
+import keras
 import tensorflow as tf
 
-__all__ = ["fix_keras_multi_worker"]
+from elastic_emb.errors import ElasticEmbWarning
 
+__all__ = ["LAST_TESTED", "fix_keras_multi_worker"]
+
+LAST_TESTED = (3, 15)  # the newest Keras release this patch was tested with
 _applied = False
+
+
+def _keras_version() -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", keras.__version__)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 def fix_keras_multi_worker() -> None:
@@ -28,8 +44,31 @@ def fix_keras_multi_worker() -> None:
     global _applied
     if _applied:
         return
+    version = _keras_version()
+    if version[0] != 3:
+        raise RuntimeError(
+            f"elastic_emb's multi-worker patch supports Keras 3; this is Keras {keras.__version__}"
+        )
     from keras.src import tree
     from keras.src.backend.tensorflow import trainer
+
+    if not (
+        hasattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build")
+        and hasattr(trainer, "reduce_per_replica")
+    ):
+        raise RuntimeError(
+            f"Keras {keras.__version__} changed the internals elastic_emb patches for "
+            "MultiWorkerMirroredStrategy (TensorFlowTrainer._maybe_symbolic_build, "
+            "reduce_per_replica); use Keras <= "
+            f"{LAST_TESTED[0]}.{LAST_TESTED[1]} or an elastic_emb release that supports it"
+        )
+    if version > LAST_TESTED:
+        warnings.warn(
+            f"Keras {keras.__version__} is newer than the last Keras elastic_emb's "
+            f"multi-worker patch was tested with ({LAST_TESTED[0]}.{LAST_TESTED[1]})",
+            ElasticEmbWarning,
+            stacklevel=2,
+        )
 
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> None:
         if self._distribute_strategy is None:

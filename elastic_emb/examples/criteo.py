@@ -59,6 +59,8 @@ __all__ = [
     "criteo_dataset",
     "generate_criteo",
     "iter_criteo",
+    "log_counts",
+    "model_inputs",
     "planted_logits",
     "read_criteo",
 ]
@@ -180,9 +182,20 @@ def planted_logits(
     logits = np.full(dense_arr.shape[0], _BIAS)
     for f in range(NUM_CATEGORICAL):
         logits += params["cat_scale"][f] * _hash_normal(seed, f, cat_arr[:, f])
-    z = (np.log1p(np.maximum(dense_arr, 0.0)) - params["mu"]) / params["sigma"]
+    z = (log_counts(dense_arr) - params["mu"]) / params["sigma"]
     logits += z @ params["dense_w"]
     return logits
+
+
+def log_counts(dense: np.ndarray) -> np.ndarray:
+    """The usual transform of Criteo's integer counts: ``log1p(max(x, 0))``, same dtype."""
+    dense = np.asarray(dense)
+    return np.log1p(np.maximum(dense, dense.dtype.type(0)))
+
+
+def model_inputs(dense: np.ndarray, categorical: np.ndarray) -> dict[str, np.ndarray]:
+    """The inputs of `elastic_emb.examples.dlrm.build_dlrm`: log counts and ids."""
+    return {"dense": log_counts(dense), "categorical": categorical}
 
 
 def _sigmoid(x: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -808,7 +821,7 @@ def criteo_dataset(
         dense: NDArray[np.float32], cat: NDArray[np.int64], labels: NDArray[np.float32]
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         if log_dense:
-            dense = np.log1p(np.maximum(dense, np.float32(0)))
+            return model_inputs(dense, cat), labels
         return {"dense": dense, "categorical": cat}, labels
 
     def batches() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:

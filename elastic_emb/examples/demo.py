@@ -1,0 +1,134 @@
+"""`elastic-emb demo`: a DLRM-style CTR model on Criteo-format data, end to end.
+
+Generates data with a planted signal (or reads a real Criteo file), trains
+with `ee.Embedding` tables in-process (or on PS shards with `--ps`), and
+prints the test AUC, the speed and the tables' memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """`elastic-emb demo` with the parsed arguments (see `elastic_emb.cli`)."""
+    with tempfile.TemporaryDirectory(prefix="elastic_emb_demo_") as tmp:
+        return _run_demo(args, Path(tmp))
+
+
+def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
+    import keras
+    import tensorflow as tf
+
+    import elastic_emb as ee
+    from elastic_emb.examples import criteo as data
+    from elastic_emb.examples.dlrm import build_dlrm
+
+    keras.utils.set_random_seed(args.seed)
+    cluster = None
+    if args.ps:
+        cluster = ee.init(
+            ps=args.ps,
+            mode=args.mode,
+            staleness=args.staleness,
+            wire_dtype=args.wire_dtype,
+        )
+    oracle = None
+    if args.data:
+        dense, categorical, labels = data.read_criteo(args.data, max_examples=args.examples)
+        split = int(len(labels) * (1 - args.test_fraction))
+        if not 0 < split < len(labels):
+            print(f"elastic-emb demo: {args.data} has too few examples to split", file=sys.stderr)
+            return 2
+        n_test = len(labels) - split
+        print(f"Read {len(labels):,} examples from {args.data}; testing on the last {n_test:,}")
+        train = data.model_inputs(dense[:split], categorical[:split]), labels[:split]
+        test = data.model_inputs(dense[split:], categorical[split:]), labels[split:]
+    else:
+        t0 = time.perf_counter()
+        info = data.generate_criteo(workdir / "train.tsv", args.examples, seed=args.seed)
+        data.generate_criteo(
+            workdir / "test.tsv", args.test_examples, seed=args.seed, sample_seed=args.seed + 1
+        )
+        oracle = info["oracle_auc"]
+        train_arrays = data.read_criteo(workdir / "train.tsv")
+        test_arrays = data.read_criteo(workdir / "test.tsv")
+        print(
+            f"Generated {args.examples:,} training and {args.test_examples:,} test examples "
+            f"(Criteo format, planted signal; best reachable AUC {oracle:.4f}) "
+            f"in {time.perf_counter() - t0:.1f}s"
+        )
+        train = data.model_inputs(*train_arrays[:2]), train_arrays[2]
+        test = data.model_inputs(*test_arrays[:2]), test_arrays[2]
+    n_train = len(train[1])
+
+    layers: list[ee.Embedding] = []
+
+    def embedding(i: int) -> ee.Embedding:
+        layer = ee.Embedding(
+            args.dim, optimizer=ee.optimizers.Adagrad(learning_rate=args.lr), name=f"C{i + 1}"
+        )
+        layers.append(layer)
+        return layer
+
+    strategy = tf.distribute.get_strategy()
+    if cluster is not None and cluster.num_workers > 1:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = build_dlrm(embedding, seed=args.seed)
+        model.compile(
+            optimizer=keras.optimizers.Adam(learning_rate=1e-3),
+            loss="binary_crossentropy",
+            metrics=[keras.metrics.AUC(name="auc")],
+        )
+    where = "in-process"
+    if cluster is not None:
+        where = (
+            f"tables on {cluster.num_shards} PS shard(s) ({args.mode}, {args.wire_dtype} wire), "
+            f"worker {cluster.worker_index} of {cluster.num_workers}"
+        )
+    print(
+        f"Training a DLRM-style model on {n_train:,} examples: "
+        f"26 ee.Embedding(dim={args.dim}) + MLP, {where}"
+    )
+    t0 = time.perf_counter()
+    model.fit(
+        *train, batch_size=args.batch_size, epochs=args.epochs, shuffle=True, verbose=args.verbose
+    )
+    train_seconds = time.perf_counter() - t0
+    scores = model.predict(test[0], batch_size=8192, verbose=0)[:, 0]
+    test_auc = data.auc(test[1], scores)
+
+    best = f"  (best reachable {oracle:.4f})" if oracle is not None else ""
+    print()
+    print(f"test AUC         {test_auc:.4f}{best}")
+    print(f"training speed   {n_train * args.epochs / train_seconds:,.0f} examples/s")
+    print(f"training time    {train_seconds:.1f}s for {args.epochs} epoch(s)")
+    print()
+    print(f"{'table':<8}{'rows':>12}{'MiB':>10}{'bytes/row':>11}")
+    total_rows = total_bytes = 0
+    for layer in layers:
+        rows, nbytes = len(layer.table), layer.table.memory_bytes()
+        total_rows += rows
+        total_bytes += nbytes
+        print(
+            f"{layer.table.name:<8}{rows:>12,}{nbytes / 2**20:>10.1f}{nbytes / max(rows, 1):>11.0f}"
+        )
+    print(f"{'total':<8}{total_rows:>12,}{total_bytes / 2**20:>10.1f}")
+    if cluster is not None:
+        print()
+        print(f"{'PS shard':<24}{'RPCs':>8}{'MiB sent':>10}{'MiB recv':>10}{'ms/RPC':>8}")
+        for s in cluster.stats():
+            ms = 1000 * s["seconds"] / max(s["rpcs"], 1)
+            print(
+                f"{s['address']:<24}{s['rpcs']:>8}{s['bytes_sent'] / 2**20:>10.1f}"
+                f"{s['bytes_received'] / 2**20:>10.1f}{ms:>8.1f}"
+            )
+        ee.shutdown()
+    return 0

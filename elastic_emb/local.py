@@ -1,0 +1,151 @@
+"""`LocalTable`: an in-process table over the C++ core (the default placement)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from elastic_emb import _core
+from elastic_emb.table import StepFusion, Table, TableConfig, TableState, check_keys, check_rows
+
+__all__ = ["LocalTable", "core_options"]
+
+
+def core_options(config: TableConfig) -> dict[str, Any]:
+    """The C++ table's constructor arguments (CPU and GPU tables alike)."""
+    return {
+        "dim": config.dim,
+        "initializer": config.initializer.kind,
+        "init_a": config.initializer.a,
+        "init_b": config.initializer.b,
+        "seed": config.seed,
+        "optimizer": config.optimizer.kind,
+        "optimizer_args": config.optimizer.core_args(),
+    }
+
+
+class LocalTable(Table):
+    """A table in this process: rows and optimizer slots in the C++ core.
+
+    Created by `ee.Table(...)` with no cluster configured. Every method is
+    thread-safe and releases the GIL while the core works; `push` calls are
+    serialized (each is one optimizer step).
+
+    Args:
+        config: the table's `TableConfig`.
+        core: the C++ table holding the rows; default a CPU `_core.Table`.
+    """
+
+    device = "cpu"
+
+    def __init__(self, config: TableConfig, core: Any = None) -> None:
+        self._config = config
+        self._core = _core.Table(**core_options(config)) if core is None else core
+        self._step_lock = threading.Lock()  # guards _iterations, orders pushes
+        self._iterations = 0
+        self._fusion = _LocalStep(self)
+
+    @property
+    def iterations(self) -> int:
+        return self._iterations
+
+    @property
+    def num_slots(self) -> int:
+        return int(self._core.num_slots)
+
+    def pull(self, keys: Any, train: bool = True) -> Any:
+        return self._core.pull(check_keys(keys), bool(train))
+
+    def push(self, keys: Any, grads: Any) -> None:
+        k = check_keys(keys)
+        self._push(k, check_rows(grads, "grads", k.shape[0], self.dim))
+
+    def _push(self, keys: np.ndarray, grads: Any, apply: Any = None) -> None:
+        """One optimizer step with checked `keys`; `apply(keys, grads, lr, step)` runs it."""
+        with self._step_lock:
+            self._iterations += 1
+            step = self._iterations
+            lr = self.optimizer.learning_rate_at(step - 1)
+            (apply or self._core.push)(keys, grads, lr, step)
+
+    def import_rows(self, keys: Any, values: Any) -> None:
+        k = check_keys(keys)
+        self._core.import_rows(k, check_rows(values, "values", k.shape[0], self.dim))
+
+    def export_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        keys, values, *_ = self._core.export_rows()
+        return keys, values
+
+    def erase(self, keys: Any) -> int:
+        return int(self._core.erase(check_keys(keys)))
+
+    def metadata(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
+        last_step, update_count = self._core.metadata(check_keys(keys))
+        return last_step, update_count
+
+    def memory_bytes(self) -> int:
+        return int(self._core.memory_bytes())
+
+    def __len__(self) -> int:
+        return int(self._core.size())
+
+    def export_state(self) -> TableState:
+        with self._step_lock:
+            keys, values, slots, last_step, update_count = self._core.export_rows()
+            return TableState(keys, values, slots, last_step, update_count, self._iterations)
+
+    def load_state(self, state: TableState) -> None:
+        s = state.checked(self.dim, self.num_slots)
+        with self._step_lock:
+            current, *_ = self._core.export_rows()
+            self._core.erase(current)
+            self._core.import_rows(s.keys, s.values, s.slots, s.last_step, s.update_count)
+            self._iterations = s.iterations
+
+    def step_fusion(self) -> StepFusion:
+        return self._fusion
+
+
+class _LocalStep(StepFusion):
+    """The layers' lookup of an in-process table: each pull runs when submitted.
+
+    Under a `tf.distribute` strategy every replica's backward pass pushes its
+    own gradient; they are summed into one push, so the table sees one step
+    (one optimizer update per key), as without the strategy.
+    """
+
+    def __init__(self, table: LocalTable) -> None:
+        # A proxy: no reference cycle, so a table is freed as soon as it is unused.
+        self._table = weakref.proxy(table)
+        self._lock = threading.Lock()  # guards _rows and _replica_pushes
+        self._tickets = itertools.count(1)
+        self._rows: dict[int, np.ndarray] = {}
+        self._replica_pushes: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def submit(self, keys: np.ndarray, insert: bool, expects_push: bool) -> int:
+        rows = self._table.pull(keys, train=insert)
+        with self._lock:
+            ticket = next(self._tickets)
+            self._rows[ticket] = rows
+        return ticket
+
+    def collect(self, ticket: int) -> np.ndarray:
+        with self._lock:
+            return self._rows.pop(ticket)
+
+    def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
+        if num_replicas == 1:
+            self._table.push(keys, grads)
+            return
+        with self._lock:
+            self._replica_pushes.append((keys, grads))
+            if len(self._replica_pushes) < num_replicas:
+                return
+            batch, self._replica_pushes = self._replica_pushes, []
+        self._table.push(
+            np.concatenate([k for k, _ in batch]), np.concatenate([g for _, g in batch])
+        )

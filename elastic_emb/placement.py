@@ -1,0 +1,206 @@
+"""Where tables live, and by what name: the one place that decides.
+
+`Table(...)` (the public constructor) comes here: a table with
+`device="gpu"` is a `GpuTable` in this process; otherwise, once
+`init(ps=[...])` has connected this process to parameter servers (or the
+`ELASTIC_EMB_PS` variable names them), a `RemoteTable` on those shards;
+otherwise a `LocalTable`. Tables created before `init` stay where they are.
+
+Names: the tables created here are registered by name for `ee.save` and
+`ee.restore` (which match tables by name). A new table with the name of a
+live one takes the name over: re-running the code that builds a model (a
+notebook cell, `clone_model`, `from_config`) gives tables with the same
+names, so checkpoints keep matching. The older table keeps working, but is
+no longer saved or restored by `ee.save()` / `ee.restore()` without
+`tables=`. A table kept alive only by the registry is dropped with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from elastic_emb import table as table_module
+from elastic_emb.local import LocalTable
+from elastic_emb.table import Table, TableConfig
+
+if TYPE_CHECKING:
+    from elastic_emb.ps.cluster import Cluster
+
+__all__ = [
+    "ENV_PS",
+    "create_table",
+    "current_cluster",
+    "init",
+    "registered_tables",
+    "shutdown",
+    "unregister",
+]
+
+ENV_PS = "ELASTIC_EMB_PS"
+
+_lock = threading.RLock()  # guards every global below (init runs under it)
+_tables: weakref.WeakValueDictionary[str, Table] = weakref.WeakValueDictionary()
+_cluster: Cluster | None = None
+_env_checked = False  # ELASTIC_EMB_PS was read (once, at the first table or init)
+
+
+def create_table(
+    dim: int,
+    optimizer: Any = None,
+    initializer: Any = "uniform",
+    name: str = "table",
+    seed: int | None = None,
+    device: str = "cpu",
+) -> Table:
+    """`Table(...)`: a new table, placed and registered (arguments as `Table`)."""
+    config = TableConfig.make(dim, optimizer, initializer, name, seed)
+    if device == "gpu":
+        from elastic_emb.gpu import GpuTable
+
+        table: Table = GpuTable(config)
+    elif device == "cpu":
+        cluster = current_cluster()
+        if cluster is None:
+            table = LocalTable(config)
+        else:
+            from elastic_emb.ps.remote_table import RemoteTable
+
+            table = RemoteTable(config, cluster)
+    else:
+        raise ValueError(f'`device` must be "cpu" or "gpu". Received: device={device!r}')
+    with _lock:
+        _tables[table.name] = table
+    return table
+
+
+def registered_tables() -> dict[str, Table]:
+    """The live tables of this process, by name."""
+    with _lock:
+        return dict(_tables.items())
+
+
+def unregister(table: Table) -> None:
+    """Removes `table` from the registry (its name becomes free)."""
+    with _lock:
+        if _tables.get(table.name) is table:
+            del _tables[table.name]
+
+
+def init(
+    ps: list[str] | str | None = None,
+    mode: str = "async",
+    staleness: int | None = None,
+    wire_dtype: str = "float32",
+    worker_index: int | None = None,
+    num_workers: int | None = None,
+    timeout: float = 300.0,
+    connect_timeout: float = 30.0,
+) -> Cluster | None:
+    """Points this process at parameter servers; tables created after are remote.
+
+    Tables created before stay in-process.
+
+    Example:
+        >>> ee.init(ps=["127.0.0.1:5000", "127.0.0.1:5001"], mode="sync")
+        >>> layer = ee.Embedding(16, name="user")   # its table lives on both shards
+
+    Args:
+        ps: list of "host:port" (or one comma-separated string). None reads
+            `ELASTIC_EMB_PS`; with neither, tables stay in-process (returns None).
+        mode: "async" (each push applied on arrival) or "sync" (the pushes
+            of all workers for a step are summed and applied once; the next
+            pull waits for that step).
+        staleness: async only: a worker starting step t waits until every
+            worker has pushed step t - 1 - staleness. None: unbounded.
+        wire_dtype: "float32", "float16" or "bfloat16": encoding of pulled
+            rows and pushed gradients (the PS optimizer runs in float32).
+        worker_index, num_workers: this worker's place; default from
+            `TF_CONFIG` (task index, number of "worker"/"chief" tasks), else 0 of 1.
+        timeout: seconds a call may wait for other workers (sync, bounded
+            staleness) before failing with `TimeoutError`.
+        connect_timeout: seconds to wait for each PS to answer at start.
+
+    Returns:
+        The `Cluster`, or None when no PS is configured.
+
+    Raises:
+        ValueError: invalid arguments, or already connected.
+        ConnectionError: a PS did not answer within `connect_timeout`.
+    """
+    global _cluster, _env_checked
+    with _lock:
+        _env_checked = True
+        if ps is None:
+            ps = os.environ.get(ENV_PS) or None
+        if ps is None:
+            return None
+        addresses = [a.strip() for a in ps.split(",")] if isinstance(ps, str) else list(ps)
+        if _cluster is not None:
+            raise ValueError(
+                f"elastic_emb is already connected to {_cluster.addresses}; "
+                "call ee.shutdown() first"
+            )
+        if worker_index is None or num_workers is None:
+            index, count = _tf_config_worker()
+            worker_index = index if worker_index is None else worker_index
+            num_workers = count if num_workers is None else num_workers
+        if num_workers > 1:
+            from elastic_emb.keras_patches import fix_keras_multi_worker
+
+            fix_keras_multi_worker()
+        from elastic_emb.ps.cluster import Cluster
+
+        _cluster = Cluster(
+            addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
+            connect_timeout,
+        )  # fmt: skip
+        return _cluster
+
+
+def shutdown() -> None:
+    """Sends pending pushes and disconnects; later tables are in-process.
+
+    The remote tables of the connection can no longer be used; they leave
+    the registry (so `ee.save()` no longer sees them).
+    """
+    global _cluster
+    with _lock:
+        cluster, _cluster = _cluster, None
+        if cluster is not None:
+            for name, table in list(_tables.items()):
+                if getattr(table, "cluster", None) is cluster:
+                    del _tables[name]
+    if cluster is not None:
+        cluster.close()
+
+
+def current_cluster() -> Cluster | None:
+    """The cluster new tables go to (connecting from `ELASTIC_EMB_PS` once), or None."""
+    with _lock:
+        if not _env_checked and os.environ.get(ENV_PS):
+            init()
+        return _cluster
+
+
+def _tf_config_worker() -> tuple[int, int]:
+    """(worker index, number of workers) from TF_CONFIG, or (0, 1)."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return 0, 1
+    try:
+        config = json.loads(raw)
+        cluster = config.get("cluster", {})
+        task = config.get("task", {})
+        chiefs = len(cluster.get("chief", []))
+        workers = len(cluster.get("worker", []))
+        index = int(task.get("index", 0)) + (chiefs if task.get("type") == "worker" else 0)
+        return index, max(chiefs + workers, 1)
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"TF_CONFIG is not valid: {e}") from e
+
+
+table_module._Placed.create = create_table

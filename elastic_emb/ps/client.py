@@ -1,0 +1,182 @@
+"""`ShardClient`: the connections to a set of PS shards, and how calls to them go.
+
+Channels and stubs, deadlines, the retry policy of idempotent calls (gRPC's
+service config: a call that found a shard UNAVAILABLE before it could start
+is tried again with backoff), the mapping of gRPC errors to Python
+exceptions, and client-side traffic statistics. No training logic: that is
+`elastic_emb.ps.cluster`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from elastic_emb._proto import ps_pb2_grpc
+
+__all__ = ["GRPC_OPTIONS", "ShardClient", "ShardStats", "error_of"]
+
+MAX_MESSAGE_BYTES = 1 << 30  # pushes carry every table of a step
+SERVICE = "elastic_emb.ps.v1.ParameterServer"
+# Calls that change nothing when repeated (Pull inserts deterministic rows;
+# ImportRows and Restore set state). Push, EraseRows and Save are not retried.
+IDEMPOTENT_METHODS = (
+    "CreateTables", "DescribeTables", "Join", "Pull", "ImportRows", "ExportRows", "Metadata",
+    "Restore", "Stats", "Health",
+)  # fmt: skip
+RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "2s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+_SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [{"service": SERVICE, "method": m} for m in IDEMPOTENT_METHODS],
+            "retryPolicy": RETRY_POLICY,
+        }
+    ]
+}
+# Both ends: large messages. Clients add the retry policy.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+CLIENT_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+]
+
+
+@dataclasses.dataclass
+class ShardStats:
+    """Client-side traffic to one PS shard."""
+
+    address: str
+    rpcs: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    max_seconds: float = 0.0
+
+
+class ShardClient:
+    """Channels to PS shards; calls one or all of them, concurrently.
+
+    Thread-safe: any thread may call any method. `call` and `call_all` block
+    until the answers (or `timeout`); `close` blocks until the calls started
+    by `call_all` have finished.
+
+    Args:
+        addresses: "host:port" of each shard.
+        timeout: default seconds a call may take.
+
+    Raises:
+        ValueError: malformed addresses.
+    """
+
+    def __init__(self, addresses: list[str], timeout: float) -> None:
+        if not addresses or not all(isinstance(a, str) and ":" in a for a in addresses):
+            raise ValueError(f'`ps` must list "host:port" addresses. Received: {addresses!r}')
+        self.addresses = list(addresses)  # read-only after construction
+        self.timeout = float(timeout)
+        self._channels = [grpc.insecure_channel(a, options=CLIENT_OPTIONS) for a in addresses]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(2 * len(addresses), 4), thread_name_prefix="ee-rpc"
+        )
+        self._stats_lock = threading.Lock()
+        self._stats = [ShardStats(a) for a in addresses]  # guarded by _stats_lock
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    def connect(self, timeout: float) -> None:
+        """Waits until every shard answers; closes and raises ConnectionError if one does not."""
+        for address, channel in zip(self.addresses, self._channels, strict=True):
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout)
+            except grpc.FutureTimeoutError:
+                self.close()
+                raise ConnectionError(
+                    f"elastic_emb: parameter server {address} is unreachable "
+                    f"(no answer within {timeout:g} s)"
+                ) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for channel in self._channels:
+            channel.close()
+
+    def call(self, shard: int, method: str, request: Any, timeout: float | None = None) -> Any:
+        """`method` on one shard; gRPC errors become Python exceptions (`error_of`)."""
+        address = self.addresses[shard]
+        start = time.perf_counter()
+        try:
+            response = getattr(self._stubs[shard], method)(
+                request, timeout=self.timeout if timeout is None else timeout
+            )
+        except grpc.RpcError as e:
+            raise error_of(address, method, e) from None
+        elapsed = time.perf_counter() - start
+        with self._stats_lock:
+            s = self._stats[shard]
+            s.rpcs += 1
+            s.bytes_sent += request.ByteSize()
+            s.bytes_received += response.ByteSize()
+            s.seconds += elapsed
+            s.max_seconds = max(s.max_seconds, elapsed)
+        return response
+
+    def call_all(self, method: str, requests: list[Any], timeout: float | None = None) -> list[Any]:
+        """Calls shard i with requests[i] (None: skip it and answer None), concurrently."""
+        jobs = {
+            i: self._pool.submit(self.call, i, method, r, timeout)
+            for i, r in enumerate(requests)
+            if r is not None
+        }
+        return [jobs[i].result() if i in jobs else None for i in range(len(requests))]
+
+    def per_shard(
+        self, method: str, make: Callable[[int], Any], timeout: float | None = None
+    ) -> list[Any]:
+        """Calls `method` on every shard with `make(shard_index)`'s request."""
+        return self.call_all(method, [make(i) for i in range(self.num_shards)], timeout)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Client-side RPC count, bytes and latency per shard."""
+        with self._stats_lock:
+            return [dataclasses.asdict(s) for s in self._stats]
+
+    def reset_stats(self) -> None:
+        with self._stats_lock:
+            self._stats = [ShardStats(a) for a in self.addresses]
+
+
+def error_of(address: str, method: str, e: grpc.RpcError) -> Exception:
+    """The Python exception a failed call raises: the shard's message and what it means."""
+    code = e.code()
+    message = f"elastic_emb PS {address} {method}: {e.details()}"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ConnectionError(f"{message} (parameter server {address} unreachable)")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(message)
+    if code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ):
+        return ValueError(message)
+    return RuntimeError(f"{message} ({code.name})")

@@ -1,0 +1,357 @@
+"""`Cluster`: this worker's training-step protocol with the PS shards.
+
+Created by `ee.init(ps=[...])`. Keys go to shards by `elastic_emb.sharding`.
+The layers of a model fuse their traffic: every table of a training step
+travels in one Pull and one Push per shard, shards are called concurrently,
+and pushes leave in step order on a background thread while training goes
+on (a later pull waits for them as the mode requires, on the shard).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+
+from elastic_emb import sharding
+from elastic_emb.ps import protocol
+from elastic_emb.ps.client import ShardClient
+
+__all__ = ["MODES", "Cluster"]
+
+MODES = ("async", "sync")
+# An RPC may wait `timeout` for other workers on the shard; its deadline is longer.
+_RPC_MARGIN_SECONDS = 60.0
+# Shards write and read whole tables: allow them hours, not the step timeout.
+CHECKPOINT_TIMEOUT = 6 * 3600.0
+# Pushes of a worker that may be in flight while it pulls again.
+_PUSHES_AHEAD = 2
+
+
+@dataclasses.dataclass
+class _Ticket:
+    """One layer's pull of one step (see `submit`)."""
+
+    table: str
+    dim: int
+    keys: np.ndarray
+    insert: bool
+    expects_push: bool
+    future: concurrent.futures.Future[list[np.ndarray]] | None = None
+    index: int = 0  # this ticket's rows in the future's list
+
+
+class Cluster:
+    """The PS shards of this worker, and its step protocol.
+
+    A step: every layer `submit`s its keys, the first `collect` pulls the
+    rows of all of them (one Pull per shard), each layer's gradient comes
+    back through `push_gradient`, and once every layer that pulled has
+    pushed, the step's gradients leave as one Push per shard.
+
+    Thread-safe: every public method may be called from any thread. `pull`,
+    `collect`, `push` and `flush` block for the network; `submit` and
+    `push_gradient` do not (a push is only queued).
+
+    Raises:
+        ValueError: invalid arguments.
+        ConnectionError: a shard did not answer within `connect_timeout`.
+        RuntimeError: the shards are at different steps.
+    """
+
+    def __init__(
+        self,
+        addresses: list[str],
+        mode: str,
+        staleness: int | None,
+        wire_dtype: str,
+        worker_index: int,
+        num_workers: int,
+        timeout: float,
+        connect_timeout: float,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
+        if staleness is not None and (mode != "async" or staleness < 0):
+            raise ValueError(
+                "`staleness` must be a non-negative integer, with mode='async'. "
+                f"Received: staleness={staleness!r}, mode={mode!r}"
+            )
+        if num_workers < 1 or not 0 <= worker_index < num_workers:
+            raise ValueError(
+                "`worker_index` must be in [0, num_workers). "
+                f"Received: worker_index={worker_index}, num_workers={num_workers}"
+            )
+        # Read-only after construction.
+        self.mode = mode
+        self.staleness = staleness
+        self.wire_dtype = wire_dtype
+        self.worker_index = worker_index
+        self.num_workers = num_workers
+        self.timeout = float(timeout)
+        self._encoding = protocol.encoding(wire_dtype)
+        self.shards = ShardClient(addresses, timeout=self.timeout + _RPC_MARGIN_SECONDS)
+        # Pushes leave in order, one step at a time, off the training thread.
+        self._pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ee-push")
+        self._lock = threading.Lock()
+        # Guarded by _lock: the step's tickets and gradients.
+        self._step = 0  # steps this worker has pushed (queued)
+        self._tickets: dict[int, _Ticket] = {}
+        self._unsent: list[_Ticket] = []  # submitted, not pulled yet
+        self._next_ticket = 0
+        self._expected_pushes = 0
+        self._received_pushes = 0
+        self._step_pushes: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._step_dims: dict[str, int] = {}
+        # Guarded by _in_flight_lock: queued pushes, oldest first.
+        self._in_flight_lock = threading.Lock()
+        self._in_flight: collections.deque[concurrent.futures.Future[None]] = collections.deque()
+        try:
+            self.shards.connect(connect_timeout)
+            join = protocol.join_request(worker_index, num_workers, mode, staleness)
+            steps = {r.step for r in self.shards.per_shard("Join", lambda _: join)}
+            if len(steps) != 1:
+                raise RuntimeError(f"PS shards {self.addresses} are at different steps {steps}")
+        except BaseException:
+            self._close_connections()
+            raise
+        self._step = steps.pop()
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.shards.addresses
+
+    @property
+    def num_shards(self) -> int:
+        return self.shards.num_shards
+
+    @property
+    def step(self) -> int:
+        """Training steps this worker has pushed (queued)."""
+        with self._lock:
+            return self._step
+
+    def close(self) -> None:
+        """Sends pending pushes, waits for them, and closes the connections."""
+        try:
+            self.flush()
+        finally:
+            self._close_connections()
+
+    def _close_connections(self) -> None:
+        self._pusher.shutdown(wait=True)
+        self.shards.close()
+
+    # Tables.
+
+    def create_tables(self, configs: list[dict[str, Any]]) -> list[Any]:
+        """Creates the tables on every shard (or checks they exist alike); their TableInfo."""
+        request = protocol.create_tables_request(configs)
+        return list(self.shards.per_shard("CreateTables", lambda _: request)[0].tables)
+
+    def describe(self, name: str) -> list[Any]:
+        """The table's TableInfo on each shard."""
+        from elastic_emb._proto import ps_pb2
+
+        request = ps_pb2.DescribeTablesRequest(names=[name])
+        return [r.tables[0] for r in self.shards.per_shard("DescribeTables", lambda _: request)]
+
+    def server_stats(self) -> list[Any]:
+        """Each shard's StatsResponse."""
+        from elastic_emb._proto import ps_pb2
+
+        return self.shards.per_shard("Stats", lambda _: ps_pb2.StatsRequest())
+
+    def save_tables(self, directories: list[str], names: list[str]) -> None:
+        """Each shard i writes its rows of the named tables to `directories[i]`."""
+        self.per_shard(
+            "Save",
+            lambda i: protocol.save_request(directories[i], names),
+            timeout=CHECKPOINT_TIMEOUT,
+        )
+
+    def restore_tables(self, directory: str, names: list[str]) -> None:
+        """Each shard loads the rows it owns of the named tables from a checkpoint."""
+        self.per_shard(
+            "Restore",
+            lambda i: protocol.restore_request(
+                directory, names, self.num_shards, i, sharding.NUM_SLOTS
+            ),
+            timeout=CHECKPOINT_TIMEOUT,
+        )
+
+    def per_shard(self, method: str, make: Any, timeout: float | None = None) -> list[Any]:
+        """`ShardClient.per_shard`, after this worker's pushes have landed."""
+        self.flush()
+        return self.shards.per_shard(method, make, timeout)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Client-side RPC count, bytes and latency per shard."""
+        return self.shards.stats()
+
+    def reset_stats(self) -> None:
+        self.shards.reset_stats()
+
+    # Pull and push, fused over tables.
+
+    def pull(self, tables: list[tuple[str, int, np.ndarray]], insert: bool) -> list[np.ndarray]:
+        """Rows of many tables in one request per shard: [(name, dim, keys)] -> [rows]."""
+        self._raise_push_errors()
+        split = [sharding.split_by_shard(keys, self.num_shards) for _, _, keys in tables]
+        with self._lock:
+            step = self._step + 1
+        requests = []
+        for shard in range(self.num_shards):
+            entries = [
+                (name, keys[split[i][shard]])
+                for i, (name, _, keys) in enumerate(tables)
+                if len(split[i][shard])
+            ]
+            requests.append(
+                protocol.pull_request(
+                    self.worker_index, step, insert, self._encoding, self.timeout, entries
+                )
+                if entries
+                else None
+            )
+        responses = self.shards.call_all("Pull", requests)
+        out = [np.empty((len(keys), dim), np.float32) for _, dim, keys in tables]
+        for shard, response in enumerate(responses):
+            if response is None:
+                continue
+            asked = [i for i in range(len(tables)) if len(split[i][shard])]
+            shapes = [(tables[i][0], len(split[i][shard]), tables[i][1]) for i in asked]
+            for i, rows in zip(asked, protocol.pulled_rows(response, shapes), strict=True):
+                out[i][split[i][shard]] = rows
+        return out
+
+    def push(self, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """One training step of this worker for many tables: {name: (dim, keys, grads)}."""
+        with self._lock:
+            self._send_unsent_pushes()
+            future = self._start_push(tables)
+        future.result()
+
+    def flush(self) -> None:
+        """Sends the pushes of a step not complete yet and waits for all pushes."""
+        with self._lock:
+            self._send_unsent_pushes()
+        self._raise_push_errors(wait_all=True)
+
+    def _start_push(
+        self, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]
+    ) -> concurrent.futures.Future[None]:
+        """Queues the push of the next step (caller holds `_lock`)."""
+        self._step += 1
+        future = self._pusher.submit(self._push_step, self._step, tables)
+        with self._in_flight_lock:
+            self._in_flight.append(future)
+        return future
+
+    def _push_step(self, step: int, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]) -> None:
+        # Every shard hears of every table of the step (maybe with no keys),
+        # so all shards advance their step and optimizer iterations together.
+        split = {n: sharding.split_by_shard(k, self.num_shards) for n, (_, k, _) in tables.items()}
+        requests = [
+            protocol.push_request(
+                self.worker_index,
+                step,
+                self._encoding,
+                [
+                    (name, keys[split[name][shard]], grads[split[name][shard]])
+                    for name, (_, keys, grads) in sorted(tables.items())
+                ],
+            )
+            for shard in range(self.num_shards)
+        ]
+        self.shards.call_all("Push", requests)
+
+    def _raise_push_errors(self, wait_all: bool = False) -> None:
+        """Surfaces failed background pushes; bounds (or drains) those in flight."""
+        while True:
+            with self._in_flight_lock:
+                if not self._in_flight or not (
+                    wait_all or self._in_flight[0].done() or len(self._in_flight) > _PUSHES_AHEAD
+                ):
+                    return
+                future = self._in_flight.popleft()
+            future.result()
+
+    # The layers' fused path (`elastic_emb.ps.RemoteTable.step_fusion`).
+
+    def submit(
+        self, table: str, dim: int, keys: np.ndarray, insert: bool, expects_push: bool
+    ) -> int:
+        """Queues a layer's pull of unique `keys`; returns the ticket for `collect`."""
+        with self._lock:
+            self._next_ticket += 1
+            ticket = _Ticket(table, dim, keys, insert, expects_push)
+            self._tickets[self._next_ticket] = ticket
+            self._unsent.append(ticket)
+            return self._next_ticket
+
+    def collect(self, ticket_id: int) -> np.ndarray:
+        """The rows of a ticket; the first collect of a step pulls for every queued ticket."""
+        with self._lock:
+            ticket = self._tickets.pop(ticket_id)
+            batch: list[_Ticket] = []
+            if ticket.future is None:
+                batch, self._unsent = self._unsent, []
+                if any(t.expects_push for t in batch):
+                    if self._received_pushes:  # a new step: the last one is over
+                        self._send_unsent_pushes()
+                    self._expected_pushes += sum(t.expects_push for t in batch)
+                for t in batch:
+                    t.future = concurrent.futures.Future()
+        if batch:
+            self._pull_batch(batch)
+        assert ticket.future is not None
+        return ticket.future.result()[ticket.index]
+
+    def _pull_batch(self, batch: list[_Ticket]) -> None:
+        for insert in (True, False):
+            group = [t for t in batch if t.insert == insert]
+            if not group:
+                continue
+            for i, t in enumerate(group):
+                t.index = i
+            try:
+                rows = self.pull([(t.table, t.dim, t.keys) for t in group], insert)
+            except BaseException as e:
+                for t in group:
+                    assert t.future is not None
+                    t.future.set_exception(e)
+                raise
+            for t in group:
+                assert t.future is not None
+                if not t.future.done():
+                    t.future.set_result(rows)
+
+    def push_gradient(self, table: str, dim: int, keys: np.ndarray, grads: np.ndarray) -> None:
+        """A layer's gradient; the step is pushed when all layers that pulled have pushed."""
+        with self._lock:
+            self._step_pushes.setdefault(table, []).append((keys, grads))
+            self._step_dims[table] = dim
+            self._received_pushes += 1
+            if self._received_pushes >= self._expected_pushes:
+                self._send_unsent_pushes()
+        self._raise_push_errors()
+
+    def _send_unsent_pushes(self) -> None:
+        """Starts the push of the current step's gradients (caller holds `_lock`)."""
+        if not self._received_pushes:
+            return
+        tables = {
+            name: (
+                self._step_dims[name],
+                np.concatenate([k for k, _ in parts]),
+                np.concatenate([g for _, g in parts]),
+            )
+            for name, parts in self._step_pushes.items()
+        }
+        self._step_pushes, self._received_pushes, self._expected_pushes = {}, 0, 0
+        self._start_push(tables)

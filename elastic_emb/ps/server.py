@@ -1,0 +1,73 @@
+"""`serve`: one parameter-server shard process (`elastic-emb serve --port PORT`).
+
+A gRPC server with the ParameterServer service (`Servicer` over a `Shard`)
+and the standard `grpc.health.v1` health service (what Kubernetes' gRPC
+probes and `elastic-emb health` ask), stopped gracefully by SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from elastic_emb import checkpoint
+from elastic_emb._proto import ps_pb2_grpc
+from elastic_emb.ps.client import GRPC_OPTIONS, SERVICE
+from elastic_emb.ps.servicer import Servicer
+
+__all__ = ["serve"]
+
+log = logging.getLogger("elastic_emb.server")
+
+
+def serve(
+    port: int,
+    host: str = "0.0.0.0",
+    threads: int = 64,
+    grace_seconds: float = 30.0,
+    checkpoint_dir: str | None = None,
+    ready: Callable[[int], None] | None = None,
+) -> int:
+    """Runs one shard until SIGTERM or SIGINT; returns an exit status.
+
+    On a signal the shard reports NOT_SERVING to health checks, stops taking
+    new requests, lets in-flight ones finish (up to `grace_seconds`) and,
+    with `checkpoint_dir`, saves every table there.
+    """
+    servicer = Servicer()
+    health_servicer = health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS)
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        log.error("cannot listen on %s:%d", host, port)
+        return 1
+    server.start()
+    for service in ("", SERVICE):  # "": the whole server
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("elastic_emb parameter server listening on %s:%d", host, bound)
+    if ready is not None:
+        ready(bound)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop.wait()
+    log.info("stopping: finishing in-flight requests (up to %.0f s)", grace_seconds)
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace_seconds).wait()
+    if checkpoint_dir:
+        checkpoint.save(checkpoint_dir, servicer.shard.tables())
+        log.info("saved every table to %s", checkpoint_dir)
+    return 0

@@ -1,0 +1,186 @@
+"""`Servicer`: the gRPC face of one shard (decode, call the `Shard`, encode, count).
+
+Errors: a request the shard refuses (`RequestError`), a malformed message
+(`protocol.WireError`) or an argument the C++ core rejects is answered with
+its status (INVALID_ARGUMENT, NOT_FOUND, ...) and the shard's message. Any
+other exception is a bug of the shard: it is logged with its traceback and
+answered INTERNAL. Either way nothing changed and the shard keeps serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from elastic_emb import _core
+from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+from elastic_emb.ps import protocol
+from elastic_emb.ps.shard import RequestError, Shard, invalid
+
+__all__ = ["Servicer"]
+
+log = logging.getLogger("elastic_emb.server")
+
+_VALIDATION_ERRORS = (protocol.WireError, _core.InvalidArgument)
+
+
+class _MethodStats:
+    def __init__(self) -> None:
+        self.calls = self.errors = self.request_bytes = self.response_bytes = 0
+        self.seconds = self.max_seconds = 0.0
+
+
+def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a servicer method: errors become statuses, calls are counted."""
+    name = method.__name__
+
+    def handler(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
+        start = time.perf_counter()
+        response = None
+        try:
+            response = method(self, request)
+            return response
+        except RequestError as e:
+            context.abort(grpc.StatusCode[e.code], str(e))
+        except _VALIDATION_ERRORS as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # a bug: the shard keeps serving
+            log.exception("%s failed", name)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            self._record(name, time.perf_counter() - start, request, response)
+
+    handler.__name__ = name
+    return handler
+
+
+class Servicer(ps_pb2_grpc.ParameterServerServicer):
+    """The ParameterServer service over one `Shard`. Thread-safe."""
+
+    def __init__(self, shard: Shard | None = None) -> None:
+        self.shard = Shard() if shard is None else shard
+        self._stats_lock = threading.Lock()
+        self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
+            _MethodStats
+        )  # guarded by _stats_lock
+
+    def _record(self, method: str, elapsed: float, request: Any, response: Any) -> None:
+        with self._stats_lock:
+            stats = self._stats[method]
+            stats.calls += 1
+            stats.errors += response is None
+            stats.seconds += elapsed
+            stats.max_seconds = max(stats.max_seconds, elapsed)
+            stats.request_bytes += request.ByteSize()
+            if response is not None:
+                stats.response_bytes += response.ByteSize()
+
+    def _tables_response(self, tables: list[Any]) -> ps_pb2.TablesResponse:
+        return ps_pb2.TablesResponse(tables=[protocol.table_info(t) for t in tables])
+
+    # Tables.
+
+    @_rpc
+    def CreateTables(self, request: ps_pb2.CreateTablesRequest) -> ps_pb2.TablesResponse:
+        return self._tables_response(self.shard.create(protocol.table_configs(request)))
+
+    @_rpc
+    def DescribeTables(self, request: ps_pb2.DescribeTablesRequest) -> ps_pb2.TablesResponse:
+        return self._tables_response(self.shard.tables(list(request.names)))
+
+    # Training.
+
+    @_rpc
+    def Join(self, request: ps_pb2.JoinRequest) -> ps_pb2.JoinResponse:
+        step = self.shard.join(request.worker, request.num_workers, request.mode, request.staleness)
+        return ps_pb2.JoinResponse(step=step)
+
+    @_rpc
+    def Pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
+        if request.encoding not in protocol.ENCODINGS.values():
+            raise invalid(f"Unknown encoding {request.encoding}")
+        timeout = request.timeout_ms / 1000 if request.timeout_ms > 0 else 3600.0
+        rows = self.shard.pull(
+            request.worker, request.step, request.train, timeout, protocol.pulled_keys(request)
+        )
+        return protocol.pull_response(request.encoding, rows)
+
+    @_rpc
+    def Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
+        gradients = protocol.pushed_gradients(request, lambda name: self.shard.table(name).dim)
+        return ps_pb2.PushResponse(step=self.shard.push(request.worker, request.step, gradients))
+
+    # Row access.
+
+    @_rpc
+    def ImportRows(self, request: ps_pb2.ImportRowsRequest) -> ps_pb2.ImportRowsResponse:
+        table = self.shard.table(request.table)
+        if request.replace:
+            table.load_state(protocol.read_state(request, table.dim, table.num_slots))
+        else:
+            table.import_rows(*protocol.imported_rows(request, table.dim))
+        return ps_pb2.ImportRowsResponse(rows=len(table))
+
+    @_rpc
+    def ExportRows(self, request: ps_pb2.ExportRowsRequest) -> ps_pb2.ExportRowsResponse:
+        state = self.shard.table(request.table).export_state()
+        return protocol.write_state(ps_pb2.ExportRowsResponse(), state, request.with_state)
+
+    @_rpc
+    def EraseRows(self, request: ps_pb2.EraseRowsRequest) -> ps_pb2.EraseRowsResponse:
+        table = self.shard.table(request.table)
+        return ps_pb2.EraseRowsResponse(erased=table.erase(protocol.decode_keys(request.keys)))
+
+    @_rpc
+    def Metadata(self, request: ps_pb2.MetadataRequest) -> ps_pb2.MetadataResponse:
+        table = self.shard.table(request.table)
+        return protocol.metadata_response(*table.metadata(protocol.decode_keys(request.keys)))
+
+    # Checkpoints.
+
+    @_rpc
+    def Save(self, request: ps_pb2.SaveRequest) -> ps_pb2.SaveResponse:
+        return ps_pb2.SaveResponse(rows=self.shard.save(request.directory, list(request.tables)))
+
+    @_rpc
+    def Restore(self, request: ps_pb2.RestoreRequest) -> ps_pb2.TablesResponse:
+        restored = self.shard.restore(
+            list(request.directories),
+            list(request.tables),
+            request.num_shards,
+            request.shard_index,
+            request.num_slots,
+        )
+        return self._tables_response(restored)
+
+    # Operations.
+
+    @_rpc
+    def Stats(self, request: ps_pb2.StatsRequest) -> ps_pb2.StatsResponse:
+        with self._stats_lock:
+            methods = [
+                ps_pb2.MethodStats(
+                    method=name,
+                    calls=m.calls,
+                    errors=m.errors,
+                    request_bytes=m.request_bytes,
+                    response_bytes=m.response_bytes,
+                    seconds=m.seconds,
+                    max_seconds=m.max_seconds,
+                )
+                for name, m in sorted(self._stats.items())
+            ]
+        tables = [protocol.table_info(t) for t in self.shard.tables()]
+        return ps_pb2.StatsResponse(methods=methods, tables=tables, step=self.shard.step())
+
+    @_rpc
+    def Health(self, request: ps_pb2.HealthRequest) -> ps_pb2.HealthResponse:
+        return ps_pb2.HealthResponse(
+            serving=True, step=self.shard.step(), num_tables=len(self.shard.tables())
+        )

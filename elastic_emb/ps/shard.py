@@ -1,0 +1,320 @@
+"""`Shard`: the state one parameter-server shard keeps, and the rules it applies.
+
+Its tables (in-process `LocalTable`s), the training mode the workers joined
+with (sync, async or bounded staleness) and which worker pushed which step,
+and its own checkpoint files. No gRPC here: `elastic_emb.ps.servicer` decodes
+requests, calls a `Shard` and encodes the answers. A request the shard
+refuses raises `RequestError` before anything changes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from elastic_emb import checkpoint, sharding
+from elastic_emb.local import LocalTable
+from elastic_emb.table import TableConfig, TableState
+
+__all__ = ["MAX_PUSHES_IN_FLIGHT", "RequestError", "Shard"]
+
+# A worker's pushes leave in the background: its pull may overtake them.
+MAX_PUSHES_IN_FLIGHT = 4
+# Training modes (the wire's Mode values).
+ASYNC, SYNC = 0, 1
+_MODE_NAMES = {ASYNC: "ASYNC", SYNC: "SYNC"}
+
+
+class RequestError(Exception):
+    """A request the shard refuses; `code` names the gRPC status it is answered with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError("INVALID_ARGUMENT", message)
+
+
+class _Steps:
+    """Training-mode bookkeeping: who pushed which step, what is applied.
+
+    Every field is guarded by `cond` (its lock).
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.mode: int | None = None  # set by the first Join
+        self.num_workers = 1
+        self.staleness = -1
+        self.pushed: dict[int, int] = {}  # worker -> last step pushed
+        self.applying: set[int] = set()  # ASYNC: workers whose push is being applied
+        self.applied = 0  # SYNC: steps applied
+        # SYNC: step -> (workers that pushed it, table -> [(keys, grads)])
+        self.pending: dict[int, tuple[set[int], dict[str, list[tuple[np.ndarray, np.ndarray]]]]]
+        self.pending = {}
+
+    def step(self) -> int:
+        if self.mode == SYNC:
+            return self.applied
+        return max(self.pushed.values(), default=0)
+
+    def wait_for(self, worker: int, step: int, timeout: float) -> None:
+        """Blocks a pull for `step` until the mode allows it (caller holds `cond`).
+
+        Always: the worker's own push of step - 1 has arrived (it may still be
+        in flight). SYNC: step - 1 is applied. Bounded staleness s: every
+        worker has pushed step - 1 - s.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            late, what = self._late(worker, step)
+            if not late:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestError(
+                    "DEADLINE_EXCEEDED",
+                    f"worker {worker} waited {timeout:g} s to pull step {step}: {what}; workers "
+                    f"{late} have not pushed it (stopped or dead?). Steps pushed: "
+                    f"{dict(sorted(self.pushed.items()))}",
+                )
+            self.cond.wait(left)
+
+    def _late(self, worker: int, step: int) -> tuple[list[int], str]:
+        """Workers whose pushes a pull of `step` by `worker` still waits for, and why."""
+        if self.pushed.get(worker, 0) < step - 1:
+            return [worker], f"its own push of step {step - 1} has not arrived"
+        if self.mode == SYNC:
+            needed, what = step - 1, f"step {step - 1} must be applied"
+        elif self.mode == ASYNC and self.staleness >= 0:
+            needed = step - 1 - self.staleness
+            what = f"staleness {self.staleness}: every worker must have pushed step {needed}"
+        else:
+            return [], ""
+        if needed <= 0 or (self.mode == SYNC and self.applied >= needed):
+            return [], ""
+        return [w for w in range(self.num_workers) if self.pushed.get(w, 0) < needed], what
+
+
+class Shard:
+    """One shard's tables and step protocol.
+
+    Thread-safe: the servicer calls every method from its request threads.
+    `pull` blocks while the mode makes it wait for other workers; the others
+    block only for the tables' own work. `_tables` is guarded by
+    `_tables_lock` for changes; reads of one entry need no lock (a table,
+    once created, stays).
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[str, LocalTable] = {}
+        self._tables_lock = threading.Lock()
+        self._steps = _Steps()
+
+    # Tables.
+
+    def table(self, name: str) -> LocalTable:
+        table = self._tables.get(name)
+        if table is None:
+            raise RequestError(
+                "NOT_FOUND", f"Unknown table {name!r}; this shard has {sorted(self._tables)}"
+            )
+        return table
+
+    def tables(self, names: list[str] | None = None) -> list[LocalTable]:
+        """The named tables (all, sorted by name, for None)."""
+        if not names:
+            return [t for _, t in sorted(self._tables.items())]
+        return [self.table(n) for n in names]
+
+    def create(self, configs: list[dict[str, Any]]) -> list[LocalTable]:
+        """The tables `configs` describe: created, or checked against the existing ones.
+
+        All or nothing: on an error none is created.
+        """
+        with self._tables_lock:
+            chosen: dict[str, LocalTable] = {}
+            for config in configs:
+                name = config.get("name")
+                # (not `or`: an empty table is falsy)
+                existing = self._tables.get(name, chosen.get(name))  # type: ignore[arg-type]
+                if existing is not None:
+                    ours = json.dumps(existing.config(), sort_keys=True)
+                    if ours != json.dumps(config, sort_keys=True):
+                        raise RequestError(
+                            "ALREADY_EXISTS",
+                            f"Table {name!r} exists with another configuration: {ours} "
+                            f"(requested {json.dumps(config, sort_keys=True)})",
+                        )
+                    chosen[existing.name] = existing
+                    continue
+                try:
+                    table = LocalTable(TableConfig.from_dict(config))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise invalid(f"Table {name!r}: invalid configuration {config}: {e}") from e
+                chosen[table.name] = table
+            self._tables.update(chosen)
+            return [chosen[c["name"]] for c in configs]
+
+    # Training.
+
+    def join(self, worker: int, num_workers: int, mode: int, staleness: int) -> int:
+        """Registers a worker; returns the step it continues from."""
+        s = self._steps
+        if num_workers < 1 or not 0 <= worker < num_workers:
+            raise invalid(f"worker {worker} of {num_workers}: need 0 <= worker < num_workers")
+        if mode not in _MODE_NAMES:
+            raise invalid(f"Unknown mode {mode}")
+        wanted = (mode, num_workers, staleness)
+        with s.cond:
+            if s.mode is not None and (s.mode, s.num_workers, s.staleness) != wanted:
+                current = (_MODE_NAMES[s.mode], s.num_workers, s.staleness)
+                raise RequestError(
+                    "FAILED_PRECONDITION",
+                    f"worker {worker} joined with (mode, num_workers, staleness) = "
+                    f"{(_MODE_NAMES[mode], num_workers, staleness)}; this shard runs {current}",
+                )
+            s.mode, s.num_workers, s.staleness = wanted
+            step = s.applied if s.mode == SYNC else s.pushed.get(worker, 0)
+            s.pushed[worker] = max(s.pushed.get(worker, 0), step)
+            return step
+
+    def _check_worker(self, worker: int, step: int) -> None:
+        s = self._steps
+        if s.mode is not None and not 0 <= worker < s.num_workers:
+            raise invalid(f"worker {worker} is not one of the {s.num_workers} workers that joined")
+        if step < 1:
+            raise invalid(f"wrong step {step}: steps start at 1")
+
+    def pull(
+        self,
+        worker: int,
+        step: int,
+        train: bool,
+        timeout: float,
+        keys: list[tuple[str, np.ndarray]],
+    ) -> list[tuple[str, np.ndarray]]:
+        """(name, rows) per (name, keys), once the mode lets `worker` read `step`."""
+        self._check_worker(worker, step)
+        s = self._steps
+        with s.cond:
+            last = s.pushed.get(worker, 0)
+            if step > last + 1 + MAX_PUSHES_IN_FLIGHT:
+                raise invalid(
+                    f"wrong step {step}: worker {worker} has pushed step {last}, "
+                    f"so it can pull step {last + 1 + MAX_PUSHES_IN_FLIGHT} at most"
+                )
+        work = [(self.table(name), k) for name, k in keys]
+        with s.cond:
+            s.wait_for(worker, step, timeout)
+        return [(table.name, table.pull(k, train=train)) for table, k in work]
+
+    def push(self, worker: int, step: int, gradients: list[tuple[str, Any, Any]]) -> int:
+        """Applies (SYNC: queues until every worker pushed) one step; the shard's step."""
+        self._check_worker(worker, step)
+        work = [(self.table(name), keys, grads) for name, keys, grads in gradients]
+        s = self._steps
+        with s.cond:
+            last = s.pushed.get(worker, 0)
+            if step != last + 1 or worker in s.applying:
+                raise invalid(
+                    f"wrong step {step}: worker {worker} pushed step {last} "
+                    f"last, so its next push is step {last + 1}"
+                    + (" (once that one is applied)" if worker in s.applying else "")
+                )
+            if s.mode == SYNC:
+                s.pushed[worker] = step
+                workers, tables = s.pending.setdefault(step, (set(), {}))
+                workers.add(worker)
+                for table, keys, grads in work:
+                    tables.setdefault(table.name, []).append((keys, grads))
+                self._apply_complete_steps()
+                return s.applied
+            s.applying.add(worker)
+        # ASYNC: applied at once, outside the lock. The step counts as pushed
+        # once applied, so the worker's next pull reads its own update.
+        try:
+            for table, keys, grads in work:
+                table.push(keys, grads)
+        finally:
+            with s.cond:
+                s.applying.discard(worker)
+                s.pushed[worker] = step
+                s.cond.notify_all()
+        with s.cond:
+            return s.step()
+
+    def _apply_complete_steps(self) -> None:
+        """SYNC: applies, in order, every step all workers have pushed (caller holds `cond`)."""
+        s = self._steps
+        while True:
+            entry = s.pending.get(s.applied + 1)
+            if entry is None or len(entry[0]) < s.num_workers:
+                return
+            del s.pending[s.applied + 1]
+            for name, parts in sorted(entry[1].items()):
+                keys = np.concatenate([k for k, _ in parts])
+                grads = np.concatenate([g for _, g in parts])
+                self._tables[name].push(keys, grads)
+            s.applied += 1
+            s.cond.notify_all()
+
+    def step(self) -> int:
+        """Steps applied (SYNC) or the furthest step pushed (ASYNC)."""
+        with self._steps.cond:
+            return self._steps.step()
+
+    # Checkpoints.
+
+    def save(self, directory: str, names: list[str]) -> int:
+        """Writes the named tables (all for none) to `directory`; returns their rows."""
+        chosen = self.tables(names)
+        checkpoint.save(directory, chosen)
+        return sum(len(t) for t in chosen)
+
+    def restore(
+        self,
+        directories: list[str],
+        names: list[str],
+        num_shards: int,
+        shard_index: int,
+        num_slots: int,
+    ) -> list[LocalTable]:
+        """Loads the rows this shard owns (of `num_shards`) from checkpoints.
+
+        Everything is read and verified before any table changes.
+        """
+        if not directories:
+            raise invalid("Restore needs at least one checkpoint directory")
+        if num_shards < 1 or not 0 <= shard_index < num_shards:
+            raise invalid(
+                f"shard {shard_index} of {num_shards}: need 0 <= shard_index < num_shards"
+            )
+        num_slots = num_slots or sharding.NUM_SLOTS
+        try:
+            configs, states = checkpoint.read_shards([Path(d) for d in directories], names or None)
+            for name in states:
+                table = self._tables.get(name)
+                if table is not None:
+                    checkpoint.check_fits(table, configs[name], directories[0])
+        except checkpoint.CheckpointError as e:
+            raise RequestError("FAILED_PRECONDITION", str(e)) from e
+        plan: list[tuple[str, TableState]] = []
+        for name, state in states.items():
+            mine = sharding.shard_of(state.keys, num_shards, num_slots) == shard_index
+            plan.append((name, state.select(mine)))
+        restored = []
+        for name, state in plan:
+            table = self._tables.get(name)
+            if table is None:
+                table = self.create([checkpoint.table_config(name, configs[name])])[0]
+            table.load_state(state)
+            restored.append(table)
+        return restored
