@@ -129,9 +129,15 @@ setup(
     cmdclass={"build_ext": BuildExt},
     # TensorFlow is an extra so that installing never pulls a second
     # TensorFlow next to the user's `tensorflow` or `tensorflow-cpu`.
-    # grpcio and protobuf are TensorFlow's own dependencies too; the generated
-    # code in elastic_emb/_proto works with protobuf 4.25 through 7.x.
-    install_requires=["numpy>=1.23", "grpcio>=1.59", "protobuf>=4.25.1,<8"],
+    # grpcio, protobuf and ml_dtypes are TensorFlow's own dependencies too; the
+    # generated code in elastic_emb/_proto works with protobuf 4.25 through 7.x.
+    install_requires=[
+        "numpy>=1.23",
+        "grpcio>=1.59",
+        "grpcio-health-checking>=1.59",
+        "protobuf>=4.25.1,<8",
+        "ml_dtypes>=0.3.1",
+    ],
     extras_require={
         "tensorflow": ["tensorflow>=2.16,<2.22"],
         "tensorflow-cpu": ["tensorflow-cpu>=2.16,<2.22"],

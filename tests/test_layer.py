@@ -323,3 +323,39 @@ def test_device_argument_is_checked_and_needs_a_gpu_for_gpu():
     if not (ee._core.with_cuda and ee._core.cuda_device_count() > 0):
         with pytest.raises(RuntimeError, match=r"without CUDA|no CUDA device is visible"):
             ee.Embedding(4, device="gpu", name="device_gpu")
+
+
+def test_rebuilt_models_keep_their_table_names_and_resume_from_a_checkpoint(tmp_path):
+    """A second build of the same model (a notebook cell run twice, clone_model) keeps its
+    table names, so ee.callbacks.Checkpoint resumes it with the first model's trained rows."""
+    x, y = _data(vocab=40, seed=3)
+
+    def build() -> keras.Model:
+        layer = ee.Embedding(4, optimizer=ee.optimizers.Adagrad(0.3), name="rebuilt_ids")
+        model = _model(layer)
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    first = build()
+    first.fit(
+        x, y, epochs=1, batch_size=16, verbose=0, callbacks=[ee.callbacks.Checkpoint(tmp_path)]
+    )
+    trained = first.predict(x, verbose=0)
+    first_table = first.get_layer("rebuilt_ids").table
+
+    second = build()  # `first` is still alive
+    second_table = second.get_layer("rebuilt_ids").table
+    assert second_table.name == first_table.name == "rebuilt_ids"
+    assert ee.placement.registered_tables()["rebuilt_ids"] is second_table
+    assert len(second_table) == 0  # fresh rows, as a fresh stock Keras model has
+    # epochs=1 was done: resuming restores everything and trains no further epoch.
+    second.fit(x, y, epochs=1, verbose=0, callbacks=[ee.callbacks.Checkpoint(tmp_path)])
+    np.testing.assert_array_equal(second.predict(x, verbose=0), trained)
+    keys = np.unique(x)
+    np.testing.assert_array_equal(second_table.pull(keys), first_table.pull(keys, train=False))
+
+    clone = keras.models.clone_model(second)
+    assert clone.get_layer("rebuilt_ids").table.name == "rebuilt_ids"
+    assert ee.placement.registered_tables()["rebuilt_ids"] is clone.get_layer("rebuilt_ids").table
+    # The older tables still work; they are just no longer the ones ee.save() writes.
+    assert first_table.pull(keys[:3], train=False).shape == (3, 4)

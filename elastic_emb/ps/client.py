@@ -55,6 +55,9 @@ CLIENT_OPTIONS = [
     *GRPC_OPTIONS,
     ("grpc.enable_retries", 1),
     ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+    # Reconnect to a restarted shard within a retry policy's window (default: 1 s, then more).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
