@@ -52,47 +52,54 @@ py::array_t<T> ToNumpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
   return py::array_t<T>(shape, owned->data(), free_when_done);
 }
 
-elastic_emb::TableOptions MakeOptions(int dim, const std::string& initializer, float init_a,
-                                      float init_b, uint64_t seed, const std::string& optimizer,
-                                      const py::dict& optimizer_args, int shard_bits) {
-  elastic_emb::TableOptions o;
-  o.dim = dim;
-  o.shard_bits = shard_bits;
-  o.initializer.kind = elastic_emb::ParseInitKind(initializer);
-  o.initializer.a = init_a;
-  o.initializer.b = init_b;
-  o.initializer.seed = seed;
-  elastic_emb::OptimizerOptions& p = o.optimizer;
-  p.kind = elastic_emb::ParseOptimizerKind(optimizer);
-  for (auto item : optimizer_args) {
-    const std::string k = py::cast<std::string>(item.first);
-    const py::handle v = item.second;
-    if (k == "momentum")
-      p.momentum = py::cast<double>(v);
-    else if (k == "nesterov")
-      p.nesterov = py::cast<bool>(v);
-    else if (k == "beta_1")
-      p.beta_1 = py::cast<double>(v);
-    else if (k == "beta_2")
-      p.beta_2 = py::cast<double>(v);
-    else if (k == "epsilon")
-      p.epsilon = py::cast<double>(v);
-    else if (k == "initial_accumulator_value")
-      p.initial_accumulator_value = py::cast<double>(v);
-    else if (k == "learning_rate_power")
-      p.learning_rate_power = py::cast<double>(v);
-    else if (k == "l1_regularization_strength")
-      p.l1_regularization_strength = py::cast<double>(v);
-    else if (k == "l2_regularization_strength")
-      p.l2_regularization_strength = py::cast<double>(v);
-    else if (k == "l2_shrinkage_regularization_strength")
-      p.l2_shrinkage_regularization_strength = py::cast<double>(v);
-    else if (k == "beta")
-      p.beta = py::cast<double>(v);
-    else
-      EE_CHECK(false, "unknown optimizer option '" << k << "'");
-  }
-  return o;
+// The options of Table and DeviceTable: plain structs, checked by their
+// Validate() when a table is built.
+void BindOptions(py::module_& m) {
+  using elastic_emb::InitializerOptions;
+  using elastic_emb::InitKind;
+  using elastic_emb::OptimizerKind;
+  using elastic_emb::OptimizerOptions;
+  using elastic_emb::TableOptions;
+  py::enum_<OptimizerKind>(m, "OptimizerKind")
+      .value("sgd", OptimizerKind::kSgd)
+      .value("adagrad", OptimizerKind::kAdagrad)
+      .value("adam", OptimizerKind::kAdam)
+      .value("ftrl", OptimizerKind::kFtrl);
+  py::enum_<InitKind>(m, "InitKind")
+      .value("zeros", InitKind::kZeros)
+      .value("ones", InitKind::kOnes)
+      .value("constant", InitKind::kConstant)
+      .value("uniform", InitKind::kUniform)
+      .value("normal", InitKind::kNormal)
+      .value("truncated_normal", InitKind::kTruncatedNormal);
+  py::class_<OptimizerOptions>(m, "OptimizerOptions")
+      .def(py::init<>())
+      .def_readwrite("kind", &OptimizerOptions::kind)
+      .def_readwrite("momentum", &OptimizerOptions::momentum)
+      .def_readwrite("nesterov", &OptimizerOptions::nesterov)
+      .def_readwrite("beta_1", &OptimizerOptions::beta_1)
+      .def_readwrite("beta_2", &OptimizerOptions::beta_2)
+      .def_readwrite("epsilon", &OptimizerOptions::epsilon)
+      .def_readwrite("initial_accumulator_value", &OptimizerOptions::initial_accumulator_value)
+      .def_readwrite("learning_rate_power", &OptimizerOptions::learning_rate_power)
+      .def_readwrite("l1_regularization_strength", &OptimizerOptions::l1_regularization_strength)
+      .def_readwrite("l2_regularization_strength", &OptimizerOptions::l2_regularization_strength)
+      .def_readwrite("l2_shrinkage_regularization_strength",
+                     &OptimizerOptions::l2_shrinkage_regularization_strength)
+      .def_readwrite("beta", &OptimizerOptions::beta);
+  py::class_<InitializerOptions>(m, "InitializerOptions")
+      .def(py::init<>())
+      .def_readwrite("kind", &InitializerOptions::kind)
+      .def_readwrite("a", &InitializerOptions::a)
+      .def_readwrite("b", &InitializerOptions::b)
+      .def_readwrite("seed", &InitializerOptions::seed);
+  // Nested options are returned by reference: o.optimizer.momentum = 0.9 sets o.
+  py::class_<TableOptions>(m, "TableOptions")
+      .def(py::init<>())
+      .def_readwrite("dim", &TableOptions::dim)
+      .def_readwrite("initializer", &TableOptions::initializer)
+      .def_readwrite("optimizer", &TableOptions::optimizer)
+      .def_readwrite("shard_bits", &TableOptions::shard_bits);
 }
 
 void PullToHost(elastic_emb::Table& t, int64_t n, const int64_t* k, float* o, bool train) {
@@ -311,13 +318,8 @@ void BindDevice(py::module_& m) {
   py::register_exception<elastic_emb::CudaError>(m, "CudaError", PyExc_RuntimeError);
   py::register_exception<elastic_emb::CudaOutOfMemory>(m, "CudaOutOfMemory", PyExc_MemoryError);
   py::class_<DeviceTable> cls(m, "DeviceTable");
-  cls.def(py::init([](int dim, const std::string& initializer, float init_a, float init_b,
-                      uint64_t seed, const std::string& optimizer, const py::dict& optimizer_args) {
-            return new DeviceTable(MakeOptions(dim, initializer, init_a, init_b, seed, optimizer,
-                                               optimizer_args, /*shard_bits=*/0));
-          }),
-          py::arg("dim"), py::arg("initializer"), py::arg("init_a"), py::arg("init_b"),
-          py::arg("seed"), py::arg("optimizer"), py::arg("optimizer_args"));
+  // shard_bits is checked but unused: the GPU table has one index.
+  cls.def(py::init<const elastic_emb::TableOptions&>(), py::arg("options"));
   BindTableMethods(cls);
   // Device pointers are passed as integers; the Python wrapper checks them.
   cls.def(
@@ -397,16 +399,9 @@ PYBIND11_MODULE(_core, m) {
 #endif
   });
 
+  BindOptions(m);
   py::class_<elastic_emb::Table> table(m, "Table");
-  table.def(py::init([](int dim, const std::string& initializer, float init_a, float init_b,
-                        uint64_t seed, const std::string& optimizer, const py::dict& optimizer_args,
-                        int shard_bits) {
-              return new elastic_emb::Table(MakeOptions(dim, initializer, init_a, init_b, seed,
-                                                        optimizer, optimizer_args, shard_bits));
-            }),
-            py::arg("dim"), py::arg("initializer"), py::arg("init_a"), py::arg("init_b"),
-            py::arg("seed"), py::arg("optimizer"), py::arg("optimizer_args"),
-            py::arg("shard_bits") = 6);
+  table.def(py::init<const elastic_emb::TableOptions&>(), py::arg("options"));
   BindTableMethods(table);
 
 #if EE_WITH_CUDA

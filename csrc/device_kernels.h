@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "key_index.h"  // kNoRow
 #include "update_rules.h"
 
 namespace elastic_emb {
@@ -25,8 +26,6 @@ class CudaError : public std::runtime_error {
 };
 
 using Stream = void*;  // a cudaStream_t (kept opaque for host-only code)
-
-constexpr uint32_t kNoRow = 0xFFFFFFFFu;
 
 // out[i, :] = arena[rows[i], 0:dim] for i < n; zeros where rows[i] == kNoRow.
 // arena: device (capacity, row_floats); rows: device (n,); out: device (n, dim).

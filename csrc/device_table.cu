@@ -28,63 +28,6 @@ void CudaCheck(cudaError_t status, const char* what, int64_t bytes = -1) {
 
 }  // namespace
 
-// KeyIndex.
-
-KeyIndex::KeyIndex() : keys_(16), rows_(16, kNoRow), mask_(15) {}
-
-uint32_t KeyIndex::Find(int64_t key) const {
-  for (uint64_t pos = Mix64(static_cast<uint64_t>(key)) & mask_;; pos = (pos + 1) & mask_) {
-    if (rows_[pos] == kNoRow) return kNoRow;
-    if (keys_[pos] == key) return rows_[pos];
-  }
-}
-
-void KeyIndex::Insert(int64_t key, uint32_t row) {
-  if ((size_ + 1) * 2 > static_cast<int64_t>(rows_.size())) Grow();
-  uint64_t pos = Mix64(static_cast<uint64_t>(key)) & mask_;
-  while (rows_[pos] != kNoRow) pos = (pos + 1) & mask_;
-  keys_[pos] = key;
-  rows_[pos] = row;
-  ++size_;
-}
-
-uint32_t KeyIndex::Erase(int64_t key) {
-  uint64_t pos = Mix64(static_cast<uint64_t>(key)) & mask_;
-  while (rows_[pos] != kNoRow && keys_[pos] != key) pos = (pos + 1) & mask_;
-  if (rows_[pos] == kNoRow) return kNoRow;
-  const uint32_t row = rows_[pos];
-  // Backward-shift deletion: move later entries of the run into the hole
-  // when their home slot is at or before it.
-  uint64_t hole = pos;
-  for (uint64_t next = (pos + 1) & mask_; rows_[next] != kNoRow; next = (next + 1) & mask_) {
-    const uint64_t home = Mix64(static_cast<uint64_t>(keys_[next])) & mask_;
-    if (((next - home) & mask_) >= ((next - hole) & mask_)) {
-      keys_[hole] = keys_[next];
-      rows_[hole] = rows_[next];
-      hole = next;
-    }
-  }
-  rows_[hole] = kNoRow;
-  --size_;
-  return row;
-}
-
-void KeyIndex::Grow() {
-  std::vector<int64_t> keys = std::move(keys_);
-  std::vector<uint32_t> rows = std::move(rows_);
-  keys_.assign(keys.size() * 2, 0);
-  rows_.assign(rows.size() * 2, kNoRow);
-  mask_ = rows_.size() - 1;
-  size_ = 0;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i] != kNoRow) Insert(keys[i], rows[i]);
-  }
-}
-
-int64_t KeyIndex::MemoryBytes() const {
-  return static_cast<int64_t>(keys_.size() * sizeof(int64_t) + rows_.size() * sizeof(uint32_t));
-}
-
 // DeviceBuffer.
 
 DeviceBuffer::~DeviceBuffer() {
@@ -174,7 +117,7 @@ void DeviceTable::LookupRows(int64_t n, const int64_t* keys, bool insert,
   rows.resize(n);
   int64_t missing = 0;
   for (int64_t i = 0; i < n; ++i) {
-    rows[i] = index_.Find(keys[i]);
+    rows[i] = index_.Find(keys[i], KeyHash(keys[i]));
     missing += rows[i] == kNoRow;
   }
   if (!insert || missing == 0) return;
@@ -185,22 +128,22 @@ void DeviceTable::LookupRows(int64_t n, const int64_t* keys, bool insert,
   std::vector<float> initial;
   for (int64_t i = 0; i < n; ++i) {
     if (rows[i] != kNoRow) continue;
-    uint32_t row = index_.Find(keys[i]);  // an equal key earlier in this call
-    if (row == kNoRow) {
+    // Found if an equal key earlier in this call inserted it.
+    rows[i] = index_.FindOrInsert(keys[i], KeyHash(keys[i]), [&] {
+      uint32_t row;
       if (!free_rows_.empty()) {
         row = free_rows_.back();
         free_rows_.pop_back();
       } else {
         row = static_cast<uint32_t>(used_rows_++);
       }
-      index_.Insert(keys[i], row);
       row_keys_[row] = keys[i];
       last_step_[row] = update_count_[row] = 0;
       fresh.push_back(row);
       initial.resize(fresh.size() * row_floats_);
       InitRow(keys[i], initial.data() + (fresh.size() - 1) * row_floats_);
-    }
-    rows[i] = row;
+      return row;
+    });
   }
   if (fresh.empty()) return;
   // The scratch buffers may be reallocated by the caller next: WriteRows waits.
@@ -266,7 +209,6 @@ void DeviceTable::Pull(int64_t n, const int64_t* keys, float* out, bool out_on_d
 
 void DeviceTable::ApplyLocked(const uint32_t* rows, int64_t n, const float* grads,
                               float learning_rate, int64_t step) {
-  EE_CHECK(step >= 1 && step <= 0xFFFFFFFFll, "step must be in [1, 2^32), got " << step);
   const UpdateRule rule =
       MakeUpdateRule(options_.optimizer, MakeStepScalars(options_.optimizer, learning_rate, step));
   if (n == 0) return;
@@ -277,7 +219,7 @@ void DeviceTable::ApplyLocked(const uint32_t* rows, int64_t n, const float* grad
 
 void DeviceTable::Push(int64_t n, const int64_t* keys, const float* grads, bool grads_on_device,
                        float learning_rate, int64_t step) {
-  EE_CHECK(step >= 1 && step <= 0xFFFFFFFFll, "step must be in [1, 2^32), got " << step);
+  CheckStep(step);  // before any key is inserted
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<uint32_t> rows;
   LookupRows(n, keys, /*insert=*/true, rows);
@@ -336,7 +278,8 @@ ExportedRows DeviceTable::Export() {
   const int slot_floats = num_slots_ * dim;
   std::vector<uint32_t> rows;
   for (int64_t r = 0; r < used_rows_; ++r) {
-    if (index_.Find(row_keys_[r]) == static_cast<uint32_t>(r)) rows.push_back(r);
+    const int64_t key = row_keys_[r];
+    if (index_.Find(key, KeyHash(key)) == static_cast<uint32_t>(r)) rows.push_back(r);
   }
   const int64_t m = static_cast<int64_t>(rows.size());
   ExportedRows out;
@@ -370,7 +313,7 @@ int64_t DeviceTable::Erase(int64_t n, const int64_t* keys) {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t erased = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t row = index_.Erase(keys[i]);
+    const uint32_t row = index_.Erase(keys[i], KeyHash(keys[i]));
     if (row == kNoRow) continue;
     free_rows_.push_back(row);
     ++erased;
@@ -382,7 +325,7 @@ void DeviceTable::Metadata(int64_t n, const int64_t* keys, int64_t* last_step,
                            int64_t* update_count) {
   std::lock_guard<std::mutex> lock(mu_);
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t row = index_.Find(keys[i]);
+    const uint32_t row = index_.Find(keys[i], KeyHash(keys[i]));
     last_step[i] = row == kNoRow ? int64_t{-1} : int64_t{last_step_[row]};
     update_count[i] = row == kNoRow ? int64_t{-1} : int64_t{update_count_[row]};
   }

@@ -1,6 +1,6 @@
 // A table whose rows (values and optimizer slots) live in GPU memory.
 //
-// The key -> row index stays on the host (an open-addressing hash map); the
+// The key -> row index stays on the host (key_index.h, as in Table); the
 // row arena is one device array, grown by doubling. Pull looks rows up on
 // the host and gathers them on the device; Push sums duplicates and runs the
 // optimizer on the device (device_kernels.h). Row metadata (last step,
@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "device_kernels.h"
+#include "key_index.h"
 #include "table.h"
 
 namespace elastic_emb {
@@ -41,24 +42,6 @@ void CopyToHost(void* host, const void* device, int64_t bytes);
 void CopyToDevice(void* device, const void* host, int64_t bytes);
 // Waits for all work on the current device (inputs produced on other streams).
 void DeviceSynchronize();
-
-// int64 key -> uint32 row id; linear probing, load factor <= 1/2.
-class KeyIndex {
- public:
-  KeyIndex();
-  uint32_t Find(int64_t key) const;        // kNoRow if absent
-  void Insert(int64_t key, uint32_t row);  // key must be absent
-  uint32_t Erase(int64_t key);             // the row it had, or kNoRow
-  int64_t size() const { return size_; }
-  int64_t MemoryBytes() const;
-
- private:
-  void Grow();
-  std::vector<int64_t> keys_;
-  std::vector<uint32_t> rows_;  // kNoRow: empty slot
-  uint64_t mask_;
-  int64_t size_ = 0;
-};
 
 // Device memory owned by RAII; grows, never shrinks.
 class DeviceBuffer {

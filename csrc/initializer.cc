@@ -39,16 +39,6 @@ void InitializerOptions::Validate() const {
   }
 }
 
-InitKind ParseInitKind(const std::string& name) {
-  if (name == "zeros") return InitKind::kZeros;
-  if (name == "ones") return InitKind::kOnes;
-  if (name == "constant") return InitKind::kConstant;
-  if (name == "uniform") return InitKind::kUniform;
-  if (name == "normal") return InitKind::kNormal;
-  if (name == "truncated_normal") return InitKind::kTruncatedNormal;
-  EE_CHECK(false, "unknown initializer kind '" << name << "'");
-}
-
 void InitialValue(const InitializerOptions& opts, int64_t key, int dim, float* out) {
   const uint64_t base = Mix64(opts.seed ^ Mix64(static_cast<uint64_t>(key)));
   switch (opts.kind) {

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 
 namespace elastic_emb {
 
@@ -19,8 +18,6 @@ struct InitializerOptions {
 
   void Validate() const;
 };
-
-InitKind ParseInitKind(const std::string& name);
 
 // 64-bit finalizer of splitmix64: a bijective, well-mixed hash.
 inline uint64_t Mix64(uint64_t x) {

@@ -44,16 +44,12 @@ void OptimizerOptions::InitSlots(int dim, float* slots) const {
   }
 }
 
-OptimizerKind ParseOptimizerKind(const std::string& name) {
-  if (name == "sgd") return OptimizerKind::kSgd;
-  if (name == "adagrad") return OptimizerKind::kAdagrad;
-  if (name == "adam") return OptimizerKind::kAdam;
-  if (name == "ftrl") return OptimizerKind::kFtrl;
-  EE_CHECK(false, "unknown optimizer kind '" << name << "'");
+void CheckStep(int64_t step) {
+  EE_CHECK(step >= 1 && step <= 0xFFFFFFFFll, "step must be in [1, 2^32), got " << step);
 }
 
 StepScalars MakeStepScalars(const OptimizerOptions& opts, float learning_rate, int64_t step) {
-  EE_CHECK(step >= 1, "step must be >= 1, got " << step);
+  CheckStep(step);
   StepScalars s{learning_rate, step};
   if (opts.kind == OptimizerKind::kAdam) {
     // Same float32 arithmetic as keras.optimizers.Adam.

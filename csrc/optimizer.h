@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 
 namespace elastic_emb {
 
@@ -38,8 +37,6 @@ struct OptimizerOptions {
   void InitSlots(int dim, float* slots) const;
 };
 
-OptimizerKind ParseOptimizerKind(const std::string& name);
-
 // Per-push scalars shared by every row of one push.
 struct StepScalars {
   float learning_rate;
@@ -48,6 +45,10 @@ struct StepScalars {
   float adam_alpha = 0.0f;
 };
 
+// Throws InvalidArgument unless step is in [1, 2^32) (rows keep it as uint32).
+void CheckStep(int64_t step);
+
+// Checks step (CheckStep).
 StepScalars MakeStepScalars(const OptimizerOptions& opts, float learning_rate, int64_t step);
 
 struct UpdateRule;

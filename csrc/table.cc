@@ -14,7 +14,6 @@ namespace {
 
 constexpr int kChunkRowsLog2 = 6;  // 64 rows per arena chunk
 constexpr uint32_t kChunkRows = 1u << kChunkRowsLog2;
-constexpr size_t kInitialSlots = 16;
 // Batches smaller than this run on the calling thread.
 constexpr int64_t kParallelThreshold = 4096;
 // How many keys ahead of use the index slot or row is prefetched.
@@ -32,8 +31,6 @@ void TrimScratch(V&... vectors) {
    ...);
 }
 
-inline uint64_t KeyHash(int64_t key) { return Mix64(static_cast<uint64_t>(key)); }
-
 inline uint32_t GetWord(const float* p) {
   uint32_t w;
   std::memcpy(&w, p, sizeof(w));
@@ -42,32 +39,16 @@ inline uint32_t GetWord(const float* p) {
 
 inline void SetWord(float* p, uint32_t w) { std::memcpy(p, &w, sizeof(w)); }
 
-// One index slot: 12 bytes, so a probe usually touches one cache line.
-#pragma pack(push, 4)
-struct IndexSlot {
-  int64_t key;
-  uint32_t row;  // Table::kEmpty marks a free slot
-};
-#pragma pack(pop)
-
 }  // namespace
 
 struct Table::Shard {
   mutable std::mutex mu;
-  // Index: open addressing with linear probing over the low hash bits (the
-  // shard is chosen by the top bits). Capacity is a power of two, load at
-  // most 3/4.
-  std::vector<IndexSlot, LargeAllocator<IndexSlot>> index;
-  int64_t size = 0;
+  KeyIndex index;  // probes with the low hash bits; the shard is chosen by the top bits
   // Arena: fixed-size chunks (owned by the table's ChunkAllocator), never
   // moved; freed rows are reused.
   std::vector<float*> chunks;
   uint32_t next_row = 0;
   std::vector<uint32_t> free_rows;
-
-  Shard() : index(kInitialSlots, IndexSlot{0, kEmpty}) {}
-  uint64_t mask() const { return index.size() - 1; }
-  void Prefetch(uint64_t hash) const { __builtin_prefetch(&index[hash & mask()]); }
 };
 
 void TableOptions::Validate() const {
@@ -135,15 +116,6 @@ void Table::ForEachShard(int64_t n, const int64_t* keys, Fn fn) const {
   TrimScratch(hashes, sorted_hashes, pos, sorted_keys);
 }
 
-uint32_t Table::Find(const Shard& s, int64_t key, uint64_t hash) {
-  const uint64_t mask = s.mask();
-  for (uint64_t pos = hash & mask;; pos = (pos + 1) & mask) {
-    const IndexSlot& slot = s.index[pos];
-    if (slot.row == kEmpty) return kEmpty;
-    if (slot.key == key) return slot.row;
-  }
-}
-
 float* Table::Row(const Shard& s, uint32_t row) const {
   return s.chunks[row >> kChunkRowsLog2] +
          static_cast<size_t>(row & (kChunkRows - 1)) * row_floats_;
@@ -158,46 +130,31 @@ void Table::InitRow(int64_t key, float* row) const {
 }
 
 uint32_t Table::FindOrInsert(Shard& s, int64_t key, uint64_t hash) {
-  uint32_t row = Find(s, key, hash);
-  if (row != kEmpty) return row;
-  if ((s.size + 1) * 4 > static_cast<int64_t>(s.index.size()) * 3) {
-    // Grow the index; rows stay where they are.
-    std::vector<IndexSlot, LargeAllocator<IndexSlot>> index(s.index.size() * 2,
-                                                            IndexSlot{0, kEmpty});
-    const uint64_t mask = index.size() - 1;
-    for (const IndexSlot& slot : s.index) {
-      if (slot.row == kEmpty) continue;
-      uint64_t pos = KeyHash(slot.key) & mask;
-      while (index[pos].row != kEmpty) pos = (pos + 1) & mask;
-      index[pos] = slot;
+  return s.index.FindOrInsert(key, hash, [&] {
+    uint32_t row;
+    if (!s.free_rows.empty()) {
+      row = s.free_rows.back();
+      s.free_rows.pop_back();
+    } else {
+      EE_CHECK(s.next_row < kNoRow - 1, "internal shard is full (2^32 rows)");
+      row = s.next_row++;
+      if ((row >> kChunkRowsLog2) >= s.chunks.size()) {
+        s.chunks.push_back(arena_->NewChunk());
+      }
     }
-    s.index.swap(index);
-  }
-  if (!s.free_rows.empty()) {
-    row = s.free_rows.back();
-    s.free_rows.pop_back();
-  } else {
-    EE_CHECK(s.next_row < kEmpty - 1, "internal shard is full (2^32 rows)");
-    row = s.next_row++;
-    if ((row >> kChunkRowsLog2) >= s.chunks.size()) {
-      s.chunks.push_back(arena_->NewChunk());
-    }
-  }
-  const uint64_t mask = s.mask();
-  uint64_t pos = hash & mask;
-  while (s.index[pos].row != kEmpty) pos = (pos + 1) & mask;
-  s.index[pos] = IndexSlot{key, row};
-  ++s.size;
-  InitRow(key, Row(s, row));
-  return row;
+    InitRow(key, Row(s, row));
+    return row;
+  });
 }
 
 const uint32_t* Table::LookupRows(Shard& s, const ShardBatch& b, bool insert,
                                   std::vector<uint32_t>& rows) {
   rows.resize(b.count);
   for (int64_t k = 0; k < b.count; ++k) {
-    if (k + kPrefetchDistance < b.count) s.Prefetch(b.hashes[k + kPrefetchDistance]);
-    rows[k] = insert ? FindOrInsert(s, b.keys[k], b.hashes[k]) : Find(s, b.keys[k], b.hashes[k]);
+    if (k + kPrefetchDistance < b.count) s.index.Prefetch(b.hashes[k + kPrefetchDistance]);
+    const int64_t key = b.keys[k];
+    const uint64_t hash = b.hashes[k];
+    rows[k] = insert ? FindOrInsert(s, key, hash) : s.index.Find(key, hash);
   }
   return rows.data();
 }
@@ -208,14 +165,14 @@ void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
     thread_local std::vector<uint32_t> scratch;
     const uint32_t* rows = LookupRows(s, b, train, scratch);
     for (int64_t k = 0; k < b.count; ++k) {
-      if (k + kPrefetchDistance < b.count && rows[k + kPrefetchDistance] != kEmpty) {
+      if (k + kPrefetchDistance < b.count && rows[k + kPrefetchDistance] != kNoRow) {
         __builtin_prefetch(Row(s, rows[k + kPrefetchDistance]));
         // Output rows are written in shard order, i.e. scattered: fetch
         // their cache lines ahead too.
         __builtin_prefetch(out + b.pos[k + kPrefetchDistance] * dim, /*rw=*/1);
       }
       float* dst = out + b.pos[k] * dim;
-      if (rows[k] == kEmpty) {
+      if (rows[k] == kNoRow) {
         InitialValue(options_.initializer, b.keys[k], dim, dst);
       } else {
         std::memcpy(dst, Row(s, rows[k]), sizeof(float) * dim);
@@ -226,7 +183,6 @@ void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
 
 void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate,
                  int64_t step) {
-  EE_CHECK(step >= 1 && step <= 0xFFFFFFFFll, "step must be in [1, 2^32), got " << step);
   const UpdateRule rule =
       MakeUpdateRule(options_.optimizer, MakeStepScalars(options_.optimizer, learning_rate, step));
   const int dim = options_.dim;
@@ -295,7 +251,7 @@ ExportedRows Table::Export() const {
   int64_t total = 0;
   for (const auto& s : shards_) {
     locks.emplace_back(s->mu);
-    total += s->size;
+    total += s->index.size();
   }
   const int dim = options_.dim;
   const int slot_floats = num_slots_ * dim;
@@ -307,16 +263,15 @@ ExportedRows Table::Export() const {
   out.update_count.resize(total);
   int64_t i = 0;
   for (const auto& s : shards_) {
-    for (const IndexSlot& slot : s->index) {
-      if (slot.row == kEmpty) continue;
-      const float* r = Row(*s, slot.row);
-      out.keys[i] = slot.key;
+    s->index.ForEach([&](int64_t key, uint32_t row) {
+      const float* r = Row(*s, row);
+      out.keys[i] = key;
       std::memcpy(&out.values[i * dim], r, sizeof(float) * dim);
       std::memcpy(out.slots.data() + i * slot_floats, r + dim, sizeof(float) * slot_floats);
       out.last_step[i] = GetWord(r + row_floats_ - 2);
       out.update_count[i] = GetWord(r + row_floats_ - 1);
       ++i;
-    }
+    });
   }
   return out;
 }
@@ -324,27 +279,11 @@ ExportedRows Table::Export() const {
 int64_t Table::Erase(int64_t n, const int64_t* keys) {
   std::atomic<int64_t> erased{0};
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
-    const uint64_t mask = s.mask();
     for (int64_t k = 0; k < b.count; ++k) {
-      const int64_t key = b.keys[k];
-      uint64_t i = b.hashes[k] & mask;
-      while (s.index[i].row != kEmpty && s.index[i].key != key) i = (i + 1) & mask;
-      if (s.index[i].row == kEmpty) continue;
-      s.free_rows.push_back(s.index[i].row);
-      s.index[i].row = kEmpty;
-      --s.size;
+      const uint32_t row = s.index.Erase(b.keys[k], b.hashes[k]);
+      if (row == kNoRow) continue;
+      s.free_rows.push_back(row);
       erased.fetch_add(1, std::memory_order_relaxed);
-      // Backward-shift deletion keeps every remaining key reachable: move a
-      // later slot of the probe run into the hole unless its home position
-      // lies cyclically in (hole, slot].
-      for (uint64_t j = (i + 1) & mask; s.index[j].row != kEmpty; j = (j + 1) & mask) {
-        const uint64_t home = KeyHash(s.index[j].key) & mask;
-        const bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
-        if (stays) continue;
-        s.index[i] = s.index[j];
-        s.index[j].row = kEmpty;
-        i = j;
-      }
     }
   });
   return erased.load();
@@ -355,8 +294,8 @@ void Table::Metadata(int64_t n, const int64_t* keys, int64_t* last_step,
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     for (int64_t k = 0; k < b.count; ++k) {
       const int64_t i = b.pos[k];
-      const uint32_t row = Find(s, b.keys[k], b.hashes[k]);
-      if (row == kEmpty) {
+      const uint32_t row = s.index.Find(b.keys[k], b.hashes[k]);
+      if (row == kNoRow) {
         last_step[i] = update_count[i] = -1;
       } else {
         const float* r = Row(s, row);
@@ -371,7 +310,7 @@ int64_t Table::Size() const {
   int64_t total = 0;
   for (const auto& s : shards_) {
     std::lock_guard<std::mutex> lock(s->mu);
-    total += s->size;
+    total += s->index.size();
   }
   return total;
 }
@@ -380,7 +319,7 @@ int64_t Table::MemoryBytes() const {
   int64_t bytes = 0;
   for (const auto& s : shards_) {
     std::lock_guard<std::mutex> lock(s->mu);
-    bytes += static_cast<int64_t>(s->index.capacity() * sizeof(IndexSlot));
+    bytes += s->index.MemoryBytes();
     bytes += static_cast<int64_t>(s->free_rows.capacity() * sizeof(uint32_t));
   }
   return bytes + static_cast<int64_t>(arena_->ReservedBytes());

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "initializer.h"
+#include "key_index.h"
 #include "memory.h"
 #include "optimizer.h"
 
@@ -92,7 +93,6 @@ class Table {
 
  private:
   struct Shard;
-  static constexpr uint32_t kEmpty = 0xFFFFFFFFu;
 
   // The keys of one call that belong to one shard, in input order:
   // keys[k] == input_keys[pos[k]], hashes[k] its hash, for k < count.
@@ -108,9 +108,9 @@ class Table {
   template <typename Fn>
   void ForEachShard(int64_t n, const int64_t* keys, Fn fn) const;
 
-  static uint32_t Find(const Shard& s, int64_t key, uint64_t hash);
+  // The row of `key`, inserted with its initial value if absent.
   uint32_t FindOrInsert(Shard& s, int64_t key, uint64_t hash);
-  // Row ids of the batch's keys -> rows (count,), with prefetching; kEmpty
+  // Row ids of the batch's keys -> rows (count,), with prefetching; kNoRow
   // for absent keys unless insert.
   const uint32_t* LookupRows(Shard& s, const ShardBatch& b, bool insert,
                              std::vector<uint32_t>& rows);

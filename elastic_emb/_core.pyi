@@ -1,6 +1,6 @@
 """Type stubs of the private C++ extension (csrc/bindings.cc)."""
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -12,20 +12,67 @@ class InvalidArgument(ValueError): ...
 def pool_threads() -> int: ...
 def compiler() -> str: ...
 
+class OptimizerKind:
+    sgd: ClassVar[OptimizerKind]
+    adagrad: ClassVar[OptimizerKind]
+    adam: ClassVar[OptimizerKind]
+    ftrl: ClassVar[OptimizerKind]
+    __members__: ClassVar[dict[str, OptimizerKind]]
+    def __init__(self, value: int) -> None: ...
+    def __int__(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
+
+class InitKind:
+    zeros: ClassVar[InitKind]
+    ones: ClassVar[InitKind]
+    constant: ClassVar[InitKind]
+    uniform: ClassVar[InitKind]
+    normal: ClassVar[InitKind]
+    truncated_normal: ClassVar[InitKind]
+    __members__: ClassVar[dict[str, InitKind]]
+    def __init__(self, value: int) -> None: ...
+    def __int__(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
+
+class OptimizerOptions:
+    kind: OptimizerKind
+    momentum: float
+    nesterov: bool
+    beta_1: float
+    beta_2: float
+    epsilon: float
+    initial_accumulator_value: float
+    learning_rate_power: float
+    l1_regularization_strength: float
+    l2_regularization_strength: float
+    l2_shrinkage_regularization_strength: float
+    beta: float
+    def __init__(self) -> None: ...
+
+class InitializerOptions:
+    kind: InitKind
+    a: float
+    b: float
+    seed: int
+    def __init__(self) -> None: ...
+
+class TableOptions:
+    dim: int
+    initializer: InitializerOptions
+    optimizer: OptimizerOptions
+    shard_bits: int
+    def __init__(self) -> None: ...
+
 class Table:
     dim: int
     num_slots: int
-    def __init__(
-        self,
-        dim: int,
-        initializer: str,
-        init_a: float,
-        init_b: float,
-        seed: int,
-        optimizer: str,
-        optimizer_args: dict[str, Any],
-        shard_bits: int = 6,
-    ) -> None: ...
+    def __init__(self, options: TableOptions) -> None: ...
     def pull(self, keys: np.ndarray, train: bool) -> np.ndarray: ...
     def push(
         self, keys: np.ndarray, grads: np.ndarray, learning_rate: float, step: int
@@ -54,16 +101,7 @@ class CudaOutOfMemory(MemoryError): ...
 
 class DeviceTable(Table):
     capacity: int
-    def __init__(
-        self,
-        dim: int,
-        initializer: str,
-        init_a: float,
-        init_b: float,
-        seed: int,
-        optimizer: str,
-        optimizer_args: dict[str, Any],
-    ) -> None: ...
+    def __init__(self, options: TableOptions) -> None: ...
     def pull_to_device(self, keys: np.ndarray, out: int, train: bool) -> None: ...
     def push_from_device(
         self, keys: np.ndarray, grads: int, learning_rate: float, step: int

@@ -161,7 +161,7 @@ class GpuTable(LocalTable):
             )
         if _core.cuda_device_count() == 0:
             raise RuntimeError("device='gpu': no CUDA device is visible")
-        self._device = _core.DeviceTable(**core_options(config))
+        self._device = _core.DeviceTable(core_options(config))
         super().__init__(config, core=self._device)
 
     def pull(self, keys: Any, train: bool = True, device_output: bool = False) -> Any:

@@ -15,17 +15,24 @@ from elastic_emb.table import StepFusion, Table, TableConfig, TableState, check_
 __all__ = ["LocalTable", "core_options"]
 
 
-def core_options(config: TableConfig) -> dict[str, Any]:
-    """The C++ table's constructor arguments (CPU and GPU tables alike)."""
-    return {
-        "dim": config.dim,
-        "initializer": config.initializer.kind,
-        "init_a": config.initializer.a,
-        "init_b": config.initializer.b,
-        "seed": config.seed,
-        "optimizer": config.optimizer.kind,
-        "optimizer_args": config.optimizer.core_args(),
-    }
+def core_options(config: TableConfig, shard_bits: int | None = None) -> _core.TableOptions:
+    """The C++ table's options (CPU and GPU tables); C++ checks them when building the table."""
+    init = _core.InitializerOptions()
+    init.kind = _core.InitKind.__members__[config.initializer.kind]
+    init.a = config.initializer.a
+    init.b = config.initializer.b
+    init.seed = config.seed
+    opt = _core.OptimizerOptions()
+    opt.kind = _core.OptimizerKind.__members__[config.optimizer.kind]
+    for field, value in config.optimizer.core_args().items():
+        setattr(opt, field, value)
+    options = _core.TableOptions()
+    options.dim = config.dim
+    options.initializer = init
+    options.optimizer = opt
+    if shard_bits is not None:
+        options.shard_bits = shard_bits
+    return options
 
 
 class LocalTable(Table):
@@ -44,7 +51,7 @@ class LocalTable(Table):
 
     def __init__(self, config: TableConfig, core: Any = None) -> None:
         self._config = config
-        self._core = _core.Table(**core_options(config)) if core is None else core
+        self._core = _core.Table(core_options(config)) if core is None else core
         self._step_lock = threading.Lock()  # guards _iterations, orders pushes
         self._iterations = 0
         self._fusion = _LocalStep(self)
