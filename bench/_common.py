@@ -43,7 +43,7 @@ Arrays = dict[str, np.ndarray]  # "dense" float32[N, 13], "categorical" int64[N,
 def make_data(
     num_examples: int, *, seed: int = 0, vocab_size: int | None = None
 ) -> tuple[Arrays, list[int]]:
-    """Generates Criteo-format data with `elastic_emb.data` and reads it into memory.
+    """Generates Criteo-format data with `elastic_emb.examples.criteo` and reads it into memory.
 
     Dense counts become `log1p(max(count, 0))`, the usual Criteo transform, so
     plain SGD stays stable.
@@ -379,7 +379,7 @@ def interleave(
 
 
 VOCAB_HELP = (
-    '"default": elastic_emb.data.DEFAULT_VOCAB_SIZES (~1M ids over the 26 features, a\n'
+    '"default": elastic_emb.examples.criteo.DEFAULT_VOCAB_SIZES (~1M ids over the 26 features, a\n'
     "scaled-down Criteo), or N: N ids in every feature (1000000: 26M ids, Criteo scale)"
 )
 

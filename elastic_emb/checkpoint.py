@@ -81,7 +81,14 @@ def _is_remote(table: Table) -> TypeGuard[RemoteTable]:
 def _tables_arg(tables: Any) -> dict[str, Table]:
     if tables is None:
         return registered_tables()
-    return {t.name: t for t in tables}
+    chosen: dict[str, Table] = {}
+    for t in tables:
+        if chosen.get(t.name, t) is not t:
+            raise ValueError(
+                f"`tables` holds two tables named {t.name!r}; a checkpoint holds one table per name"
+            )
+        chosen[t.name] = t
+    return chosen
 
 
 def save(directory: str | os.PathLike[str], tables: Any = None) -> Path:
@@ -349,7 +356,7 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
         local = [n for n, t in targets.items() if not _is_remote(t)]
         _, states = read_shards([root], local) if local else ({}, {})
     except Exception as e:
-        for table in created:  # a failed restore leaves no trace
+        for table in created:  # no trace in this process (remote ones stay, empty, on the shards)
             unregister(table)
         if isinstance(e, CheckpointError):
             raise

@@ -2,7 +2,7 @@
 
 Implementations are siblings: `elastic_emb.local.LocalTable` (in-process,
 C++), `elastic_emb.gpu.GpuTable` (in-process, rows in GPU memory) and
-`elastic_emb.ps.RemoteTable` (rows on parameter-server shards). Calling the
+`elastic_emb.ps.remote_table.RemoteTable` (rows on parameter-server shards). Calling the
 interface itself, `Table(dim, optimizer, ...)`, creates a table where
 `elastic_emb.placement` says it lives (`device=`, `ee.init`).
 """

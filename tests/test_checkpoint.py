@@ -514,3 +514,14 @@ def test_mismatched_live_table_raises_and_nothing_changes(saved_pair, make_live,
     _assert_state_equal(_state(a), before[0])
     _assert_state_equal(_state(b), before[1])
     _assert_state_equal(_state(mismatched), before[2])
+
+
+def test_save_refuses_two_tables_of_one_name(tmp_path: Path) -> None:
+    name = _name("twice")
+    older = ee.Table(dim=2, optimizer=eo.SGD(0.1), name=name)
+    newer = ee.Table(dim=2, optimizer=eo.SGD(0.1), name=name)  # takes the name over
+    with pytest.raises(ValueError, match=f"two tables named '{name}'"):
+        ee.save(tmp_path, tables=[older, newer])
+    assert not (tmp_path / "manifest.json").exists()
+    ee.save(tmp_path, tables=[newer])  # one per name is fine
+    assert ee.placement.registered_tables()[name] is newer

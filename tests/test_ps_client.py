@@ -176,3 +176,21 @@ def test_shards_answer_the_standard_health_service():
         with pytest.raises(grpc.RpcError) as info:
             stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_checkpoint_directory_the_shard_cannot_write_is_the_callers_problem(tmp_path):
+    servicer = Servicer()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    refused = _call(servicer, "Save", ps_pb2.SaveRequest(directory=str(blocker / "ckpt")))
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(blocker / "ckpt") in refused.details
+    unreadable = _call(
+        servicer,
+        "Restore",
+        ps_pb2.RestoreRequest(directories=[str(blocker / "ckpt")], num_shards=1, shard_index=0),
+    )
+    assert unreadable.code == grpc.StatusCode.FAILED_PRECONDITION
+    # And the shard still saves where it can.
+    saved = servicer.Save(ps_pb2.SaveRequest(directory=str(tmp_path / "ok")), _Context())
+    assert saved.rows == 0 and (tmp_path / "ok" / "manifest.json").is_file()

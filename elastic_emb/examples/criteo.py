@@ -188,7 +188,10 @@ def planted_logits(
 
 
 def log_counts(dense: np.ndarray) -> np.ndarray:
-    """The usual transform of Criteo's integer counts: ``log1p(max(x, 0))``, same dtype."""
+    """The usual transform of Criteo's integer counts: ``log1p(max(x, 0))``.
+
+    Float input keeps its dtype (float32 stays float32); integers give float64.
+    """
     dense = np.asarray(dense)
     return np.log1p(np.maximum(dense, dense.dtype.type(0)))
 

@@ -281,7 +281,7 @@ class Cluster:
                 future = self._in_flight.popleft()
             future.result()
 
-    # The layers' fused path (`elastic_emb.ps.RemoteTable.step_fusion`).
+    # The layers' fused path (`RemoteTable.step_fusion`, `elastic_emb.ps.remote_table`).
 
     def submit(
         self, table: str, dim: int, keys: np.ndarray, insert: bool, expects_push: bool

@@ -1,4 +1,4 @@
-"""Every conversion between wire messages and numpy (the only user of `_proto` messages).
+"""Every conversion between wire messages and numpy arrays (keys, rows, table state).
 
 Arrays travel as raw little-endian bytes. Keys may travel as delta + LEB128
 varints (ascending keys, 1-3 bytes each). Float rows (pulled values, pushed
@@ -38,6 +38,7 @@ ENCODINGS: dict[str, Any] = {
     "float16": ps_pb2.FLOAT16,
     "bfloat16": ps_pb2.BFLOAT16,
 }
+# Little-endian on the wire; bfloat16 (native byte order only) travels as its uint16 bits.
 _WIRE_DTYPES: dict[int, np.dtype] = {
     ps_pb2.FLOAT32: np.dtype("<f4"),
     ps_pb2.FLOAT16: np.dtype("<f2"),
@@ -155,8 +156,11 @@ def encode_floats(values: np.ndarray, enc: int) -> bytes:
     if enc not in _WIRE_DTYPES:
         raise WireError(f"Unknown float encoding {enc}")
     values = np.ascontiguousarray(values, np.float32)
-    with np.errstate(over="ignore"):  # beyond a 16-bit type's range: infinity
-        return values.astype(_WIRE_DTYPES[enc], copy=False).tobytes()
+    with np.errstate(over="ignore", invalid="ignore"):  # out of range: infinity; NaN stays NaN
+        encoded = values.astype(_WIRE_DTYPES[enc], copy=False)
+    if enc == ps_pb2.BFLOAT16:
+        encoded = encoded.view(np.uint16).astype("<u2", copy=False)
+    return encoded.tobytes()
 
 
 def decode_floats(raw: bytes, enc: int, n: int, dim: int, what: str = "values") -> np.ndarray:
@@ -169,8 +173,10 @@ def decode_floats(raw: bytes, enc: int, n: int, dim: int, what: str = "values") 
             f"`{what}` has {len(raw)} bytes; {n} rows of dim {dim} in "
             f"{ps_pb2.Encoding.Name(enc).lower()} need {n * dim * itemsize}"
         )
-    out = np.frombuffer(raw, _WIRE_DTYPES[enc]).astype(np.float32, copy=False)
-    return out.reshape(n, dim)
+    if enc == ps_pb2.BFLOAT16:
+        bits = np.frombuffer(raw, "<u2").astype(np.uint16, copy=False)
+        return bits.view(ml_dtypes.bfloat16).astype(np.float32).reshape(n, dim)
+    return np.frombuffer(raw, _WIRE_DTYPES[enc]).astype(np.float32, copy=False).reshape(n, dim)
 
 
 # Tables.

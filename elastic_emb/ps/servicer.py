@@ -4,7 +4,9 @@ Errors: a request the shard refuses (`RequestError`), a malformed message
 (`protocol.WireError`) or an argument the C++ core rejects is answered with
 its status (INVALID_ARGUMENT, NOT_FOUND, ...) and the shard's message. Any
 other exception is a bug of the shard: it is logged with its traceback and
-answered INTERNAL. Either way nothing changed and the shard keeps serving.
+answered INTERNAL. A refused or malformed request changes nothing; after a
+bug the shard keeps serving, but a multi-table push or a save may have been
+applied in part.
 """
 
 from __future__ import annotations

@@ -276,7 +276,10 @@ class Shard:
     def save(self, directory: str, names: list[str]) -> int:
         """Writes the named tables (all for none) to `directory`; returns their rows."""
         chosen = self.tables(names)
-        checkpoint.save(directory, chosen)
+        try:
+            checkpoint.save(directory, chosen)
+        except OSError as e:  # the directory, not the shard: the caller can act on it
+            raise RequestError("FAILED_PRECONDITION", f"cannot write {directory}: {e}") from e
         return sum(len(t) for t in chosen)
 
     def restore(
@@ -304,7 +307,7 @@ class Shard:
                 table = self._tables.get(name)
                 if table is not None:
                     checkpoint.check_fits(table, configs[name], directories[0])
-        except checkpoint.CheckpointError as e:
+        except (checkpoint.CheckpointError, OSError) as e:
             raise RequestError("FAILED_PRECONDITION", str(e)) from e
         plan: list[tuple[str, TableState]] = []
         for name, state in states.items():
