@@ -5,9 +5,10 @@ hash table (in-process by default, or on parameter-server shards after
 `ee.init`) with server-side sparse optimizers.
 
 Names load on first use, so tools that need no TensorFlow (`elastic-emb
-health`) start fast. In-process tables (`Table`, `optimizers`,
-`initializers`, `checkpoint`, `gpu`...) work without TensorFlow/Keras; the
-Keras layers, callbacks, data pipeline, models and remote tables need them.
+health`) start fast. Tables (`Table`, `optimizers`, `initializers`,
+`checkpoint`, `gpu`, and remote tables after `init`) work without
+TensorFlow/Keras; the Keras layers, callbacks, data pipeline and models need
+them. The module map is in docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -156,3 +156,24 @@ def test_protobuf_messages_are_built_only_in_the_ps_package():
         if name.startswith("elastic_emb.ps") or path.suffix != ".py":
             continue
         assert "ps_pb2" not in path.read_text(), f"{name} uses protobuf messages"
+
+
+def test_every_table_kind_implements_the_whole_interface():
+    import inspect
+
+    from elastic_emb.gpu import GpuTable
+    from elastic_emb.local import LocalTable
+    from elastic_emb.ps.remote_table import RemoteTable
+    from elastic_emb.table import Table
+
+    def raises(member: object) -> bool:
+        function = member.fget if isinstance(member, property) else member
+        return "raise NotImplementedError" in inspect.getsource(function)  # type: ignore[arg-type]
+
+    interface = [n for n, m in vars(Table).items() if callable(m) or isinstance(m, property)]
+    required = [n for n in interface if raises(vars(Table)[n])]
+    assert {"pull", "push", "export_state", "load_state", "step_fusion", "__len__"} <= set(required)
+    for kind in (LocalTable, GpuTable, RemoteTable):
+        assert issubclass(kind, Table)
+        missing = [n for n in required if raises(inspect.getattr_static(kind, n))]
+        assert not missing, f"{kind.__name__} does not implement {missing}"
