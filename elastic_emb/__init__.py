@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 # Imported first: `Table(...)` asks the placement where a new table lives.
 from elastic_emb import placement as _placement  # noqa: F401
 from elastic_emb.errors import ElasticEmbWarning
+from elastic_emb.keras_registration import register_when_keras_loads as _register_keras
 from elastic_emb.table import Table
+
+# `keras.models.load_model` finds ee.Embedding after `import elastic_emb` alone.
+_register_keras()
 
 # Public submodules, by attribute: those that need TensorFlow with Keras 3,
 # and those that work without it (remote tables aside).

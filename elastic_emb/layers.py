@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import warnings
 import weakref
 from typing import Any
 
@@ -9,12 +11,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elastic_emb import initializers, optimizers
-from elastic_emb.table import Table
+from elastic_emb import checkpoint, initializers, optimizers
+from elastic_emb.errors import ElasticEmbWarning
+from elastic_emb.table import Table, TableState
 
 __all__ = ["Embedding", "string_keys"]
 
 _COMBINERS = (None, "sum", "mean", "sqrtn")
+# Above this a table's rows are not written into Keras weights files (ee.save is).
+MAX_SAVED_TABLE_BYTES = 4 << 30
 
 
 def string_keys(strings: tf.Tensor) -> tf.Tensor:
@@ -148,13 +153,16 @@ class Embedding(keras.layers.Layer):
         device: str = "cpu",
         **kwargs: Any,
     ) -> None:
-        for unsupported in ("embeddings_regularizer", "embeddings_constraint", "weights"):
+        for unsupported in ("embeddings_regularizer", "embeddings_constraint"):
             if kwargs.get(unsupported) is not None:
                 raise ValueError(
-                    f"`{unsupported}` is not supported by elastic_emb.Embedding. "
-                    f"Received: {unsupported}={kwargs[unsupported]!r}"
+                    f"`{unsupported}` is not supported by elastic_emb.Embedding (a dense "
+                    "penalty over a table without a vocabulary is undefined; regularize "
+                    f"through the optimizer instead, e.g. Ftrl's l2). Received: "
+                    f"{unsupported}={kwargs[unsupported]!r}"
                 )
             kwargs.pop(unsupported, None)
+        weights = kwargs.pop("weights", None)
         if isinstance(optimizer, int) and not isinstance(optimizer, bool):
             # keras.layers.Embedding(input_dim, output_dim, ...) written positionally.
             input_dim, output_dim, optimizer = output_dim, optimizer, None
@@ -202,6 +210,8 @@ class Embedding(keras.layers.Layer):
             device=device,
         )
         self.device = device
+        if weights is not None:
+            self._import_pretrained(weights)
 
     @property
     def optimizer(self) -> optimizers.Optimizer:
@@ -221,7 +231,14 @@ class Embedding(keras.layers.Layer):
         self._push_trigger.overwrite_with_gradient = True
         self.built = True
 
-    def call(self, inputs: Any, training: bool | None = None) -> tf.Tensor:
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        if isinstance(inputs, tf.RaggedTensor) and self.combiner is None:
+            # As keras.layers.Embedding: a ragged result, one row per id.
+            rows = self._lookup(self._keys(inputs.flat_values), training)
+            return self._cast(inputs.with_flat_values(rows))
+        if isinstance(inputs, tf.SparseTensor) and self.combiner is None:
+            # As keras.layers.Embedding: dense, absent positions read id 0.
+            inputs = tf.sparse.to_dense(inputs)
         if isinstance(inputs, tf.RaggedTensor | tf.SparseTensor):
             return self._call_multi_hot(inputs, training)
         ids = self._keys(inputs)
@@ -266,7 +283,65 @@ class Embedding(keras.layers.Layer):
         }
         return {**base_config, **config}
 
+    # Keras saving: `model.save`, `save_weights`, ModelCheckpoint and
+    # BackupAndRestore store the table's rows with the layer's variables.
+
+    def save_own_variables(self, store: Any) -> None:
+        super().save_own_variables(store)  # the push trigger, as "0"
+        table = self.table
+        width = table.dim * (1 + table.num_slots) * 4 + 16  # value, slots, key, metadata
+        size = len(table) * width
+        if size > MAX_SAVED_TABLE_BYTES:
+            raise ValueError(
+                f"Table {table.name!r} holds {len(table):,} rows ({size / 2**30:.1f} GiB), more "
+                f"than a Keras weights file takes (elastic_emb.layers.MAX_SAVED_TABLE_BYTES = "
+                f"{MAX_SAVED_TABLE_BYTES / 2**30:.0f} GiB). Save the tables with ee.save(...) "
+                "or ee.callbacks.Checkpoint, and the dense weights with Keras."
+            )
+        state = table.export_state()
+        store["table_config"] = np.frombuffer(
+            json.dumps({**table.config(), "num_slots": table.num_slots}).encode(), np.uint8
+        )
+        store["table_iterations"] = np.array([state.iterations], np.int64)
+        for field in TableState.FIELDS:
+            store[f"table_{field}"] = getattr(state, field)
+
+    def load_own_variables(self, store: Any) -> None:
+        self._push_trigger.assign(np.asarray(store["0"]))
+        if "table_config" not in store:
+            warnings.warn(
+                f"The saved layer {self.name!r} holds no table rows (written by elastic_emb "
+                "0.1, which saved none): its table keeps its current rows.",
+                ElasticEmbWarning,
+                stacklevel=2,
+            )
+            return
+        saved = json.loads(np.asarray(store["table_config"]).tobytes())
+        checkpoint.check_fits(self.table, saved, f"the saved layer {self.name!r}")
+        arrays = {f: np.asarray(store[f"table_{f}"]) for f in TableState.FIELDS}
+        iterations = int(np.asarray(store["table_iterations"])[0])
+        self.table.load_state(TableState(**arrays, iterations=iterations))
+
+    def count_params(self) -> int:
+        """Values held by the table (rows × width), as `model.summary()` shows them."""
+        return len(self.table) * self.output_dim
+
     # Internals.
+
+    def _import_pretrained(self, weights: Any) -> None:
+        """`weights=[matrix]`: row i of the matrix becomes the row of id i."""
+        if not isinstance(weights, list | tuple) or len(weights) != 1:
+            raise ValueError(
+                "`weights` must be a list holding one (n, output_dim) matrix, as for "
+                f"keras.layers.Embedding. Received: {type(weights).__name__}"
+            )
+        matrix = np.asarray(weights[0])
+        if matrix.ndim != 2 or matrix.shape[1] != self.output_dim:
+            raise ValueError(
+                f"`weights` must hold one matrix of shape (n, {self.output_dim}). "
+                f"Received shape={matrix.shape}"
+            )
+        self.table.import_rows(np.arange(matrix.shape[0], dtype=np.int64), matrix)
 
     def _cast(self, x: tf.Tensor) -> tf.Tensor:
         return tf.cast(x, self.compute_dtype) if self.compute_dtype != "float32" else x
@@ -279,11 +354,13 @@ class Embedding(keras.layers.Layer):
                     f'With key_dtype="string", ids must be strings. Received dtype={ids.dtype.name}'
                 )
             return string_keys(ids)
-        if not ids.dtype.is_integer:
+        if not (ids.dtype.is_integer or ids.dtype.is_floating or ids.dtype == tf.bool):
             raise ValueError(
                 f"`{self.name}` expects integer ids (int32 or int64). "
                 f"Received dtype={ids.dtype.name}"
             )
+        # Float ids (e.g. the float32 input a Sequential model without an Input
+        # builds) are cast, as keras.layers.Embedding does.
         return tf.cast(ids, tf.int64)
 
     def _lookup(self, flat_ids: tf.Tensor, training: bool | None) -> tf.Tensor:
@@ -359,11 +436,6 @@ class Embedding(keras.layers.Layer):
         return inputs.values, inputs.indices[:, 0], inputs.dense_shape[0]
 
     def _call_multi_hot(self, inputs: Any, training: bool | None) -> tf.Tensor:
-        if self.combiner is None:
-            raise ValueError(
-                f'RaggedTensor/SparseTensor ids need a `combiner` ("sum", "mean" or "sqrtn") '
-                f"on layer `{self.name}`."
-            )
         values, example, batch = self._segments(inputs)
         rows = self._lookup(self._keys(values), training)
         summed = tf.math.unsorted_segment_sum(rows, example, batch)

@@ -148,11 +148,19 @@ def test_int32_ids_equal_int64_ids():
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.bool])
-def test_non_integer_ids_rejected(dtype):
-    layer = ee.Embedding(4, name="floats")
+def test_float_and_bool_ids_are_cast_like_the_stock_layer(dtype):
+    layer = ee.Embedding(4, name=f"cast_{dtype.name}")
+    ids = np.array([[0, 1, 1], [1, 0, 0]])
+    got = layer(tf.constant(ids, dtype), training=False)
+    np.testing.assert_array_equal(got, layer(tf.constant(ids, tf.int64), training=False))
+    assert len(layer.table) == 0
+
+
+def test_string_ids_without_string_keys_rejected():
+    layer = ee.Embedding(4, name="strings_as_ints")
     with pytest.raises(ValueError, match="integer ids") as err:
-        layer(tf.zeros((2, 3), dtype))
-    assert dtype.name in str(err.value)
+        layer(tf.constant([["a", "b"]]))
+    assert "string" in str(err.value)
     assert len(layer.table) == 0
 
 
