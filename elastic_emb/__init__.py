@@ -36,6 +36,7 @@ _TF_SUBMODULES = {
     "keras_patches": "elastic_emb.keras_patches",
     "layers": "elastic_emb.layers",
     "models": "elastic_emb.examples.dlrm",
+    "serving": "elastic_emb.serving",
 }
 _PLAIN_SUBMODULES = {
     name: f"elastic_emb.{name}"
@@ -55,6 +56,7 @@ _NAMES = {
     "restore": "elastic_emb.checkpoint",
     "save": "elastic_emb.checkpoint",
     "Embedding": "elastic_emb.layers",
+    "export_saved_model": "elastic_emb.serving",
     "init": "elastic_emb.placement",
     "shutdown": "elastic_emb.placement",
 }
@@ -143,6 +145,7 @@ if TYPE_CHECKING:
     from elastic_emb.examples import dlrm as models
     from elastic_emb.layers import Embedding
     from elastic_emb.placement import init, shutdown
+    from elastic_emb.serving import export_saved_model
 
 __all__ = [
     "CheckpointError",
@@ -153,6 +156,7 @@ __all__ = [
     "build_info",
     "callbacks",
     "data",
+    "export_saved_model",
     "init",
     "initializers",
     "keras_patches",

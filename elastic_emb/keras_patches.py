@@ -1,9 +1,15 @@
-"""A patch of Keras internals: `model.fit` under MultiWorkerMirroredStrategy.
+"""The places where elastic_emb changes Keras' own code, each guarded.
 
-This module changes two private functions of Keras' TensorFlow trainer; it
-is the only place elastic_emb touches Keras internals, and it checks the
-Keras version it patches (Keras 3.0 through `LAST_TESTED`; newer releases are
-patched if the two internals are still there, with a warning).
+- `export_through_serving()` wraps the public `keras.Model.export` so that
+  the tables of ee.Embedding layers are exported as stock TensorFlow ops
+  (`elastic_emb.serving`); models without such layers export as before.
+  Applied when `elastic_emb.layers` is imported.
+- `fix_keras_multi_worker()` replaces two private functions of Keras'
+  TensorFlow trainer for `model.fit` under MultiWorkerMirroredStrategy. It
+  checks the Keras version it patches (Keras 3.0 through `LAST_TESTED`; newer
+  releases are patched if the two internals are still there, with a warning).
+
+The rest of this docstring is about the multi-worker fix.
 
 Keras 3 (through at least 3.15) fails in `model.fit` under
 `tf.distribute.MultiWorkerMirroredStrategy` before the first step: to build
@@ -19,6 +25,7 @@ several workers.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import Any
@@ -28,10 +35,29 @@ import tensorflow as tf
 
 from elastic_emb.errors import ElasticEmbWarning
 
-__all__ = ["LAST_TESTED", "fix_keras_multi_worker"]
+__all__ = ["LAST_TESTED", "export_through_serving", "fix_keras_multi_worker"]
 
 LAST_TESTED = (3, 15)  # the newest Keras release this patch was tested with
 _applied = False
+_export_wrapped = False
+
+
+def export_through_serving() -> None:
+    """Makes `model.export(...)` write ee.Embedding tables as stock ops (idempotent)."""
+    global _export_wrapped
+    if _export_wrapped:
+        return
+    keras_export = keras.Model.export
+
+    @functools.wraps(keras_export)
+    def export(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
+        from elastic_emb import serving
+
+        with serving.serving(self):
+            return keras_export(self, *args, **kwargs)
+
+    keras.Model.export = export
+    _export_wrapped = True
 
 
 def _keras_version() -> tuple[int, int]:

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elastic_emb import checkpoint, initializers, optimizers
+from elastic_emb import checkpoint, initializers, keras_patches, optimizers
 from elastic_emb.errors import ElasticEmbWarning
 from elastic_emb.table import Table, TableState
 
@@ -210,6 +210,8 @@ class Embedding(keras.layers.Layer):
             device=device,
         )
         self.device = device
+        # Set by elastic_emb.serving while the model is exported (not tracked by Keras).
+        object.__setattr__(self, "_serving_table", None)
         if weights is not None:
             self._import_pretrained(weights)
 
@@ -322,6 +324,27 @@ class Embedding(keras.layers.Layer):
         iterations = int(np.asarray(store["table_iterations"])[0])
         self.table.load_state(TableState(**arrays, iterations=iterations))
 
+    @property
+    def serving_table(self) -> Any:
+        """The stock-op snapshot the layer looks rows up in while exported, else None."""
+        return self._serving_table
+
+    @serving_table.setter
+    def serving_table(self, value: Any) -> None:
+        object.__setattr__(self, "_serving_table", value)
+
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> Any:
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            if self._serving_table is None:
+                raise ValueError(
+                    f"elastic_emb.Embedding {self.name!r} reads its rows through Python, which "
+                    "a SavedModel cannot hold. Export with ee.export_saved_model(model, path) "
+                    "or model.export(path): they write its rows as stock TensorFlow ops."
+                )
+            children["ee_serving"] = self._serving_table
+        return children
+
     def count_params(self) -> int:
         """Values held by the table (rows × width), as `model.summary()` shows them."""
         return len(self.table) * self.output_dim
@@ -373,6 +396,8 @@ class Embedding(keras.layers.Layer):
         the gradient of the push trigger, so it runs once per step whatever
         optimizer `model.compile` uses.
         """
+        if self._serving_table is not None:  # exporting: stock ops only
+            return self._serving_table.lookup(flat_ids)
         unique_ids, index = tf.unique(flat_ids)
         if not self.trainable:  # frozen: the table neither grows nor trains
             training = False
@@ -453,3 +478,7 @@ class Embedding(keras.layers.Layer):
         if self.combiner == "sum":
             return summed
         return summed / (tf.sqrt(k) if self.combiner == "sqrtn" else k)
+
+
+# `model.export(...)` writes these layers' tables as stock TensorFlow ops.
+keras_patches.export_through_serving()
