@@ -56,7 +56,7 @@ _NAMES = {
     "restore": "elastic_emb.checkpoint",
     "save": "elastic_emb.checkpoint",
     "Embedding": "elastic_emb.layers",
-    "export_saved_model": "elastic_emb.serving",
+    "export_saved_model": "elastic_emb.layers",
     "init": "elastic_emb.placement",
     "shutdown": "elastic_emb.placement",
 }
@@ -143,9 +143,8 @@ if TYPE_CHECKING:
     from elastic_emb.checkpoint import CheckpointError, restore, save
     from elastic_emb.examples import criteo as data
     from elastic_emb.examples import dlrm as models
-    from elastic_emb.layers import Embedding
+    from elastic_emb.layers import Embedding, export_saved_model
     from elastic_emb.placement import init, shutdown
-    from elastic_emb.serving import export_saved_model
 
 __all__ = [
     "CheckpointError",

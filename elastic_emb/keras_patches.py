@@ -28,6 +28,8 @@ from __future__ import annotations
 import functools
 import re
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import keras
@@ -42,8 +44,8 @@ _applied = False
 _export_wrapped = False
 
 
-def export_through_serving() -> None:
-    """Makes `model.export(...)` write ee.Embedding tables as stock ops (idempotent)."""
+def export_through_serving(serving: Callable[[keras.Model], AbstractContextManager[Any]]) -> None:
+    """Runs `model.export(...)` within `serving(model)` (idempotent)."""
     global _export_wrapped
     if _export_wrapped:
         return
@@ -51,9 +53,7 @@ def export_through_serving() -> None:
 
     @functools.wraps(keras_export)
     def export(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
-        from elastic_emb import serving
-
-        with serving.serving(self):
+        with serving(self):
             return keras_export(self, *args, **kwargs)
 
     keras.Model.export = export

@@ -11,11 +11,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elastic_emb import checkpoint, initializers, keras_patches, optimizers
+from elastic_emb import checkpoint, initializers, keras_patches, optimizers, serving
 from elastic_emb.errors import ElasticEmbWarning
 from elastic_emb.table import Table, TableState
 
-__all__ = ["Embedding", "string_keys"]
+__all__ = ["Embedding", "embedding_layers", "export_saved_model", "string_keys"]
 
 _COMBINERS = (None, "sum", "mean", "sqrtn")
 # Above this a table's rows are not written into Keras weights files (ee.save is).
@@ -480,5 +480,44 @@ class Embedding(keras.layers.Layer):
         return summed / (tf.sqrt(k) if self.combiner == "sqrtn" else k)
 
 
+def export_saved_model(
+    model: keras.Model,
+    path: Any,
+    input_signature: Any = None,
+    verbose: bool = False,
+    **kwargs: Any,
+) -> None:
+    """Writes `model` as a SavedModel that serves with stock TensorFlow ops.
+
+    Same as `model.export(path)`: the `serve` endpoint (and TF Serving's
+    `serving_default` signature) predicts like `model.predict` (training
+    False), with every table as trained now; ids never trained get their
+    initial values. Keras' export takes dense inputs only; give
+    `input_signature` as `tf.TypeSpec`s (e.g.
+    `[tf.RaggedTensorSpec([None, None], tf.int64)]`) for ragged or sparse ones.
+
+    Args:
+        model: a built Keras model.
+        path: directory to write.
+        input_signature: optional list of the model inputs' specs (Keras
+            InputSpecs or tf.TypeSpecs); by default the model's inputs.
+        verbose: print Keras' summary of the export.
+        **kwargs: passed to `model.export`.
+
+    Raises:
+        ValueError: a table has more than `elastic_emb.serving.MAX_EXPORT_ROWS` rows.
+    """
+    serving.export(model, embedding_layers(model), path, input_signature, verbose, **kwargs)
+
+
+def embedding_layers(model: keras.Model) -> list[Embedding]:
+    """The ee.Embedding layers of `model`, nested ones included."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if isinstance(layer, Embedding)
+    ]
+
+
 # `model.export(...)` writes these layers' tables as stock TensorFlow ops.
-keras_patches.export_through_serving()
+keras_patches.export_through_serving(lambda model: serving.serving(embedding_layers(model)))

@@ -1,7 +1,7 @@
 """Export to a SavedModel that serves with stock TensorFlow ops only.
 
-`export_saved_model(model, path)` (and `model.export(path)`, routed here by
-`keras_patches`) snapshots each `ee.Embedding` table into built-in ops:
+`ee.export_saved_model(model, path)` and `model.export(path)` (routed here
+by `keras_patches`) snapshot each `ee.Embedding` table into built-in ops:
 
 - a `tf.lookup.StaticHashTable` from key to row index,
 - a `tf.Variable` holding the rows (one extra zero row for ids not found),
@@ -28,9 +28,9 @@ from elastic_emb.initializers import InitializerSpec
 if TYPE_CHECKING:
     import keras
 
-    from elastic_emb.layers import Embedding
+    from elastic_emb.layers import Embedding  # (for types only: layers imports this module)
 
-__all__ = ["MAX_EXPORT_ROWS", "ServingTable", "export_saved_model", "initial_rows", "serving"]
+__all__ = ["MAX_EXPORT_ROWS", "ServingTable", "export", "initial_rows", "serving"]
 
 # The key -> index map is a graph constant (16 bytes a row), and a GraphDef
 # must stay below 2 GiB: above this many rows per table the export refuses.
@@ -133,22 +133,12 @@ class ServingTable(tf.Module):
         return tf.where(found[:, None], rows, initial)
 
 
-def _embedding_layers(model: keras.Model) -> list[Embedding]:
-    from elastic_emb.layers import Embedding
-
-    return [
-        layer
-        for layer in model._flatten_layers(include_self=True, recursive=True)
-        if isinstance(layer, Embedding)
-    ]
-
-
 @contextlib.contextmanager
-def serving(model: keras.Model) -> Iterator[None]:
-    """Within: the model's ee.Embedding layers look rows up in stock-op snapshots."""
+def serving(layers: list[Embedding]) -> Iterator[None]:
+    """Within: these ee.Embedding layers look rows up in stock-op snapshots."""
     attached = []
     try:
-        for layer in _embedding_layers(model):
+        for layer in layers:
             if layer.serving_table is None:
                 layer.serving_table = ServingTable(layer)
                 attached.append(layer)
@@ -158,40 +148,28 @@ def serving(model: keras.Model) -> Iterator[None]:
             layer.serving_table = None
 
 
-def export_saved_model(
-    model: keras.Model, path: Any, input_signature: Any = None, verbose: bool = False, **kwargs: Any
+def export(
+    model: keras.Model,
+    layers: list[Embedding],
+    path: Any,
+    input_signature: Any = None,
+    verbose: bool = False,
+    **kwargs: Any,
 ) -> None:
-    """Writes `model` as a SavedModel that serves with stock TensorFlow ops.
-
-    Same as `model.export(path)`: the `serve` endpoint (and TF Serving's
-    `serving_default` signature) predicts like `model.predict` (training
-    False), with every table as trained now. Keras' export takes dense
-    inputs only; give `input_signature` as `tf.TypeSpec`s (e.g.
-    `[tf.RaggedTensorSpec([None, None], tf.int64)]`) for ragged or sparse ones.
-
-    Args:
-        model: a built Keras model.
-        path: directory to write.
-        input_signature: optional list of the model inputs' specs (Keras
-            InputSpecs or tf.TypeSpecs); by default the model's inputs.
-        verbose: print Keras' summary of the export.
-        **kwargs: passed to `model.export`.
-
-    Raises:
-        ValueError: a table has more than `MAX_EXPORT_ROWS` rows.
-    """
+    """`ee.export_saved_model` (see `elastic_emb.layers.export_saved_model`) for `layers`."""
     composite = [
         spec
         for spec in tf.nest.flatten(input_signature or [])
         if isinstance(spec, tf.TypeSpec) and not isinstance(spec, tf.TensorSpec)
     ]
-    with serving(model):
+    with serving(layers):
         if not composite:
             model.export(path, format="tf_saved_model", input_signature=input_signature,
                          verbose=verbose, **kwargs)  # fmt: skip
             return
         import keras
 
+        # Keras' export takes dense inputs only: trace the endpoint ourselves.
         archive = keras.export.ExportArchive()
         archive.track(model)
         serve = tf.function(lambda *inputs: model(*inputs, training=False), autograph=False)
