@@ -4,6 +4,9 @@
   the tables of ee.Embedding layers are exported as stock TensorFlow ops
   (`elastic_emb.serving`); models without such layers export as before.
   Applied when `elastic_emb.layers` is imported.
+- `refuse_legacy_h5()` wraps `keras.Model.save` so that the legacy HDF5
+  format (`.h5`, which stores `layer.weights` only) refuses models with
+  tables instead of writing a file without their rows.
 - `fix_keras_multi_worker()` replaces two private functions of Keras'
   TensorFlow trainer for `model.fit` under MultiWorkerMirroredStrategy. It
   checks the Keras version it patches (Keras 3.0 through `LAST_TESTED`; newer
@@ -37,11 +40,33 @@ import tensorflow as tf
 
 from elastic_emb.errors import ElasticEmbWarning
 
-__all__ = ["LAST_TESTED", "export_through_serving", "fix_keras_multi_worker"]
+__all__ = ["LAST_TESTED", "export_through_serving", "fix_keras_multi_worker", "refuse_legacy_h5"]
 
 LAST_TESTED = (3, 15)  # the newest Keras release this patch was tested with
 _applied = False
 _export_wrapped = False
+_save_wrapped = False
+
+
+def refuse_legacy_h5(has_tables: Callable[[keras.Model], bool]) -> None:
+    """`model.save("m.h5")` raises for models with tables (idempotent)."""
+    global _save_wrapped
+    if _save_wrapped:
+        return
+    keras_save = keras.Model.save
+
+    @functools.wraps(keras_save)
+    def save(self: keras.Model, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(filepath).endswith((".h5", ".hdf5")) and has_tables(self):
+            raise ValueError(
+                f"{filepath}: Keras's legacy HDF5 format stores layer weights only, not the rows "
+                "of elastic_emb tables. Save to a .keras file (model.save('m.keras')), which "
+                "holds them."
+            )
+        return keras_save(self, filepath, *args, **kwargs)
+
+    keras.Model.save = save
+    _save_wrapped = True
 
 
 def export_through_serving(serving: Callable[[keras.Model], AbstractContextManager[Any]]) -> None:

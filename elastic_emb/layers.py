@@ -521,3 +521,5 @@ def embedding_layers(model: keras.Model) -> list[Embedding]:
 
 # `model.export(...)` writes these layers' tables as stock TensorFlow ops.
 keras_patches.export_through_serving(lambda model: serving.serving(embedding_layers(model)))
+# ...and `model.save("m.h5")` (legacy format, no rows) refuses them.
+keras_patches.refuse_legacy_h5(lambda model: bool(embedding_layers(model)))

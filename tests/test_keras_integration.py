@@ -278,3 +278,13 @@ def test_summary_counts_the_table_values():
     model.summary(print_fn=lambda line, **_: lines.append(line))
     (row,) = [line for line in "\n".join(lines).splitlines() if name in line]
     assert f"{len(layer.table) * 4:,}" in row
+
+
+def test_the_legacy_h5_format_refuses_a_model_with_tables(tmp_path):
+    model = _model(_name("h5"))
+    with pytest.raises(ValueError, match=r"\.keras"):
+        model.save(tmp_path / "m.h5")
+    assert not (tmp_path / "m.h5").exists()
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    plain.save(tmp_path / "plain.h5")  # models without tables save as before
+    assert (tmp_path / "plain.h5").is_file()
