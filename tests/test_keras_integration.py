@@ -288,3 +288,26 @@ def test_the_legacy_h5_format_refuses_a_model_with_tables(tmp_path):
     plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     plain.save(tmp_path / "plain.h5")  # models without tables save as before
     assert (tmp_path / "plain.h5").is_file()
+
+
+def test_remote_tables_save_and_load_through_the_cluster(tmp_path):
+    from _cluster import shards
+
+    x, y = _data(seed=12)
+    name = _name("remote")
+    with shards(2) as started:
+        ee.init(ps=[s.address for s in started], mode="sync")
+        try:
+            model = _model(name)
+            _fit(model, x, y)
+            remote = model.get_layer(name).table
+            saved = _state(remote)
+            model.save(tmp_path / "m.keras")
+            _fit(model, x, y)  # the shards move on
+            assert not np.array_equal(_state(remote)["values"], saved["values"])
+            loaded = keras.models.load_model(tmp_path / "m.keras")  # rewrites the shards' rows
+            restored = _state(loaded.get_layer(name).table)
+            for field in saved:
+                np.testing.assert_array_equal(restored[field], saved[field], err_msg=field)
+        finally:
+            ee.shutdown()
