@@ -141,7 +141,16 @@ setup(
     extras_require={
         "tensorflow": ["tensorflow>=2.16,<2.22"],
         "tensorflow-cpu": ["tensorflow-cpu>=2.16,<2.22"],
-        "test": ["pytest>=7", "ruff>=0.6", "mypy>=1.10", "clang-format>=18", "pyyaml>=6"],
+        # keras-rs: only for ee.DistributedEmbedding's keras-rs configs (and its tests).
+        "keras-rs": ["keras-rs>=0.4"],
+        "test": [
+            "pytest>=7",
+            "ruff>=0.6",
+            "mypy>=1.10",
+            "clang-format>=18",
+            "pyyaml>=6",
+            "keras-rs>=0.4",
+        ],
     },
     entry_points={"console_scripts": ["elastic-emb=elastic_emb.cli:main"]},
     zip_safe=False,

@@ -55,6 +55,7 @@ _NAMES = {
     "CheckpointError": "elastic_emb.checkpoint",
     "restore": "elastic_emb.checkpoint",
     "save": "elastic_emb.checkpoint",
+    "DistributedEmbedding": "elastic_emb.multi_feature",
     "Embedding": "elastic_emb.layers",
     "export_saved_model": "elastic_emb.layers",
     "init": "elastic_emb.placement",

@@ -12,6 +12,7 @@ as Keras does).
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -91,8 +92,30 @@ def _is_keras_initializer(value: Any) -> TypeGuard[keras.initializers.Initialize
     return isinstance(cls, type) and isinstance(value, cls)
 
 
-def get(identifier: Any) -> InitializerSpec:
+# Keras's TruncatedNormal stddev correction in VarianceScaling (truncation at 2 stddev).
+_TRUNCATION_CORRECTION = 0.87962566103423978
+
+
+def _variance_scaling(initializer: Any, shape: tuple[int, int]) -> InitializerSpec:
+    """The distribution a `keras.initializers.VarianceScaling` draws for a `shape` matrix."""
+    fan_in, fan_out = shape
+    n = {"fan_in": fan_in, "fan_out": fan_out}.get(initializer.mode, (fan_in + fan_out) / 2.0)
+    scale = float(initializer.scale) / max(1.0, float(n))
+    distribution = initializer.distribution
+    if distribution == "truncated_normal":
+        return InitializerSpec("truncated_normal", 0.0, math.sqrt(scale) / _TRUNCATION_CORRECTION)
+    if distribution == "untruncated_normal":
+        return InitializerSpec("normal", 0.0, math.sqrt(scale))
+    limit = math.sqrt(3.0 * scale)
+    return InitializerSpec("uniform", -limit, limit)
+
+
+def get(identifier: Any, shape: tuple[int, int] | None = None) -> InitializerSpec:
     """Resolves a Keras initializer name or object.
+
+    `shape` (vocabulary size, width), when known, lets `VarianceScaling` and
+    its subclasses (GlorotUniform, HeNormal, LecunNormal, ...) resolve to the
+    distribution Keras would draw from for a table of that shape.
 
     Raises:
         ValueError: for an initializer without a deterministic table version.
@@ -114,6 +137,14 @@ def get(identifier: Any) -> InitializerSpec:
     if _is_keras_initializer(obj):
         kind = _KINDS.get(type(obj).__name__.lower())
         config = obj.get_config()
+        if all(hasattr(obj, a) for a in ("scale", "mode", "distribution")):  # VarianceScaling
+            if shape is None:
+                raise ValueError(
+                    f"`embeddings_initializer` {type(obj).__name__} scales with the vocabulary "
+                    "size, which a table without a vocabulary does not have: pass "
+                    "`input_dim` (or use uniform, normal or truncated_normal)"
+                )
+            return _variance_scaling(obj, shape)
         if kind == "uniform":
             return InitializerSpec(kind, float(config["minval"]), float(config["maxval"]))
         if kind in ("normal", "truncated_normal"):

@@ -204,7 +204,9 @@ class Embedding(keras.layers.Layer):
         self.table = Table(
             dim=output_dim,
             optimizer=optimizer,
-            initializer=initializers.get(embeddings_initializer),
+            initializer=initializers.get(
+                embeddings_initializer, shape=(input_dim, output_dim) if input_dim else None
+            ),
             name=self.name,
             seed=seed,
             device=device,

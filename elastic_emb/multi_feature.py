@@ -1,0 +1,165 @@
+"""`DistributedEmbedding`: keras-rs's multi-feature embedding front-end over ee tables.
+
+`ee.DistributedEmbedding(feature_configs)` takes the feature configs of
+`keras_rs.layers.DistributedEmbedding` (`keras_rs.layers.FeatureConfig` /
+`TableConfig`, or any objects with the same attributes) and has its call
+signature: a nested structure of inputs (dense, ragged or sparse ids, with
+optional per-id weights) to the same structure of embeddings. Each table is
+a growing `ee.Table` (no vocabulary limit, sparse updates) trained by the
+table config's optimizer; features that share a table make one lookup and
+one push per step. The combiners follow keras-rs's `EmbedReduce`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from elastic_emb.layers import Embedding
+
+__all__ = ["DistributedEmbedding"]
+
+
+class DistributedEmbedding(keras.layers.Layer):
+    """Embeds and combines many features, keras-rs style, on elastic_emb tables.
+
+    Example:
+        >>> import keras_rs
+        >>> table = keras_rs.layers.TableConfig("items", vocabulary_size=1000, embedding_dim=8,
+        ...                                     optimizer=keras.optimizers.Adagrad(0.1))
+        >>> features = {"item": keras_rs.layers.FeatureConfig("item", table, (None,), (None, 8))}
+        >>> layer = ee.DistributedEmbedding(features)
+        >>> layer({"item": tf.constant([3, 10**9])})["item"].shape
+        TensorShape([2, 8])
+
+    Args:
+        feature_configs: a FeatureConfig or a nested structure (dict, list) of
+            them. Each has `name`, `table` and `input_shape`; each table has
+            `name`, `embedding_dim`, `vocabulary_size` (used only to resolve
+            `VarianceScaling`-style initializers, not as a limit),
+            `initializer`, `optimizer` and `combiner` ("mean", "sum", "sqrtn").
+        table_stacking, update_stats: accepted for keras-rs compatibility
+            (TPU options; no effect here).
+
+    Call arguments:
+        inputs: the structure of `feature_configs`, of int ids: `(batch,)`
+            (one id per example), `(batch, k)`, `tf.RaggedTensor (batch, None)`
+            or `tf.SparseTensor (batch, k)`.
+        weights: optional, the same structure, per-id float weights shaped
+            like the ids.
+        training: as for `ee.Embedding`.
+
+    Returns:
+        The structure of `feature_configs`, each `(batch, embedding_dim)`.
+    """
+
+    def __init__(
+        self,
+        feature_configs: Any,
+        *,
+        table_stacking: Any = "auto",
+        update_stats: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        del table_stacking, update_stats
+        # Kept as given, not as a Keras-tracked copy, to match the inputs' structure.
+        object.__setattr__(self, "_feature_configs", feature_configs)
+        object.__setattr__(self, "_features", keras.tree.flatten(feature_configs))
+        if not self._features:
+            raise ValueError("`feature_configs` holds no feature config")
+        by_table: dict[int, Embedding] = {}
+        self._feature_layers: list[Embedding] = []
+        for feature in self._features:
+            table = feature.table
+            if table.combiner not in ("mean", "sum", "sqrtn"):
+                raise ValueError(
+                    f"Table {table.name!r}: `combiner` must be mean, sum or sqrtn. "
+                    f"Received: {table.combiner!r}"
+                )
+            layer = by_table.get(id(table))
+            if layer is None:
+                layer = by_table[id(table)] = Embedding(
+                    table.embedding_dim,
+                    optimizer=table.optimizer,
+                    embeddings_initializer=table.initializer,
+                    input_dim=table.vocabulary_size,
+                    name=table.name,
+                )
+            self._feature_layers.append(layer)
+        self._table_layers = list(by_table.values())
+
+    def build(self, input_shape: Any = None) -> None:
+        for layer in self._table_layers:
+            layer.build()
+        self.built = True
+
+    def call(self, inputs: Any, weights: Any = None, training: bool | None = None) -> Any:
+        keras.tree.assert_same_structure(self._feature_configs, inputs)
+        flat_inputs = keras.tree.flatten(inputs)
+        flat_weights = (
+            keras.tree.flatten(weights) if weights is not None else [None] * len(flat_inputs)
+        )
+        # One lookup per table: the ids of all its features, concatenated.
+        ids = [_ids_of(x) for x in flat_inputs]
+        rows: list[tf.Tensor | None] = [None] * len(ids)
+        for table_layer in self._table_layers:
+            mine = [i for i, layer in enumerate(self._feature_layers) if layer is table_layer]
+            keys = [table_layer._keys(ids[i]) for i in mine]
+            looked_up = table_layer._lookup(tf.concat(keys, 0), training)
+            parts = tf.split(looked_up, [tf.shape(k)[0] for k in keys], num=len(keys))
+            for i, part in zip(mine, parts, strict=True):
+                rows[i] = part
+        outputs = [
+            _combine(x, r, w, self._feature_layers[i].output_dim, self._features[i].table.combiner)
+            for i, (x, r, w) in enumerate(zip(flat_inputs, rows, flat_weights, strict=True))
+        ]
+        return keras.tree.pack_sequence_as(self._feature_configs, outputs)
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        return keras.tree.map_structure(
+            lambda f: (None, f.table.embedding_dim), self._feature_configs
+        )
+
+    @property
+    def tables(self) -> dict[str, Any]:
+        """The `ee.Table` of each table config, by table name."""
+        return {layer.name: layer.table for layer in self._table_layers}
+
+
+def _ids_of(x: Any) -> tf.Tensor:
+    """The ids of a feature input, flat (dense: row-major; ragged and sparse: their values)."""
+    if isinstance(x, tf.RaggedTensor):
+        return x.flat_values
+    if isinstance(x, tf.SparseTensor):
+        return x.values
+    return tf.reshape(x, [-1])
+
+
+def _combine(x: Any, rows: tf.Tensor, weights: Any, dim: int, combiner: str) -> tf.Tensor:
+    """keras-rs `EmbedReduce`: weighted rows reduced per example by the combiner."""
+    if isinstance(x, tf.RaggedTensor):
+        unreduced = x.with_flat_values(rows)
+        w = weights if weights is not None else tf.ones_like(x, tf.float32)
+        w = tf.cast(w, tf.float32)
+    elif isinstance(x, tf.SparseTensor):
+        dense_shape = tf.concat([tf.cast(x.dense_shape, tf.int32), [dim]], 0)
+        unreduced = tf.scatter_nd(tf.cast(x.indices, tf.int32), rows, dense_shape)
+        present = weights if weights is not None else tf.sparse.map_values(tf.ones_like, x)
+        w = tf.sparse.to_dense(tf.sparse.map_values(tf.cast, present, tf.float32))
+    else:
+        unreduced = tf.reshape(rows, tf.concat([tf.shape(x), [dim]], 0))
+        if x.shape.rank == 1:  # one id per example: nothing to reduce
+            if weights is not None and combiner == "sum":
+                return unreduced * tf.cast(weights, tf.float32)[:, None]
+            return unreduced
+        w = tf.cast(weights, tf.float32) if weights is not None else tf.ones_like(x, tf.float32)
+    w = tf.expand_dims(w, -1)
+    summed = tf.reduce_sum(unreduced * w, axis=-2)
+    if combiner == "sum":
+        return summed
+    if combiner == "mean":
+        return tf.math.divide_no_nan(summed, tf.reduce_sum(w, axis=-2))
+    return tf.math.divide_no_nan(summed, tf.sqrt(tf.reduce_sum(tf.square(w), axis=-2)))
