@@ -114,3 +114,29 @@ def test_tables_train_with_their_optimizers_one_push_per_table_per_step():
     # Ids far beyond keras-rs's vocabulary size are fine.
     far = {**inputs, "one": tf.constant([10**12] * 8, tf.int64)}
     assert layer(far, training=False)["one"].shape == (8, 4)
+
+
+def test_save_weights_carries_the_tables(tmp_path):
+    features = _features()
+
+    def build() -> keras.Model:
+        inputs = {
+            "one": keras.Input((), dtype="int64", name="one"),
+            "two": keras.Input((3,), dtype="int64", name="two"),
+        }
+        out = ee.DistributedEmbedding({k: features[k] for k in inputs})(inputs)
+        return keras.Model(
+            inputs, keras.layers.Dense(1)(keras.layers.Concatenate()(list(out.values())))
+        )
+
+    inputs, _ = _inputs(3)
+    x = {k: inputs[k] for k in ("one", "two")}
+    model = build()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, np.ones((8, 1)), verbose=0)
+    model.save_weights(tmp_path / "w.weights.h5")
+    fresh = build()
+    before = fresh.predict(x, verbose=0)
+    fresh.load_weights(tmp_path / "w.weights.h5")
+    np.testing.assert_array_equal(fresh.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert not np.array_equal(before, model.predict(x, verbose=0))
