@@ -311,3 +311,16 @@ def test_remote_tables_save_and_load_through_the_cluster(tmp_path):
                 np.testing.assert_array_equal(restored[field], saved[field], err_msg=field)
         finally:
             ee.shutdown()
+
+
+def test_variance_scaling_initializers_need_and_use_the_vocabulary_size():
+    layer = ee.Embedding(
+        4, embeddings_initializer="glorot_uniform", input_dim=1000, name=_name("glorot")
+    )
+    spec = layer.table.initializer
+    limit = np.sqrt(6 / (1000 + 4))  # Glorot: uniform in ±sqrt(6 / (fan_in + fan_out))
+    assert spec.kind == "uniform" and np.isclose(spec.b, limit) and np.isclose(spec.a, -limit)
+    rows = layer.table.pull(np.arange(5000), train=False)
+    assert np.abs(rows).max() <= limit and np.abs(rows).max() > 0.95 * limit
+    with pytest.raises(ValueError, match="input_dim"):
+        ee.Embedding(4, embeddings_initializer=keras.initializers.HeNormal(), name=_name("he"))
