@@ -142,7 +142,8 @@ def get(identifier: Any, shape: tuple[int, int] | None = None) -> InitializerSpe
                 raise ValueError(
                     f"`embeddings_initializer` {type(obj).__name__} scales with the vocabulary "
                     "size, which a table without a vocabulary does not have: pass "
-                    "`input_dim` (or use uniform, normal or truncated_normal)"
+                    "`input_dim` (or use uniform, normal or truncated_normal). "
+                    f"Received: embeddings_initializer={identifier!r}"
                 )
             return _variance_scaling(obj, shape)
         if kind == "uniform":
