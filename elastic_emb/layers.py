@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from elastic_emb import checkpoint, initializers, keras_patches, optimizers, serving
 from elastic_emb.errors import ElasticEmbWarning
-from elastic_emb.table import Table, TableState
+from elastic_emb.table import Table, TableState, check_nonfinite_policy
 
 __all__ = ["Embedding", "embedding_layers", "export_saved_model", "string_keys"]
 
@@ -122,6 +122,11 @@ class Embedding(keras.layers.Layer):
         device: "cpu" (default) or "gpu": where the table's rows and
             optimizer slots live (`ee.Table(device=...)`). The layer hands
             the rows to TensorFlow through host memory.
+        nonfinite: "raise" (default) or "skip": a step whose gradient for
+            this table holds NaN or ±Inf raises `ValueError` (which stops
+            `fit`), or is skipped by the table and counted in
+            `layer.table.nonfinite_pushes`. The table is left unchanged either
+            way (`ee.Table(nonfinite=...)`).
 
     Call arguments:
         inputs: ids (int32/int64, or string with `key_dtype="string"`).
@@ -151,6 +156,7 @@ class Embedding(keras.layers.Layer):
         input_dim: int | None = None,
         name: str | None = None,
         device: str = "cpu",
+        nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
         for unsupported in ("embeddings_regularizer", "embeddings_constraint"):
@@ -186,6 +192,7 @@ class Embedding(keras.layers.Layer):
             raise ValueError(
                 f'`key_dtype` must be "int64" or "string". Received: key_dtype={key_dtype!r}'
             )
+        check_nonfinite_policy(nonfinite)
         if self.dtype_policy.name == "mixed_float16":
             # Keras then scales the loss; the scaled gradients would reach the
             # table (which cannot see the scale) instead of the true ones.
@@ -201,6 +208,7 @@ class Embedding(keras.layers.Layer):
         self.supports_masking = self.mask_zero
         # The table is reached through tf.numpy_function, which XLA cannot compile.
         self.supports_jit = False
+        extra = {} if nonfinite == "raise" else {"nonfinite": nonfinite}
         self.table = Table(
             dim=output_dim,
             optimizer=optimizer,
@@ -210,6 +218,7 @@ class Embedding(keras.layers.Layer):
             name=self.name,
             seed=seed,
             device=device,
+            **extra,
         )
         self.device = device
         # Set by elastic_emb.serving while the model is exported (not tracked by Keras).
@@ -284,6 +293,7 @@ class Embedding(keras.layers.Layer):
             "seed": self.table.seed,
             "input_dim": self.input_dim,
             "device": self.device,
+            "nonfinite": self.table.nonfinite,
         }
         return {**base_config, **config}
 

@@ -10,7 +10,15 @@ from typing import Any
 import numpy as np
 
 from elastic_emb import _core
-from elastic_emb.table import StepFusion, Table, TableConfig, TableState, check_keys, check_rows
+from elastic_emb.table import (
+    StepFusion,
+    Table,
+    TableConfig,
+    TableState,
+    check_finite_gradients,
+    check_keys,
+    check_rows,
+)
 
 __all__ = ["LocalTable", "core_options"]
 
@@ -40,7 +48,8 @@ class LocalTable(Table):
 
     Created by `ee.Table(...)` with no cluster configured. Every method is
     thread-safe and releases the GIL while the core works; `push` calls are
-    serialized (each is one optimizer step).
+    serialized (each is one optimizer step). A push with gradients that are
+    not finite is refused before it reaches the core (`config.nonfinite`).
 
     Args:
         config: the table's `TableConfig`.
@@ -52,13 +61,19 @@ class LocalTable(Table):
     def __init__(self, config: TableConfig, core: Any = None) -> None:
         self._config = config
         self._core = _core.Table(core_options(config)) if core is None else core
-        self._step_lock = threading.Lock()  # guards _iterations, orders pushes
+        self._step_lock = threading.Lock()  # orders pushes; guards the two counts below
         self._iterations = 0
+        self._nonfinite_pushes = 0
         self._fusion = _LocalStep(self)
 
     @property
     def iterations(self) -> int:
         return self._iterations
+
+    @property
+    def nonfinite_pushes(self) -> int:
+        """Pushes skipped so far because their gradients were not finite (`nonfinite="skip"`)."""
+        return self._nonfinite_pushes
 
     @property
     def num_slots(self) -> int:
@@ -71,8 +86,20 @@ class LocalTable(Table):
         k = check_keys(keys)
         self._push(k, check_rows(grads, "grads", k.shape[0], self.dim))
 
-    def _push(self, keys: np.ndarray, grads: Any, apply: Any = None) -> None:
-        """One optimizer step with checked `keys`; `apply(keys, grads, lr, step)` runs it."""
+    def _push(
+        self, keys: np.ndarray, grads: Any, apply: Any = None, host_grads: Any = None
+    ) -> None:
+        """One optimizer step with checked `keys`; `apply(keys, grads, lr, step)` runs it.
+
+        `host_grads`: the gradients as a numpy array when `grads` is not one (a
+        device pointer); they must be finite (`check_finite_gradients`), or the
+        step raises or is skipped, leaving the table as it was.
+        """
+        host = grads if host_grads is None else host_grads
+        if not check_finite_gradients(self.name, keys, host, self._config.nonfinite):
+            with self._step_lock:
+                self._nonfinite_pushes += 1
+            return
         with self._step_lock:
             self._iterations += 1
             step = self._iterations
@@ -116,13 +143,51 @@ class LocalTable(Table):
     def step_fusion(self) -> StepFusion:
         return self._fusion
 
+    def export_changes(self, all_rows: bool = False) -> tuple[TableState, np.ndarray, int]:
+        """Closes the table's current change set and opens the next (incremental checkpoints).
+
+        A change set holds the rows inserted, pushed or imported since the
+        previous call, and the keys present at the previous call that were
+        erased since. The snapshot is consistent (rows and step count) and
+        atomic: a change made by another thread meanwhile lands in exactly one
+        change set. `ee.save(..., incremental=True)` relies on seeing every
+        change set of a table; it notices when another caller took one (by its
+        number) and then writes a full base.
+
+        Thread-safe; blocks pulls and pushes while the rows are copied.
+
+        Args:
+            all_rows: bool, return every row (and no erased keys) instead of the
+                changed ones.
+
+        Returns:
+            `(state, erased, number)`: the changed rows with `iterations` (a
+            `TableState`), the erased keys (int64 `(e,)`), and the number of
+            the change set (how many calls came before; set 0 holds every row).
+
+        Raises:
+            NotImplementedError: the table does not track changes (GPU tables).
+        """
+        export = getattr(self._core, "export_changes", None)
+        if export is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} {self.name!r} does not track changed rows (only CPU "
+                "tables do): save it with incremental=False"
+            )
+        with self._step_lock:
+            keys, values, slots, last_step, update_count, erased, number = export(bool(all_rows))
+            state = TableState(keys, values, slots, last_step, update_count, self._iterations)
+        return state, erased, int(number)
+
 
 class _LocalStep(StepFusion):
     """The layers' lookup of an in-process table: each pull runs when submitted.
 
     Under a `tf.distribute` strategy every replica's backward pass pushes its
     own gradient; they are summed into one push, so the table sees one step
-    (one optimizer update per key), as without the strategy.
+    (one optimizer update per key), as without the strategy. That push is
+    checked as a whole: if any replica's gradient, or any key's sum across
+    replicas, is not finite, no replica's gradient is applied.
     """
 
     def __init__(self, table: LocalTable) -> None:

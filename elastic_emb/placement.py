@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from elastic_emb.ps.cluster import Cluster
 
 __all__ = [
+    "ENV_COORDINATOR",
     "ENV_PS",
     "create_table",
     "current_cluster",
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 ENV_PS = "ELASTIC_EMB_PS"
+ENV_COORDINATOR = "ELASTIC_EMB_COORDINATOR"
 
 _lock = threading.RLock()  # guards every global below (init runs under it)
 _tables: weakref.WeakValueDictionary[str, Table] = weakref.WeakValueDictionary()
@@ -55,9 +57,10 @@ def create_table(
     name: str = "table",
     seed: int | None = None,
     device: str = "cpu",
+    nonfinite: str = "raise",
 ) -> Table:
     """`Table(...)`: a new table, placed and registered (arguments as `Table`)."""
-    config = TableConfig.make(dim, optimizer, initializer, name, seed)
+    config = TableConfig.make(dim, optimizer, initializer, name, seed, nonfinite)
     if device == "gpu":
         from elastic_emb.gpu import GpuTable
 
@@ -99,6 +102,8 @@ def init(
     num_workers: int | None = None,
     timeout: float = 300.0,
     connect_timeout: float = 30.0,
+    coordinator: str | None = None,
+    failover_timeout: float = 60.0,
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
@@ -107,6 +112,7 @@ def init(
     Example:
         >>> ee.init(ps=["127.0.0.1:5000", "127.0.0.1:5001"], mode="sync")
         >>> layer = ee.Embedding(16, name="user")   # its table lives on both shards
+        >>> ee.init(coordinator="etcd://127.0.0.1:2379", mode="sync")  # replicated cluster
 
     Args:
         ps: list of "host:port" (or one comma-separated string). None reads
@@ -123,6 +129,13 @@ def init(
         timeout: seconds a call may wait for other workers (sync, bounded
             staleness) before failing with `TimeoutError`.
         connect_timeout: seconds to wait for each PS to answer at start.
+        coordinator: "etcd://host:port" of a replicated cluster's etcd
+            (servers started with `elastic-emb serve --coordinator`), instead
+            of `ps`. None reads `ELASTIC_EMB_COORDINATOR`. The groups'
+            primaries are found there; after a primary fails, calls follow
+            the new one (see docs/fault-tolerance.md).
+        failover_timeout: with a coordinator, seconds a call keeps waiting
+            for a group's new primary before raising `ConnectionError`.
 
     Returns:
         The `Cluster`, or None when no PS is configured.
@@ -134,11 +147,14 @@ def init(
     global _cluster, _env_checked
     with _lock:
         _env_checked = True
-        if ps is None:
+        if ps is not None and coordinator is not None:
+            raise ValueError("Pass `ps` or `coordinator`, not both")
+        if ps is None and coordinator is None:
             ps = os.environ.get(ENV_PS) or None
-        if ps is None:
+            coordinator = None if ps else os.environ.get(ENV_COORDINATOR) or None
+        if ps is None and coordinator is None:
             return None
-        addresses = [a.strip() for a in ps.split(",")] if isinstance(ps, str) else list(ps)
+        addresses = [a.strip() for a in ps.split(",")] if isinstance(ps, str) else list(ps or [])
         if _cluster is not None:
             raise ValueError(
                 f"elastic_emb is already connected to {_cluster.addresses}; "
@@ -149,15 +165,27 @@ def init(
             worker_index = index if worker_index is None else worker_index
             num_workers = count if num_workers is None else num_workers
         if num_workers > 1:
+            import keras  # noqa: F401  (first: loading Keras imports elastic_emb.layers)
+
             from elastic_emb.keras_patches import fix_keras_multi_worker
 
             fix_keras_multi_worker()
         from elastic_emb.ps.cluster import Cluster
 
-        _cluster = Cluster(
-            addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
-            connect_timeout,
-        )  # fmt: skip
+        routing = None
+        if coordinator is not None:
+            from elastic_emb.ps.routing import Routing
+
+            routing = Routing(coordinator, connect_timeout)
+        try:
+            _cluster = Cluster(
+                addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
+                connect_timeout, routing, failover_timeout,
+            )  # fmt: skip
+        except BaseException:
+            if routing is not None:
+                routing.close()
+            raise
         return _cluster
 
 
@@ -181,7 +209,7 @@ def shutdown() -> None:
 def current_cluster() -> Cluster | None:
     """The cluster new tables go to (connecting from `ELASTIC_EMB_PS` once), or None."""
     with _lock:
-        if not _env_checked and os.environ.get(ENV_PS):
+        if not _env_checked and (os.environ.get(ENV_PS) or os.environ.get(ENV_COORDINATOR)):
             init()
         return _cluster
 

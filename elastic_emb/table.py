@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -19,7 +20,29 @@ import numpy as np
 
 from elastic_emb import initializers, optimizers
 
-__all__ = ["StepFusion", "Table", "TableConfig", "TableState", "check_keys", "check_rows"]
+__all__ = [
+    "NONFINITE_POLICIES",
+    "StepFusion",
+    "Table",
+    "TableConfig",
+    "TableState",
+    "check_finite_gradients",
+    "check_keys",
+    "check_nonfinite_policy",
+    "check_rows",
+]
+
+# What a table does with a push whose gradients hold NaN or ±Inf (`nonfinite=`).
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+def check_nonfinite_policy(nonfinite: Any) -> str:
+    """`nonfinite` if it is one of `NONFINITE_POLICIES`; ValueError listing them otherwise."""
+    if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"`nonfinite` must be one of {NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}"
+        )
+    return nonfinite
 
 
 def default_seed(name: str) -> int:
@@ -36,6 +59,7 @@ class TableConfig:
     initializer: initializers.InitializerSpec
     name: str
     seed: int
+    nonfinite: str = "raise"  # one of NONFINITE_POLICIES
 
     @classmethod
     def make(
@@ -45,6 +69,7 @@ class TableConfig:
         initializer: Any = "uniform",
         name: Any = "table",
         seed: Any = None,
+        nonfinite: Any = "raise",
     ) -> TableConfig:
         """Checks and converts constructor arguments (optimizer and initializer names...).
 
@@ -57,6 +82,7 @@ class TableConfig:
             raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
         if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0):
             raise ValueError(f"`seed` must be a non-negative integer. Received: seed={seed!r}")
+        check_nonfinite_policy(nonfinite)
         return cls(
             dim=int(dim),
             optimizer=optimizers.get(
@@ -65,6 +91,7 @@ class TableConfig:
             initializer=initializers.get(initializer),
             name=name,
             seed=default_seed(name) if seed is None else int(seed),
+            nonfinite=nonfinite,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,17 +106,19 @@ class TableConfig:
                 "a": self.initializer.a,
                 "b": self.initializer.b,
             },
+            "nonfinite": self.nonfinite,
         }
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> TableConfig:
-        """The inverse of `to_dict`."""
+        """The inverse of `to_dict`; a config written before `nonfinite` existed gets "raise"."""
         return cls.make(
             dim=config["dim"],
             optimizer=config["optimizer"],
             initializer=initializers.InitializerSpec(**config["initializer"]),
             name=config["name"],
             seed=config["seed"],
+            nonfinite=config.get("nonfinite", "raise"),
         )
 
 
@@ -172,6 +201,72 @@ def check_rows(rows: Any, name: str, n: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_finite_gradients(name: str, keys: np.ndarray, grads: np.ndarray, policy: str) -> bool:
+    """Whether a push may be applied: its gradients, and their sums per key, are all finite.
+
+    What every table runs before applying a push, for callers that must check
+    the tables of a multi-table push before applying any of them. A push sums
+    the gradients of equal keys in float32, in order, so finite gradients can
+    still sum to ±Inf; those sums are checked too (cheaply: only when the
+    largest gradient times the number of rows could overflow). Thread-safe;
+    reads its arguments only.
+
+    Args:
+        name: str, the table's name (for the message).
+        keys: int64 `(n,)`, the pushed keys.
+        grads: float `(n, dim)`, their gradients (host memory).
+        policy: "raise" or "skip", the table's `nonfinite`.
+
+    Returns:
+        True: apply the push. False: policy "skip" and something is not
+        finite; apply nothing.
+
+    Raises:
+        ValueError: policy "raise" and something is not finite (naming the
+            table and how many values), or an unknown policy.
+    """
+    check_nonfinite_policy(policy)
+    g = np.asarray(grads)
+    if g.size == 0:
+        return True
+    # Two reductions, no temporary array; NaN propagates through both.
+    largest = max(float(np.max(g)), -float(np.min(g)))
+    if math.isfinite(largest):
+        # |every partial sum of k terms| <= k * largest * (1 + 2^-24)^k (float32 rounding).
+        rows = g.shape[0]
+        if largest * rows * math.exp(min(rows * 2.0**-24, 700.0)) < _FLOAT32_MAX:
+            return True
+        overflowing, distinct = _overflowing_sums(keys, g)
+        if not overflowing:
+            return True
+        problem = (
+            f"the gradients of {overflowing} of {distinct} keys sum to values beyond "
+            "float32's range (Inf)"
+        )
+    else:
+        bad = g.size - int(np.count_nonzero(np.isfinite(g)))
+        problem = f"{bad} of {g.size} gradient values are not finite (NaN or Inf)"
+    if policy == "skip":
+        return False
+    raise ValueError(
+        f"Table {name!r}: {problem}; nothing was applied. Pass nonfinite='skip' to skip "
+        "such pushes."
+    )
+
+
+def _overflowing_sums(keys: np.ndarray, grads: np.ndarray) -> tuple[int, int]:
+    """(keys whose float32 sum of gradients is not finite, distinct keys); summed in order,
+    as a push sums them."""
+    unique, inverse = np.unique(np.asarray(keys), return_inverse=True)
+    sums = np.zeros((len(unique), grads.shape[1]), np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.add.at(sums, inverse.reshape(-1), grads.astype(np.float32, copy=False))
+    return int(np.count_nonzero(~np.isfinite(sums).all(axis=1))), len(unique)
+
+
 class _Placed(type):
     """Calling the interface, `Table(...)`, asks the placement for an implementation.
 
@@ -218,6 +313,10 @@ class Table(metaclass=_Placed):
         seed: int, initialization seed. Defaults to a hash of `name`.
         device: "cpu" (default) or "gpu": where rows and optimizer slots live
             (a GPU table needs a CUDA build; see `elastic_emb.gpu`).
+        nonfinite: "raise" (default) or "skip": what a push whose gradients
+            hold NaN or ±Inf does. "raise": `ValueError`, nothing applied.
+            "skip": nothing applied, counted in `nonfinite_pushes`. Either
+            way the table is unchanged (rows, slots, metadata, `iterations`).
 
     Raises:
         ValueError: on an invalid argument.
@@ -236,6 +335,7 @@ class Table(metaclass=_Placed):
             name: str = "table",
             seed: int | None = None,
             device: str = "cpu",
+            nonfinite: str = "raise",
         ) -> None: ...
 
     @property
@@ -258,6 +358,21 @@ class Table(metaclass=_Placed):
     def seed(self) -> int:
         return self._config.seed
 
+    @property
+    def nonfinite(self) -> str:
+        """What a push with NaN or ±Inf gradients does: "raise" or "skip"."""
+        return self._config.nonfinite
+
+    @property
+    def nonfinite_pushes(self) -> int:
+        """Pushes this process skipped because their gradients were not finite ("skip").
+
+        Tables that apply pushes in this process count them; this default, 0,
+        is what a table whose pushes are checked elsewhere (a remote table's
+        shards) reports.
+        """
+        return 0
+
     def config(self) -> dict[str, Any]:
         """What is needed to re-create an empty table like this one (JSON-ready)."""
         return self._config.to_dict()
@@ -266,7 +381,8 @@ class Table(metaclass=_Placed):
     def from_config(cls, config: dict[str, Any]) -> Table:
         """A new empty table from `config()` output, placed like `Table(...)`."""
         c = TableConfig.from_dict(config)
-        return Table(c.dim, c.optimizer, c.initializer, c.name, c.seed)
+        extra = {} if c.nonfinite == "raise" else {"nonfinite": c.nonfinite}
+        return Table(c.dim, c.optimizer, c.initializer, c.name, c.seed, **extra)
 
     @property
     def iterations(self) -> int:
@@ -288,6 +404,10 @@ class Table(metaclass=_Placed):
 
     def push(self, keys: Any, grads: Any) -> None:
         """Applies one optimizer step: gradients of equal keys are summed first.
+
+        A push whose gradients (or their sums) are not all finite changes
+        nothing: it raises `ValueError` or, with `nonfinite="skip"`, is skipped
+        and counted (see `check_finite_gradients`).
 
         Args:
             keys: int64 `(n,)`.

@@ -38,7 +38,7 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "config_json", "dim", "num_slots", "rows", "iterations", "memory_bytes")
+    __slots__ = ("name", "config_json", "dim", "num_slots", "rows", "iterations", "memory_bytes", "nonfinite_pushes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class TableInfo(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_PUSHES_FIELD_NUMBER: _ClassVar[int]
     name: str
     config_json: str
     dim: int
@@ -53,7 +54,8 @@ class TableInfo(_message.Message):
     rows: int
     iterations: int
     memory_bytes: int
-    def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ..., dim: _Optional[int] = ..., num_slots: _Optional[int] = ..., rows: _Optional[int] = ..., iterations: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    nonfinite_pushes: int
+    def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ..., dim: _Optional[int] = ..., num_slots: _Optional[int] = ..., rows: _Optional[int] = ..., iterations: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., nonfinite_pushes: _Optional[int] = ...) -> None: ...
 
 class CreateTablesRequest(_message.Message):
     __slots__ = ("tables",)
@@ -260,18 +262,22 @@ class SaveResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("directories", "tables", "num_shards", "shard_index", "num_slots")
+    __slots__ = ("slot_begin", "slot_end", "directories", "tables", "num_shards", "shard_index", "num_slots")
+    SLOT_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    SLOT_END_FIELD_NUMBER: _ClassVar[int]
     DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slot_begin: int
+    slot_end: int
     directories: _containers.RepeatedScalarFieldContainer[str]
     tables: _containers.RepeatedScalarFieldContainer[str]
     num_shards: int
     shard_index: int
     num_slots: int
-    def __init__(self, directories: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[str]] = ..., num_shards: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+    def __init__(self, slot_begin: _Optional[int] = ..., slot_end: _Optional[int] = ..., directories: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[str]] = ..., num_shards: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -310,11 +316,69 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "step", "num_tables")
+    __slots__ = ("serving", "step", "num_tables", "role", "group", "epoch", "sequence", "rows")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_TABLES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     step: int
     num_tables: int
-    def __init__(self, serving: bool = ..., step: _Optional[int] = ..., num_tables: _Optional[int] = ...) -> None: ...
+    role: str
+    group: int
+    epoch: int
+    sequence: int
+    rows: int
+    def __init__(self, serving: bool = ..., step: _Optional[int] = ..., num_tables: _Optional[int] = ..., role: _Optional[str] = ..., group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("group", "epoch", "sequence", "method", "request", "primary")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    epoch: int
+    sequence: int
+    method: str
+    request: bytes
+    primary: str
+    def __init__(self, group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., method: _Optional[str] = ..., request: _Optional[bytes] = ..., primary: _Optional[str] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("group", "epoch", "sequence", "primary", "table_config_json", "rows", "steps_json", "pending")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    TABLE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_JSON_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    epoch: int
+    sequence: int
+    primary: str
+    table_config_json: str
+    rows: ExportRowsResponse
+    steps_json: str
+    pending: _containers.RepeatedCompositeFieldContainer[PushRequest]
+    def __init__(self, group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., primary: _Optional[str] = ..., table_config_json: _Optional[str] = ..., rows: _Optional[_Union[ExportRowsResponse, _Mapping]] = ..., steps_json: _Optional[str] = ..., pending: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ...) -> None: ...
+
+class InstallSnapshotResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...

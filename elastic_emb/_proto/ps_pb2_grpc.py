@@ -79,6 +79,16 @@ class ParameterServerStub(object):
                 request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.HealthRequest.SerializeToString,
                 response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.HealthResponse.FromString,
                 )
+        self.Replicate = channel.unary_unary(
+                '/elastic_emb.ps.v1.ParameterServer/Replicate',
+                request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.ReplicateResponse.FromString,
+                )
+        self.InstallSnapshot = channel.stream_unary(
+                '/elastic_emb.ps.v1.ParameterServer/InstallSnapshot',
+                request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.SnapshotChunk.SerializeToString,
+                response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.InstallSnapshotResponse.FromString,
+                )
 
 
 class ParameterServerServicer(object):
@@ -167,6 +177,21 @@ class ParameterServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """Replica groups (servers started with a coordinator). The primary of a
+        group sends every change it applied to its backups, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InstallSnapshot(self, request_iterator, context):
+        """A joining backup receives the primary's state, then the changes since.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +259,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.HealthRequest.FromString,
                     response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.HealthResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.ReplicateRequest.FromString,
+                    response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'InstallSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.InstallSnapshot,
+                    request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.SnapshotChunk.FromString,
+                    response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.InstallSnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -463,5 +498,39 @@ class ParameterServer(object):
         return grpc.experimental.unary_unary(request, target, '/elastic_emb.ps.v1.ParameterServer/Health',
             elastic__emb_dot_ps_dot_v1_dot_ps__pb2.HealthRequest.SerializeToString,
             elastic__emb_dot_ps_dot_v1_dot_ps__pb2.HealthResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/elastic_emb.ps.v1.ParameterServer/Replicate',
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.ReplicateResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def InstallSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(request_iterator, target, '/elastic_emb.ps.v1.ParameterServer/InstallSnapshot',
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.SnapshotChunk.SerializeToString,
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.InstallSnapshotResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

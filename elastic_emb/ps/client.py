@@ -21,7 +21,7 @@ import grpc
 
 from elastic_emb._proto import ps_pb2_grpc
 
-__all__ = ["GRPC_OPTIONS", "ShardClient", "ShardStats", "error_of"]
+__all__ = ["GRPC_OPTIONS", "NotPrimary", "ShardClient", "ShardStats", "error_of"]
 
 MAX_MESSAGE_BYTES = 1 << 30  # pushes carry every table of a step
 SERVICE = "elastic_emb.ps.v1.ParameterServer"
@@ -51,14 +51,23 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Reconnect to a restarted shard within a retry policy's window (default: 1 s, then more).
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 CLIENT_OPTIONS = [
     *GRPC_OPTIONS,
     ("grpc.enable_retries", 1),
     ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
-    # Reconnect to a restarted shard within a retry policy's window (default: 1 s, then more).
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    *_RECONNECT_OPTIONS,
 ]
+# With a coordinator the worker re-routes a failed call itself (to a new primary).
+NO_RETRY_OPTIONS = [*GRPC_OPTIONS, ("grpc.enable_retries", 0), *_RECONNECT_OPTIONS]
+
+
+class NotPrimary(ConnectionError):
+    """The server is not (or no longer) the primary of its group: re-route."""
 
 
 @dataclasses.dataclass
@@ -83,23 +92,41 @@ class ShardClient:
     Args:
         addresses: "host:port" of each shard.
         timeout: default seconds a call may take.
+        retry: retry idempotent calls that found a shard unavailable (off
+            when the caller re-routes them itself).
 
     Raises:
         ValueError: malformed addresses.
     """
 
-    def __init__(self, addresses: list[str], timeout: float) -> None:
+    def __init__(self, addresses: list[str], timeout: float, retry: bool = True) -> None:
         if not addresses or not all(isinstance(a, str) and ":" in a for a in addresses):
             raise ValueError(f'`ps` must list "host:port" addresses. Received: {addresses!r}')
-        self.addresses = list(addresses)  # read-only after construction
         self.timeout = float(timeout)
-        self._channels = [grpc.insecure_channel(a, options=CLIENT_OPTIONS) for a in addresses]
-        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._options = CLIENT_OPTIONS if retry else NO_RETRY_OPTIONS
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}  # by address; guarded by _lock
+        self._stubs = [self._stub(a) for a in addresses]  # guarded by _lock
+        self.addresses = list(addresses)  # changed only by `set_address`
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(2 * len(addresses), 4), thread_name_prefix="ee-rpc"
         )
         self._stats_lock = threading.Lock()
         self._stats = [ShardStats(a) for a in addresses]  # guarded by _stats_lock
+
+    def _stub(self, address: str) -> Any:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.insecure_channel(
+                address, options=self._options
+            )
+        return ps_pb2_grpc.ParameterServerStub(channel)
+
+    def set_address(self, shard: int, address: str) -> None:
+        """Sends `shard`'s later calls to `address` (its new primary)."""
+        with self._lock:
+            self._stubs[shard] = self._stub(address)
+            self.addresses = [*self.addresses[:shard], address, *self.addresses[shard + 1 :]]
 
     @property
     def num_shards(self) -> int:
@@ -107,9 +134,9 @@ class ShardClient:
 
     def connect(self, timeout: float) -> None:
         """Waits until every shard answers; closes and raises ConnectionError if one does not."""
-        for address, channel in zip(self.addresses, self._channels, strict=True):
+        for address in self.addresses:
             try:
-                grpc.channel_ready_future(channel).result(timeout=timeout)
+                grpc.channel_ready_future(self._channels[address]).result(timeout=timeout)
             except grpc.FutureTimeoutError:
                 self.close()
                 raise ConnectionError(
@@ -119,17 +146,44 @@ class ShardClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for channel in self._channels:
+        with self._lock:
+            channels = list(self._channels.values())
+        for channel in channels:
             channel.close()
 
-    def call(self, shard: int, method: str, request: Any, timeout: float | None = None) -> Any:
-        """`method` on one shard; gRPC errors become Python exceptions (`error_of`)."""
-        address = self.addresses[shard]
+    def call(
+        self,
+        shard: int,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        abandon: Callable[[str], bool] | None = None,
+    ) -> Any:
+        """`method` on one shard; gRPC errors become Python exceptions (`error_of`).
+
+        `abandon(address)`, asked every 50 ms while the call runs, may give
+        it up (it then raises `NotPrimary`): its server was replaced.
+        """
+        with self._lock:
+            address, stub = self.addresses[shard], self._stubs[shard]
         start = time.perf_counter()
+        deadline = self.timeout if timeout is None else timeout
         try:
-            response = getattr(self._stubs[shard], method)(
-                request, timeout=self.timeout if timeout is None else timeout
-            )
+            if abandon is None:
+                response = getattr(stub, method)(request, timeout=deadline)
+            else:
+                future = getattr(stub, method).future(request, timeout=deadline)
+                while True:
+                    try:
+                        response = future.result(timeout=0.05)
+                        break
+                    except grpc.FutureTimeoutError:
+                        if abandon(address):
+                            future.cancel()
+                            raise NotPrimary(
+                                f"elastic_emb PS {address} {method}: abandoned, the server "
+                                "was replaced"
+                            ) from None
         except grpc.RpcError as e:
             raise error_of(address, method, e) from None
         elapsed = time.perf_counter() - start
@@ -142,10 +196,19 @@ class ShardClient:
             s.max_seconds = max(s.max_seconds, elapsed)
         return response
 
-    def call_all(self, method: str, requests: list[Any], timeout: float | None = None) -> list[Any]:
-        """Calls shard i with requests[i] (None: skip it and answer None), concurrently."""
+    def call_all(
+        self,
+        method: str,
+        requests: list[Any],
+        timeout: float | None = None,
+        call: Callable[..., Any] | None = None,
+    ) -> list[Any]:
+        """Calls shard i with requests[i] (None: skip it and answer None), concurrently.
+
+        `call(shard, method, request, timeout)` replaces `self.call` (a caller's re-routing).
+        """
         jobs = {
-            i: self._pool.submit(self.call, i, method, r, timeout)
+            i: self._pool.submit(call or self.call, i, method, r, timeout)
             for i, r in enumerate(requests)
             if r is not None
         }
@@ -171,6 +234,8 @@ def error_of(address: str, method: str, e: grpc.RpcError) -> Exception:
     """The Python exception a failed call raises: the shard's message and what it means."""
     code = e.code()
     message = f"elastic_emb PS {address} {method}: {e.details()}"
+    if code == grpc.StatusCode.ABORTED:
+        return NotPrimary(message)
     if code == grpc.StatusCode.UNAVAILABLE:
         return ConnectionError(f"{message} (parameter server {address} unreachable)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

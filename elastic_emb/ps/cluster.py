@@ -13,13 +13,17 @@ import collections
 import concurrent.futures
 import dataclasses
 import threading
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from elastic_emb import sharding
 from elastic_emb.ps import protocol
-from elastic_emb.ps.client import ShardClient
+from elastic_emb.ps.client import NotPrimary, ShardClient
+
+if TYPE_CHECKING:
+    from elastic_emb.ps.routing import Routing
 
 __all__ = ["MODES", "Cluster"]
 
@@ -57,6 +61,11 @@ class Cluster:
     `collect`, `push` and `flush` block for the network; `submit` and
     `push_gradient` do not (a push is only queued).
 
+    With a `routing` (a coordinator), shard i is replica group i: a call
+    that finds its primary gone waits for the coordinator's new primary and
+    is sent again (pushes too: the shards apply a (worker, step) once), for
+    up to `failover_timeout` seconds.
+
     Raises:
         ValueError: invalid arguments.
         ConnectionError: a shard did not answer within `connect_timeout`.
@@ -73,6 +82,8 @@ class Cluster:
         num_workers: int,
         timeout: float,
         connect_timeout: float,
+        routing: Routing | None = None,
+        failover_timeout: float = 60.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
@@ -94,7 +105,14 @@ class Cluster:
         self.num_workers = num_workers
         self.timeout = float(timeout)
         self._encoding = protocol.encoding(wire_dtype)
-        self.shards = ShardClient(addresses, timeout=self.timeout + _RPC_MARGIN_SECONDS)
+        self.routing = routing
+        self.failover_timeout = failover_timeout
+        if routing is not None:
+            routing.check_even()
+            addresses = routing.primaries()
+        self.shards = ShardClient(
+            addresses, timeout=self.timeout + _RPC_MARGIN_SECONDS, retry=routing is None
+        )
         # Pushes leave in order, one step at a time, off the training thread.
         self._pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ee-push")
         self._lock = threading.Lock()
@@ -113,7 +131,7 @@ class Cluster:
         try:
             self.shards.connect(connect_timeout)
             join = protocol.join_request(worker_index, num_workers, mode, staleness)
-            steps = {r.step for r in self.shards.per_shard("Join", lambda _: join)}
+            steps = {r.step for r in self._call_all("Join", [join] * self.num_shards)}
             if len(steps) != 1:
                 raise RuntimeError(f"PS shards {self.addresses} are at different steps {steps}")
         except BaseException:
@@ -145,26 +163,63 @@ class Cluster:
     def _close_connections(self) -> None:
         self._pusher.shutdown(wait=True)
         self.shards.close()
+        if self.routing is not None:
+            self.routing.close()
+
+    def _call_all(
+        self, method: str, requests: list[Any], timeout: float | None = None
+    ) -> list[Any]:
+        """`ShardClient.call_all`, re-routed to new primaries with a coordinator."""
+        if self.routing is None:
+            return self.shards.call_all(method, requests, timeout)
+        return self.shards.call_all(method, requests, timeout, call=self._call_group)
+
+    def _call_group(self, group: int, method: str, request: Any, timeout: float | None) -> Any:
+        """One call to a group's primary, following failovers."""
+        routing = self.routing
+        assert routing is not None
+        deadline = time.monotonic() + self.failover_timeout
+
+        def abandon(address: str) -> bool:  # a stopped (not dead) primary was replaced
+            return routing.primaries()[group] != address
+
+        while True:
+            version = self.routing.version
+            try:
+                return self.shards.call(group, method, request, timeout, abandon)
+            except ConnectionError as e:  # NotPrimary too
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConnectionError(
+                        f"{e} (no primary of group {group} answered for "
+                        f"{self.failover_timeout:g} s)"
+                    ) from None
+                if (
+                    not isinstance(e, NotPrimary)
+                    or self.routing.primaries()[group] == (self.shards.addresses[group])
+                ):
+                    self.routing.wait_for_change(version, min(left, 0.25))
+            self.shards.set_address(group, self.routing.primaries()[group])
 
     # Tables.
 
     def create_tables(self, configs: list[dict[str, Any]]) -> list[Any]:
         """Creates the tables on every shard (or checks they exist alike); their TableInfo."""
         request = protocol.create_tables_request(configs)
-        return list(self.shards.per_shard("CreateTables", lambda _: request)[0].tables)
+        return list(self._call_all("CreateTables", [request] * self.num_shards)[0].tables)
 
     def describe(self, name: str) -> list[Any]:
         """The table's TableInfo on each shard."""
         from elastic_emb._proto import ps_pb2
 
         request = ps_pb2.DescribeTablesRequest(names=[name])
-        return [r.tables[0] for r in self.shards.per_shard("DescribeTables", lambda _: request)]
+        return [r.tables[0] for r in self._call_all("DescribeTables", [request] * self.num_shards)]
 
     def server_stats(self) -> list[Any]:
         """Each shard's StatsResponse."""
         from elastic_emb._proto import ps_pb2
 
-        return self.shards.per_shard("Stats", lambda _: ps_pb2.StatsRequest())
+        return self._call_all("Stats", [ps_pb2.StatsRequest()] * self.num_shards)
 
     def save_tables(self, directories: list[str], names: list[str]) -> None:
         """Each shard i writes its rows of the named tables to `directories[i]`."""
@@ -185,9 +240,9 @@ class Cluster:
         )
 
     def per_shard(self, method: str, make: Any, timeout: float | None = None) -> list[Any]:
-        """`ShardClient.per_shard`, after this worker's pushes have landed."""
+        """`make(i)`'s request to every shard i, after this worker's pushes have landed."""
         self.flush()
-        return self.shards.per_shard(method, make, timeout)
+        return self._call_all(method, [make(i) for i in range(self.num_shards)], timeout)
 
     def stats(self) -> list[dict[str, Any]]:
         """Client-side RPC count, bytes and latency per shard."""
@@ -218,7 +273,7 @@ class Cluster:
                 if entries
                 else None
             )
-        responses = self.shards.call_all("Pull", requests)
+        responses = self._call_all("Pull", requests)
         out = [np.empty((len(keys), dim), np.float32) for _, dim, keys in tables]
         for shard, response in enumerate(responses):
             if response is None:
@@ -268,7 +323,7 @@ class Cluster:
             )
             for shard in range(self.num_shards)
         ]
-        self.shards.call_all("Push", requests)
+        self._call_all("Push", requests)
 
     def _raise_push_errors(self, wait_all: bool = False) -> None:
         """Surfaces failed background pushes; bounds (or drains) those in flight."""

@@ -99,6 +99,11 @@ class RemoteTable(Table):
     def memory_bytes(self) -> int:
         return sum(int(i.memory_bytes) for i in self.cluster.describe(self.name))
 
+    @property
+    def nonfinite_pushes(self) -> int:
+        """Pushes the shards skipped for non-finite gradients (`nonfinite="skip"`)."""
+        return sum(int(i.nonfinite_pushes) for i in self.cluster.describe(self.name))
+
     def __len__(self) -> int:
         return sum(int(i.rows) for i in self.cluster.describe(self.name))
 

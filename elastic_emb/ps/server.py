@@ -34,12 +34,21 @@ def serve(
     grace_seconds: float = 30.0,
     checkpoint_dir: str | None = None,
     ready: Callable[[int], None] | None = None,
+    coordinator: str | None = None,
+    replicas: int = 2,
+    advertise: str | None = None,
+    lease_seconds: int = 2,
 ) -> int:
     """Runs one shard until SIGTERM or SIGINT; returns an exit status.
 
     On a signal the shard reports NOT_SERVING to health checks, stops taking
     new requests, lets in-flight ones finish (up to `grace_seconds`) and,
     with `checkpoint_dir`, saves every table there.
+
+    With `coordinator` ("etcd://host:port") the server joins a replicated
+    cluster (`elastic_emb.ps.replication`) as "host:port" `advertise`
+    (default: `host`, or 127.0.0.1 for 0.0.0.0, and the bound port), with
+    `replicas` replicas per group.
     """
     servicer = Servicer()
     health_servicer = health.HealthServicer()
@@ -54,6 +63,23 @@ def serve(
     for service in ("", SERVICE):  # "": the whole server
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("elastic_emb parameter server listening on %s:%d", host, bound)
+    replica = None
+    if coordinator:
+        from elastic_emb.ps.etcd import Etcd
+        from elastic_emb.ps.replication import Replica
+
+        address = advertise or f"{'127.0.0.1' if host == '0.0.0.0' else host}:{bound}"
+        replica = Replica(
+            servicer.shard, servicer.apply_change, Etcd(coordinator), address, replicas,
+            lease_seconds,
+        )  # fmt: skip
+        servicer.replica = replica
+        try:
+            replica.start()
+        except Exception as e:
+            log.error("cannot join the cluster at %s: %s", coordinator, e)
+            server.stop(0)
+            return 1
     if ready is not None:
         ready(bound)
     stop = threading.Event()
@@ -66,6 +92,8 @@ def serve(
     stop.wait()
     log.info("stopping: finishing in-flight requests (up to %.0f s)", grace_seconds)
     health_servicer.enter_graceful_shutdown()
+    if replica is not None:
+        replica.stop()  # backups take over at once
     server.stop(grace_seconds).wait()
     if checkpoint_dir:
         checkpoint.save(checkpoint_dir, servicer.shard.tables())

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -24,6 +24,9 @@ from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol
 from elastic_emb.ps.shard import RequestError, Shard, invalid
+
+if TYPE_CHECKING:
+    from elastic_emb.ps.replication import Replica
 
 __all__ = ["Servicer"]
 
@@ -63,10 +66,18 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Servicer(ps_pb2_grpc.ParameterServerServicer):
-    """The ParameterServer service over one `Shard`. Thread-safe."""
+    """The ParameterServer service over one `Shard`. Thread-safe.
+
+    With a `replica` (a server started with a coordinator), only the
+    group's primary serves pulls, pushes and saves, and it replicates every
+    change (the requests of `replication.REPLICATED_METHODS`) to its
+    backups. Any replica answers the reads of DescribeTables, ExportRows and
+    Metadata (a backup's answer may miss the changes still in flight).
+    """
 
     def __init__(self, shard: Shard | None = None) -> None:
         self.shard = Shard() if shard is None else shard
+        self.replica: Replica | None = None  # set once, before the server starts
         self._stats_lock = threading.Lock()
         self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
             _MethodStats
@@ -79,17 +90,35 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             stats.errors += response is None
             stats.seconds += elapsed
             stats.max_seconds = max(stats.max_seconds, elapsed)
-            stats.request_bytes += request.ByteSize()
+            stats.request_bytes += request.ByteSize() if hasattr(request, "ByteSize") else 0
             if response is not None:
                 stats.response_bytes += response.ByteSize()
 
     def _tables_response(self, tables: list[Any]) -> ps_pb2.TablesResponse:
         return ps_pb2.TablesResponse(tables=[protocol.table_info(t) for t in tables])
 
+    def _change(self, method: str, request: Any) -> Any:
+        """A request that changes the shard: applied here, and by every backup."""
+        if self.replica is None:
+            return self.apply_change(method, request)
+        return self.replica.replicate(method, request, lambda: self.apply_change(method, request))
+
+    def apply_change(self, method: str, request: Any) -> Any:
+        """Applies a change request to the shard; its response."""
+        return getattr(self, f"_{method}")(request)
+
+    def _serving(self) -> None:
+        """With a coordinator, only a primary answers workers."""
+        if self.replica is not None:
+            self.replica.check_primary()
+
     # Tables.
 
     @_rpc
     def CreateTables(self, request: ps_pb2.CreateTablesRequest) -> ps_pb2.TablesResponse:
+        return self._change("CreateTables", request)
+
+    def _CreateTables(self, request: ps_pb2.CreateTablesRequest) -> ps_pb2.TablesResponse:
         return self._tables_response(self.shard.create(protocol.table_configs(request)))
 
     @_rpc
@@ -100,11 +129,15 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Join(self, request: ps_pb2.JoinRequest) -> ps_pb2.JoinResponse:
+        return self._change("Join", request)
+
+    def _Join(self, request: ps_pb2.JoinRequest) -> ps_pb2.JoinResponse:
         step = self.shard.join(request.worker, request.num_workers, request.mode, request.staleness)
         return ps_pb2.JoinResponse(step=step)
 
     @_rpc
     def Pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
+        self._serving()
         if request.encoding not in protocol.ENCODINGS.values():
             raise invalid(f"Unknown encoding {request.encoding}")
         timeout = request.timeout_ms / 1000 if request.timeout_ms > 0 else 3600.0
@@ -115,6 +148,9 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
+        return self._change("Push", request)
+
+    def _Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
         gradients = protocol.pushed_gradients(request, lambda name: self.shard.table(name).dim)
         return ps_pb2.PushResponse(step=self.shard.push(request.worker, request.step, gradients))
 
@@ -122,6 +158,9 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def ImportRows(self, request: ps_pb2.ImportRowsRequest) -> ps_pb2.ImportRowsResponse:
+        return self._change("ImportRows", request)
+
+    def _ImportRows(self, request: ps_pb2.ImportRowsRequest) -> ps_pb2.ImportRowsResponse:
         table = self.shard.table(request.table)
         if request.replace:
             table.load_state(protocol.read_state(request, table.dim, table.num_slots))
@@ -136,6 +175,9 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def EraseRows(self, request: ps_pb2.EraseRowsRequest) -> ps_pb2.EraseRowsResponse:
+        return self._change("EraseRows", request)
+
+    def _EraseRows(self, request: ps_pb2.EraseRowsRequest) -> ps_pb2.EraseRowsResponse:
         table = self.shard.table(request.table)
         return ps_pb2.EraseRowsResponse(erased=table.erase(protocol.decode_keys(request.keys)))
 
@@ -148,16 +190,22 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Save(self, request: ps_pb2.SaveRequest) -> ps_pb2.SaveResponse:
+        self._serving()
         return ps_pb2.SaveResponse(rows=self.shard.save(request.directory, list(request.tables)))
 
     @_rpc
     def Restore(self, request: ps_pb2.RestoreRequest) -> ps_pb2.TablesResponse:
+        return self._change("Restore", request)
+
+    def _Restore(self, request: ps_pb2.RestoreRequest) -> ps_pb2.TablesResponse:
+        slots = (request.slot_begin, request.slot_end)
         restored = self.shard.restore(
             list(request.directories),
             list(request.tables),
             request.num_shards,
             request.shard_index,
             request.num_slots,
+            slots if request.slot_end > request.slot_begin else None,
         )
         return self._tables_response(restored)
 
@@ -183,6 +231,32 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Health(self, request: ps_pb2.HealthRequest) -> ps_pb2.HealthResponse:
-        return ps_pb2.HealthResponse(
-            serving=True, step=self.shard.step(), num_tables=len(self.shard.tables())
+        tables = self.shard.tables()
+        response = ps_pb2.HealthResponse(
+            serving=True,
+            step=self.shard.step(),
+            num_tables=len(tables),
+            rows=sum(len(t) for t in tables),
         )
+        if self.replica is not None:
+            role, group, epoch, sequence = self.replica.status()
+            response.role, response.group, response.epoch = role, group, epoch
+            response.sequence = sequence
+        return response
+
+    # Replication.
+
+    def _replica(self) -> Replica:
+        if self.replica is None:
+            raise RequestError(
+                "FAILED_PRECONDITION", "this server was not started with --coordinator"
+            )
+        return self.replica
+
+    @_rpc
+    def Replicate(self, request: ps_pb2.ReplicateRequest) -> ps_pb2.ReplicateResponse:
+        return ps_pb2.ReplicateResponse(sequence=self._replica().on_replicate(request))
+
+    @_rpc
+    def InstallSnapshot(self, request: Any) -> ps_pb2.InstallSnapshotResponse:
+        return ps_pb2.InstallSnapshotResponse(rows=self._replica().install_snapshot(request))

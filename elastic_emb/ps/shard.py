@@ -10,6 +10,7 @@ refuses raises `RequestError` before anything changes.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -19,9 +20,11 @@ import numpy as np
 
 from elastic_emb import checkpoint, sharding
 from elastic_emb.local import LocalTable
-from elastic_emb.table import TableConfig, TableState
+from elastic_emb.table import TableConfig, TableState, check_finite_gradients
 
 __all__ = ["MAX_PUSHES_IN_FLIGHT", "RequestError", "Shard"]
+
+log = logging.getLogger("elastic_emb.server")
 
 # A worker's pushes leave in the background: its pull may overtake them.
 MAX_PUSHES_IN_FLIGHT = 4
@@ -56,9 +59,9 @@ class _Steps:
         self.pushed: dict[int, int] = {}  # worker -> last step pushed
         self.applying: set[int] = set()  # ASYNC: workers whose push is being applied
         self.applied = 0  # SYNC: steps applied
-        # SYNC: step -> (workers that pushed it, table -> [(keys, grads)])
-        self.pending: dict[int, tuple[set[int], dict[str, list[tuple[np.ndarray, np.ndarray]]]]]
-        self.pending = {}
+        # SYNC: step -> worker -> its pushed [(table, keys, grads)], applied
+        # in worker order once every worker pushed (the same sums everywhere).
+        self.pending: dict[int, dict[int, list[tuple[str, np.ndarray, np.ndarray]]]] = {}
 
     def step(self) -> int:
         if self.mode == SYNC:
@@ -147,7 +150,11 @@ class Shard:
                 existing = self._tables.get(name, chosen.get(name))  # type: ignore[arg-type]
                 if existing is not None:
                     ours = json.dumps(existing.config(), sort_keys=True)
-                    if ours != json.dumps(config, sort_keys=True):
+                    try:  # defaults filled in (a client may omit newer fields)
+                        theirs = json.dumps(TableConfig.from_dict(config).to_dict(), sort_keys=True)
+                    except (ValueError, KeyError, TypeError):
+                        theirs = json.dumps(config, sort_keys=True)
+                    if ours != theirs:
                         raise RequestError(
                             "ALREADY_EXISTS",
                             f"Table {name!r} exists with another configuration: {ours} "
@@ -220,9 +227,15 @@ class Shard:
         """Applies (SYNC: queues until every worker pushed) one step; the shard's step."""
         self._check_worker(worker, step)
         work = [(self.table(name), keys, grads) for name, keys, grads in gradients]
+        try:  # every table of the push before any is applied
+            finite = [check_finite_gradients(t.name, k, g, t.nonfinite) for t, k, g in work]
+        except ValueError as e:
+            raise invalid(str(e)) from e
         s = self._steps
         with s.cond:
             last = s.pushed.get(worker, 0)
+            if step <= last and worker not in s.applying:
+                return s.step()  # sent again after a failover: applied once already
             if step != last + 1 or worker in s.applying:
                 raise invalid(
                     f"wrong step {step}: worker {worker} pushed step {last} "
@@ -231,10 +244,11 @@ class Shard:
                 )
             if s.mode == SYNC:
                 s.pushed[worker] = step
-                workers, tables = s.pending.setdefault(step, (set(), {}))
-                workers.add(worker)
-                for table, keys, grads in work:
-                    tables.setdefault(table.name, []).append((keys, grads))
+                for (table, keys, grads), ok in zip(work, finite, strict=True):
+                    if not ok:  # nonfinite="skip": counted, and left out of the step's sum
+                        table.push(keys, grads)
+                parts = [(t.name, k, g) for (t, k, g), ok in zip(work, finite, strict=True) if ok]
+                s.pending.setdefault(step, {})[worker] = parts
                 self._apply_complete_steps()
                 return s.applied
             s.applying.add(worker)
@@ -256,13 +270,24 @@ class Shard:
         s = self._steps
         while True:
             entry = s.pending.get(s.applied + 1)
-            if entry is None or len(entry[0]) < s.num_workers:
+            if entry is None or len(entry) < s.num_workers:
                 return
             del s.pending[s.applied + 1]
-            for name, parts in sorted(entry[1].items()):
-                keys = np.concatenate([k for k, _ in parts])
-                grads = np.concatenate([g for _, g in parts])
-                self._tables[name].push(keys, grads)
+            parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+            for worker in sorted(entry):
+                for name, keys, grads in entry[worker]:
+                    parts.setdefault(name, []).append((keys, grads))
+            for name, table_parts in sorted(parts.items()):
+                keys = np.concatenate([k for k, _ in table_parts])
+                grads = np.concatenate([g for _, g in table_parts])
+                # Each worker's part was finite; their sum may overflow: skip, never raise
+                # (the step is acknowledged to every worker already).
+                if check_finite_gradients(name, keys, grads, "skip"):
+                    self._tables[name].push(keys, grads)
+                else:
+                    log.error(
+                        "step %d of table %r sums to NaN or Inf: skipped", s.applied + 1, name
+                    )
             s.applied += 1
             s.cond.notify_all()
 
@@ -270,6 +295,48 @@ class Shard:
         """Steps applied (SYNC) or the furthest step pushed (ASYNC)."""
         with self._steps.cond:
             return self._steps.step()
+
+    # Replicas (`elastic_emb.ps.replication`): a joining backup gets the primary's state.
+
+    def export_steps(self) -> tuple[dict[str, Any], list[tuple[int, int, list[Any]]]]:
+        """The step state (JSON-ready) and the pushes of sync steps not applied yet.
+
+        The caller makes sure no push is being applied (the replication order lock).
+        """
+        s = self._steps
+        with s.cond:
+            state = {
+                "mode": s.mode,
+                "num_workers": s.num_workers,
+                "staleness": s.staleness,
+                "pushed": {str(w): step for w, step in s.pushed.items()},
+                "applied": s.applied,
+            }
+            pending = [
+                (worker, step, parts)
+                for step, workers in sorted(s.pending.items())
+                for worker, parts in sorted(workers.items())
+            ]
+        return state, pending
+
+    def install(
+        self,
+        tables: list[LocalTable],
+        state: dict[str, Any],
+        pending: list[tuple[int, int, list[Any]]],
+    ) -> None:
+        """Replaces every table and the step state (a snapshot of another replica)."""
+        s = self._steps
+        with self._tables_lock, s.cond:
+            self._tables = {t.name: t for t in tables}
+            s.mode, s.num_workers = state["mode"], state["num_workers"]
+            s.staleness, s.applied = state["staleness"], state["applied"]
+            s.pushed = {int(w): step for w, step in state["pushed"].items()}
+            s.pending = {}
+            for worker, step, parts in pending:
+                s.pending.setdefault(step, {})[worker] = parts
+            s.applying = set()
+            s.cond.notify_all()
 
     # Checkpoints.
 
@@ -289,14 +356,19 @@ class Shard:
         num_shards: int,
         shard_index: int,
         num_slots: int,
+        slots: tuple[int, int] | None = None,
     ) -> list[LocalTable]:
-        """Loads the rows this shard owns (of `num_shards`) from checkpoints.
+        """Loads the rows this shard owns from checkpoints.
 
-        Everything is read and verified before any table changes.
+        It owns shard `shard_index` of `num_shards`, or, given `slots`, the
+        keys whose slot is in [slots[0], slots[1]). Everything is read and
+        verified before any table changes.
         """
         if not directories:
             raise invalid("Restore needs at least one checkpoint directory")
-        if num_shards < 1 or not 0 <= shard_index < num_shards:
+        if slots is not None and not 0 <= slots[0] < slots[1] <= sharding.NUM_SLOTS:
+            raise invalid(f"slot range {slots} is not within [0, {sharding.NUM_SLOTS})")
+        if slots is None and (num_shards < 1 or not 0 <= shard_index < num_shards):
             raise invalid(
                 f"shard {shard_index} of {num_shards}: need 0 <= shard_index < num_shards"
             )
@@ -311,7 +383,11 @@ class Shard:
             raise RequestError("FAILED_PRECONDITION", str(e)) from e
         plan: list[tuple[str, TableState]] = []
         for name, state in states.items():
-            mine = sharding.shard_of(state.keys, num_shards, num_slots) == shard_index
+            if slots is None:
+                mine = sharding.shard_of(state.keys, num_shards, num_slots) == shard_index
+            else:
+                slot = sharding.slot_of(state.keys)
+                mine = (slot >= slots[0]) & (slot < slots[1])
             plan.append((name, state.select(mine)))
         restored = []
         for name, state in plan:

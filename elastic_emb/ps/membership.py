@@ -1,0 +1,195 @@
+"""The cluster map: replica groups, their slot ranges, members and primaries.
+
+With a coordinator, one etcd key (`<prefix>map`) holds the whole map as
+JSON, and every change to it is a transaction that compares the key's
+revision: two servers that change it at once never both succeed. Live
+servers hold `<prefix>servers/<address>` under their lease; a primary whose
+key is gone is dead. This module is the map's data model and its pure
+changes (placement, promotion, removal); `elastic_emb.ps.replication` and
+`elastic_emb.ps.routing` apply them through etcd.
+
+A group owns one contiguous range of virtual slots (`elastic_emb.sharding`).
+Its `primary` serves workers and sends every change to the `members`
+(backups) before acknowledging it; `joining` servers are receiving a copy of
+the primary's state and are not backups yet. `epoch` grows at every change
+of primary: a server refuses changes sent with any other epoch, so a
+deposed primary can never get a write acknowledged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+
+from elastic_emb import sharding
+
+__all__ = ["DEFAULT_PREFIX", "ClusterMap", "Group", "map_key", "server_key", "servers_prefix"]
+
+DEFAULT_PREFIX = "/elastic_emb/default/"  # every key of a cluster starts with its prefix
+
+
+def map_key(prefix: str) -> str:
+    return f"{prefix}map"
+
+
+def servers_prefix(prefix: str) -> str:
+    return f"{prefix}servers/"
+
+
+def server_key(prefix: str, address: str) -> str:
+    return f"{servers_prefix(prefix)}{address}"
+
+
+@dataclasses.dataclass
+class Group:
+    """One replica group: a slot range and the servers that hold it."""
+
+    id: int
+    slot_begin: int
+    slot_end: int
+    primary: str = ""
+    members: list[str] = dataclasses.field(default_factory=list)  # backups, primary excluded
+    joining: list[str] = dataclasses.field(default_factory=list)
+    epoch: int = 0
+
+    @property
+    def replicas(self) -> list[str]:
+        """The primary and its backups (not the joining servers)."""
+        return ([self.primary] if self.primary else []) + self.members
+
+    def holds(self, address: str) -> bool:
+        return address in self.replicas or address in self.joining
+
+
+@dataclasses.dataclass
+class ClusterMap:
+    """Groups by id, the replication factor, and whether tables exist (`sealed`).
+
+    Until a worker connects (seals the map), the slot ranges may be redrawn
+    freely: no server holds rows yet.
+    """
+
+    replicas: int = 1
+    groups: list[Group] = dataclasses.field(default_factory=list)
+    sealed: bool = False
+    revision: int = 0  # the etcd mod_revision it was read at (not stored)
+
+    @classmethod
+    def read(cls, etcd: Any, prefix: str = DEFAULT_PREFIX) -> ClusterMap:
+        """The map stored in etcd (an empty one if there is none yet)."""
+        kv = etcd.get(map_key(prefix))
+        return cls.from_json(kv.value if kv else None, kv.mod_revision if kv else 0)
+
+    @classmethod
+    def from_json(cls, raw: bytes | None, revision: int = 0) -> ClusterMap:
+        if not raw:
+            return cls(revision=revision)
+        data = json.loads(raw)
+        groups = [Group(**g) for g in data["groups"]]
+        return cls(data["replicas"], groups, data["sealed"], revision)
+
+    def to_json(self) -> bytes:
+        data = {
+            "replicas": self.replicas,
+            "sealed": self.sealed,
+            "groups": [dataclasses.asdict(g) for g in self.groups],
+        }
+        return json.dumps(data, sort_keys=True).encode()
+
+    def copy(self) -> ClusterMap:
+        return ClusterMap.from_json(self.to_json(), self.revision)
+
+    def group(self, group_id: int) -> Group:
+        return next(g for g in self.groups if g.id == group_id)
+
+    def group_of(self, address: str) -> Group | None:
+        return next((g for g in self.groups if g.holds(address)), None)
+
+    def ready(self) -> bool:
+        """Every slot is in a group with a primary."""
+        covered = sorted((g.slot_begin, g.slot_end) for g in self.groups if g.primary)
+        end = 0
+        for begin, stop in covered:
+            if begin != end:
+                return False
+            end = stop
+        return end == sharding.NUM_SLOTS
+
+    def slot_owners(self) -> np.ndarray:
+        """Index into `groups` (sorted by slot) of each slot's group."""
+        owners = np.full(sharding.NUM_SLOTS, -1, np.int64)
+        for i, g in enumerate(self.by_slot()):
+            owners[g.slot_begin : g.slot_end] = i
+        return owners
+
+    def by_slot(self) -> list[Group]:
+        return sorted(self.groups, key=lambda g: g.slot_begin)
+
+    # Changes: each returns the new map (or None when there is nothing to do).
+
+    def place(self, address: str, replicas: int) -> ClusterMap:
+        """A new (or restarted, hence empty) server `address` takes its place.
+
+        It leaves any group it was in (a restarted server holds nothing).
+        Then: a group without any replica takes it as primary (its rows are
+        lost); a group below `replicas` takes it as a joining backup; before
+        any table exists it makes a new group and the slot ranges are
+        redrawn evenly; otherwise it stays a spare.
+        """
+        new = self.without(address)
+        new.replicas = max(new.replicas, replicas)
+        for g in new.groups:
+            if not g.primary:
+                g.primary, g.epoch = address, g.epoch + 1
+                return new
+        for g in sorted(new.groups, key=lambda g: (len(g.replicas) + len(g.joining), g.id)):
+            if len(g.replicas) + len(g.joining) < new.replicas:
+                g.joining.append(address)
+                return new
+        if not new.sealed:
+            next_id = max((g.id for g in new.groups), default=-1) + 1
+            new.groups.append(Group(next_id, 0, 0, primary=address, epoch=1))
+            n = len(new.groups)
+            for i, g in enumerate(sorted(new.groups, key=lambda g: g.id)):
+                g.slot_begin = i * sharding.NUM_SLOTS // n
+                g.slot_end = (i + 1) * sharding.NUM_SLOTS // n
+        return new
+
+    def without(self, address: str) -> ClusterMap:
+        """`address` removed from every group; a lost primary's first backup takes over."""
+        new = self.copy()
+        for g in new.groups:
+            if address in g.joining:
+                g.joining.remove(address)
+            if address in g.members:
+                g.members.remove(address)
+            if g.primary == address:
+                g.primary = g.members.pop(0) if g.members else ""
+                g.epoch += 1
+        return new
+
+    def promote(self, group_id: int, address: str) -> ClusterMap:
+        """Backup `address` becomes the primary of its group; the old primary leaves."""
+        new = self.copy()
+        g = new.group(group_id)
+        if address not in g.members:
+            raise ValueError(f"{address} is not a backup of group {group_id}: {g}")
+        g.members.remove(address)
+        g.primary, g.epoch = address, g.epoch + 1
+        return new
+
+    def admit(self, group_id: int, address: str) -> ClusterMap:
+        """Joining server `address` has caught up: it becomes a backup."""
+        new = self.copy()
+        g = new.group(group_id)
+        g.joining.remove(address)
+        g.members.append(address)
+        return new
+
+    def describe(self) -> dict[str, Any]:
+        data = json.loads(self.to_json())
+        data["revision"] = self.revision
+        return data

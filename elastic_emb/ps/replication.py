@@ -1,0 +1,609 @@
+"""`Replica`: a server's place in a coordinated cluster, and the copying of its changes.
+
+Started by `elastic-emb serve --coordinator etcd://H:P`. The server holds an
+etcd lease (its liveness) and takes its place in the cluster map
+(`elastic_emb.ps.membership`): primary, backup, joining backup or spare.
+
+The primary applies every change (the requests of `REPLICATED_METHODS`) in
+one order, numbers it (`sequence`), and sends it to every backup; it
+answers the worker only once every backup applied it. A backup that fails
+to is removed from the group first (an etcd transaction that only the
+primary holding its lease can make), so an acknowledged change is always on
+every replica of the group. Backups apply changes in sequence order: they
+stay bit-identical to the primary.
+
+A backup pings its primary; when the primary stops answering (or its lease
+expires), the backup revokes the primary's lease and makes itself primary
+with a new epoch. A server refuses changes sent with an old epoch, and a
+primary serves nothing while its lease is not known to be alive: a deposed
+primary can neither get a write acknowledged nor serve a stale read for
+long. Workers re-send their unacknowledged pushes to the new primary,
+which de-duplicates them by (worker, step) (`Shard.push`).
+
+A joining server gets a snapshot of the primary's state (taken between two
+changes), then the changes made since; once it has applied all of them the
+primary admits it as a backup.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+from elastic_emb.local import LocalTable
+from elastic_emb.ps import membership, protocol
+from elastic_emb.ps.client import GRPC_OPTIONS
+from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, LeaseLost, Op
+from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group
+from elastic_emb.ps.shard import RequestError, Shard
+from elastic_emb.table import TableConfig
+
+__all__ = ["REPLICATED_METHODS", "Replica"]
+
+log = logging.getLogger("elastic_emb.server")
+
+# The requests that change a shard's state: every replica applies them, in order.
+REPLICATED_METHODS = ("CreateTables", "Join", "Push", "ImportRows", "EraseRows", "Restore")
+PING_SECONDS = 0.1  # a backup asks its primary this often...
+PING_FAILURES = 3  # ...and takes over after this many failures in a row
+FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
+GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
+SNAPSHOT_ROWS = 1 << 18  # rows per snapshot message
+
+_CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def aborted(message: str) -> RequestError:
+    """A request sent to the wrong replica: the worker reads the map again and re-sends."""
+    return RequestError("ABORTED", message)
+
+
+class Replica:
+    """This server's role in its replica group; replicates the shard's changes.
+
+    Thread-safe. `replicate` serializes the changes of a primary (`_order`);
+    the role, the map and the applied sequence are guarded by `_cond`.
+    Lock order: `_order` before `_cond`.
+
+    Args:
+        shard: the server's shard (its state is replaced on a snapshot or a reset).
+        apply: applies a change request to the shard: apply(method, request).
+        etcd: the coordinator.
+        address: "host:port" the other servers and workers reach this one at.
+        replicas: replicas per group (R), for the placement of this server.
+        lease_seconds: TTL of this server's lease.
+        prefix: the cluster's key prefix in etcd.
+    """
+
+    def __init__(
+        self,
+        shard: Shard,
+        apply: Callable[[str, Any], Any],
+        etcd: Etcd,
+        address: str,
+        replicas: int,
+        lease_seconds: int = 2,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        self.shard = shard
+        self._apply = apply
+        self._etcd = etcd
+        self.address = address
+        self._replicas = replicas
+        self._lease_seconds = lease_seconds
+        self._prefix = prefix
+        self._order = threading.Lock()
+        self._cond = threading.Condition()
+        # Guarded by _cond.
+        self._map = ClusterMap()
+        self._lease = 0
+        self._last_keepalive = 0.0
+        self._applied: int | None = 0  # sequence of the last change applied; None: no snapshot yet
+        self._applied_epoch = 0
+        # Joining servers being copied to -> the changes made since their snapshot.
+        self._copying: dict[str, list[ps_pb2.ReplicateRequest]] = {}
+        self._stopped = False
+        self._channels: dict[str, grpc.Channel] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="ee-replicate")
+        self._threads: list[threading.Thread] = []
+        self._watch: Any = None
+
+    # Life cycle.
+
+    def start(self) -> None:
+        """Registers with the coordinator, takes a place, and starts the background work."""
+        self._register()
+        self._watch = self._etcd.watch(self._prefix, self._on_events, self._map.revision + 1)
+        for target in (self._keep_alive, self._monitor):
+            thread = threading.Thread(target=target, daemon=True, name=f"ee-{target.__name__}")
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Leaves the cluster: revokes the lease (backups take over at once)."""
+        with self._cond:
+            self._stopped = True
+            lease = self._lease
+            self._cond.notify_all()
+        if self._watch is not None:
+            self._watch.cancel()
+        try:
+            self._etcd.revoke(lease)
+        except EtcdError:
+            pass
+        self._pool.shutdown(wait=False)
+        for channel in self._channels.values():
+            channel.close()
+
+    def _register(self) -> None:
+        """A fresh lease, the server key under it, and a place in the map (state wiped)."""
+        lease = self._etcd.grant(self._lease_seconds)
+        key = membership.server_key(self._prefix, self.address)
+        self._etcd.put(
+            key, json.dumps({"address": self.address, "lease": lease.id}).encode(), lease.id
+        )
+        with self._cond:
+            old, self._lease, self._last_keepalive = self._lease, lease.id, time.monotonic()
+        if old:
+            try:
+                self._etcd.revoke(old)
+            except EtcdError:
+                pass
+        self._reset_state()
+        placed = self._change_map(lambda m: m.place(self.address, self._replicas), as_primary=False)
+        group = placed.group_of(self.address)
+        if group is not None and group.primary == self.address:
+            with self._cond:  # a new group (or one that lost every replica): empty is its state
+                self._applied, self._applied_epoch = 0, group.epoch
+        log.info("registered as %s: %s", self.address, self.role)
+
+    def _reset_state(self) -> None:
+        empty = Shard()
+        self.shard.install([], *empty.export_steps())
+        with self._cond:
+            self._applied, self._applied_epoch = None, 0
+
+    # The map.
+
+    def _read_map(self) -> ClusterMap:
+        return ClusterMap.read(self._etcd, self._prefix)
+
+    def _change_map(
+        self, change: Callable[[ClusterMap], ClusterMap | None], as_primary: bool
+    ) -> ClusterMap:
+        """Applies `change` to the current map in one etcd transaction (retried on races).
+
+        With `as_primary`, only while this server is still its group's
+        primary, with its lease (else `aborted`).
+        """
+        key = membership.map_key(self._prefix)
+        for _ in range(100):
+            current = self._read_map()
+            if as_primary:
+                self._check_primary_in(current)
+            new = change(current)
+            if new is None:
+                return current
+            compare = [
+                Compare.mod_revision(key, "=", current.revision)
+                if current.revision
+                else Compare.version(key, "=", 0)
+            ]
+            if as_primary:
+                with self._cond:
+                    lease = self._lease
+                compare.append(
+                    Compare.lease(membership.server_key(self._prefix, self.address), "=", lease)
+                )
+            result = self._etcd.txn(compare, [Op.put(key, new.to_json())])
+            if result.succeeded:
+                new.revision = result.revision
+                self._set_map(new)
+                return new
+        raise aborted("the cluster map kept changing: gave up after 100 tries")
+
+    def _check_primary_in(self, current: ClusterMap) -> Group:
+        with self._cond:
+            ours = self._map.group_of(self.address)
+        group = current.group_of(self.address)
+        if (
+            group is None
+            or ours is None
+            or group.primary != self.address
+            or group.epoch != ours.epoch
+        ):
+            raise aborted(f"{self.address} is no longer the primary of its group")
+        return group
+
+    def _on_events(self, events: list[Any]) -> None:
+        map_key = membership.map_key(self._prefix)
+        servers = membership.servers_prefix(self._prefix)
+        if not events:  # the watch restarted: read everything again
+            self._set_map(self._read_map())
+            return
+        for event in events:
+            if event.kv.key == map_key and event.type == "PUT":
+                self._set_map(ClusterMap.from_json(event.kv.value, event.kv.mod_revision))
+            elif event.kv.key.startswith(servers) and event.type == "DELETE":
+                self._server_gone(event.kv.key[len(servers) :])
+
+    def _set_map(self, new: ClusterMap) -> None:
+        """Adopts a newer map and acts on what it says of this server."""
+        with self._cond:
+            if new.revision <= self._map.revision or self._stopped:
+                return
+            old_group = self._map.group_of(self.address)
+            self._map = new
+            group = new.group_of(self.address)
+            self._cond.notify_all()
+        if old_group is not None and group is None:
+            log.warning("%s was removed from group %d: rejoining", self.address, old_group.id)
+            self._in_background(self._rejoin)
+        elif group is not None and group.primary == self.address:
+            for address in group.joining:
+                if address not in self._copying:
+                    self._in_background(self._copy_to, address)
+
+    def _server_gone(self, address: str) -> None:
+        """A server's lease ended: its primary drops it; if it was our primary, take over."""
+        with self._cond:
+            group = self._map.group_of(self.address)
+        if group is None or address == self.address:
+            return
+        if group.primary == address:
+            self._in_background(self._take_over, address)
+        elif group.primary == self.address and group.holds(address):
+            self._in_background(self._drop, address, "its lease ended")
+
+    def _in_background(self, target: Callable[..., None], *args: Any) -> None:
+        def run() -> None:
+            try:
+                target(*args)
+            except Exception:
+                log.exception("%s%s failed", target.__name__, args)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    @property
+    def role(self) -> str:
+        with self._cond:
+            group = self._map.group_of(self.address)
+        if group is None:
+            return "spare"
+        if group.primary == self.address:
+            return "primary"
+        return "backup" if self.address in group.members else "joining"
+
+    def status(self) -> tuple[str, int, int, int]:
+        """(role, group, epoch, sequence applied)."""
+        role = self.role
+        with self._cond:
+            group = self._map.group_of(self.address)
+            return (
+                role,
+                group.id if group else -1,
+                group.epoch if group else 0,
+                self._applied or 0,
+            )
+
+    # Liveness.
+
+    def lease_alive(self) -> bool:
+        with self._cond:
+            return time.monotonic() - self._last_keepalive < self._lease_seconds
+
+    def _keep_alive(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                lease = self._lease
+            try:
+                self._etcd.keepalive_once(lease)
+                with self._cond:
+                    self._last_keepalive = time.monotonic()
+            except LeaseLost:
+                log.warning("%s lost its lease: rejoining with an empty state", self.address)
+                self._rejoin()
+            except EtcdError as e:
+                log.warning("cannot reach the coordinator: %s", e)
+            with self._cond:
+                self._cond.wait(self._lease_seconds / 4)
+
+    def _rejoin(self) -> None:
+        for attempt in range(1000):
+            with self._cond:
+                if self._stopped:
+                    return
+            try:
+                self._register()
+                return
+            except (EtcdError, RequestError) as e:
+                log.warning("cannot rejoin (%s); retrying", e)
+                time.sleep(min(0.1 * 2**attempt, 2.0))
+
+    def _monitor(self) -> None:
+        """A backup pings its primary; after PING_FAILURES failures it takes over."""
+        failures, watched = 0, ""
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                group = self._map.group_of(self.address)
+            primary = group.primary if group and self.address in group.members else ""
+            if primary != watched:
+                failures, watched = 0, primary
+            if primary:
+                try:
+                    stub = ps_pb2_grpc.ParameterServerStub(self._channel(primary))
+                    stub.Health(ps_pb2.HealthRequest(), timeout=3 * PING_SECONDS)
+                    failures = 0
+                except grpc.RpcError:
+                    failures += 1
+                    if failures >= PING_FAILURES:
+                        self._take_over(primary)
+                        failures = 0
+            time.sleep(PING_SECONDS)
+
+    def _take_over(self, primary: str) -> None:
+        """Ends the lease of an unresponsive primary and becomes the group's primary."""
+        key = membership.server_key(self._prefix, primary)
+        try:
+            kv = self._etcd.get(key)
+            if kv is not None:
+                self._etcd.revoke(json.loads(kv.value)["lease"])
+
+            def promote(m: ClusterMap) -> ClusterMap | None:
+                group = m.group_of(self.address)
+                if group is None or group.primary != primary or self.address not in group.members:
+                    return None
+                return m.promote(group.id, self.address)
+
+            new = self._change_map(promote, as_primary=False)
+        except EtcdError as e:
+            log.warning("cannot take over from %s: %s", primary, e)
+            return
+        group = new.group_of(self.address)
+        if group is not None and group.primary == self.address:
+            log.warning(
+                "%s is now the primary of group %d (epoch %d): %s stopped answering",
+                self.address, group.id, group.epoch, primary,
+            )  # fmt: skip
+
+    # Serving.
+
+    def check_primary(self) -> None:
+        """Raises `aborted` unless this server may serve workers now."""
+        with self._cond:
+            group = self._map.group_of(self.address)
+            alive = time.monotonic() - self._last_keepalive < self._lease_seconds
+        if group is None or group.primary != self.address:
+            where = f"group {group.id}'s primary is {group.primary}" if group else "it is a spare"
+            raise aborted(f"{self.address} is not a primary ({where})")
+        if not alive:
+            raise aborted(f"{self.address} cannot reach the coordinator to renew its lease")
+
+    def replicate(self, method: str, request: Any, apply: Callable[[], Any]) -> Any:
+        """The primary's path of a change: apply, send to every backup, wait for them."""
+        with self._order:
+            self.check_primary()
+            result = apply()
+            with self._cond:
+                group = self._map.group_of(self.address)
+                assert group is not None and self._applied is not None
+                self._applied += 1
+                self._applied_epoch = group.epoch
+                forward = ps_pb2.ReplicateRequest(
+                    group=group.id,
+                    epoch=group.epoch,
+                    sequence=self._applied,
+                    method=method,
+                    request=request.SerializeToString(),
+                    primary=self.address,
+                )
+                backups = list(group.members)
+                for buffered in self._copying.values():
+                    buffered.append(forward)
+            sent = {b: self._pool.submit(self._forward, b, forward) for b in backups}
+        for backup, future in sent.items():
+            try:
+                future.result()
+            except Exception as e:
+                self._drop(backup, f"it did not apply change {forward.sequence}: {e}")
+        return result
+
+    def _forward(self, address: str, request: ps_pb2.ReplicateRequest) -> None:
+        stub = ps_pb2_grpc.ParameterServerStub(self._channel(address))
+        stub.Replicate(request, timeout=FORWARD_TIMEOUT)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._cond:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                self._channels[address] = channel
+            return channel
+
+    def _drop(self, address: str, why: str) -> None:
+        """Removes a backup (or joining server) from this primary's group."""
+        log.warning("removing %s from the group: %s", address, why)
+
+        def remove(m: ClusterMap) -> ClusterMap | None:
+            group = m.group_of(self.address)
+            if group is None or not group.holds(address) or address == self.address:
+                return None
+            return m.without(address)
+
+        self._change_map(remove, as_primary=True)
+
+    # The backup's side.
+
+    def on_replicate(self, request: ps_pb2.ReplicateRequest) -> int:
+        """Applies one change sent by the primary, in sequence order; returns its sequence."""
+        deadline = time.monotonic() + GAP_TIMEOUT
+        with self._cond:
+            while True:
+                self._check_sender(request.group, request.epoch, request.primary)
+                if (
+                    self._applied is not None
+                    and request.epoch == self._map.group(request.group).epoch
+                ):
+                    if request.sequence == self._applied + 1:
+                        break
+                    if request.sequence <= self._applied and request.epoch == self._applied_epoch:
+                        return int(request.sequence)
+                    if request.sequence <= self._applied:
+                        raise RequestError(
+                            "DATA_LOSS",
+                            f"{self.address} applied change {self._applied} of epoch "
+                            f"{self._applied_epoch}; epoch {request.epoch} sends "
+                            f"{request.sequence}: this replica has diverged",
+                        )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RequestError(
+                        "DATA_LOSS",
+                        f"{self.address} waited {GAP_TIMEOUT:g} s for change "
+                        f"{(self._applied or 0) + 1} before {request.sequence}",
+                    )
+                self._cond.wait(left)
+        message = getattr(ps_pb2, f"{request.method}Request")()
+        message.ParseFromString(request.request)
+        if request.method not in REPLICATED_METHODS:
+            raise RequestError("INVALID_ARGUMENT", f"{request.method} is not a change")
+        try:
+            self._apply(request.method, message)
+        except Exception as e:
+            log.exception("change %d (%s) failed on a backup", request.sequence, request.method)
+            raise RequestError(
+                "DATA_LOSS", f"{self.address} could not apply change {request.sequence}: {e}"
+            ) from e
+        finally:
+            with self._cond:
+                self._applied = request.sequence
+                self._applied_epoch = request.epoch
+                self._cond.notify_all()
+        return int(request.sequence)
+
+    def _check_sender(self, group_id: int, epoch: int, primary: str) -> None:
+        """Refuses a change from anyone but the current primary (caller holds `_cond`)."""
+        group = self._map.group_of(self.address)
+        if group is None or group.id != group_id or self.address == group.primary:
+            raise aborted(f"{self.address} is not a backup of group {group_id}")
+        if epoch < group.epoch or (epoch == group.epoch and primary != group.primary):
+            raise aborted(
+                f"{primary} sent epoch {epoch}; group {group_id} is at epoch {group.epoch} "
+                f"with primary {group.primary}"
+            )
+
+    def install_snapshot(self, chunks: Iterator[ps_pb2.SnapshotChunk]) -> int:
+        """A joining server loads the primary's state; returns its rows."""
+        parts: dict[str, tuple[dict[str, Any], list[Any]]] = {}
+        steps: dict[str, Any] | None = None
+        pending: list[tuple[int, int, list[Any]]] = []
+        first: ps_pb2.SnapshotChunk | None = None
+        for chunk in chunks:
+            if first is None:
+                first = chunk
+                with self._cond:
+                    self._check_sender(chunk.group, chunk.epoch, chunk.primary)
+            if chunk.table_config_json:
+                config = json.loads(chunk.table_config_json)
+                parts.setdefault(config["name"], (config, []))[1].append(chunk.rows)
+            if chunk.steps_json:
+                steps = json.loads(chunk.steps_json)
+                for push in chunk.pending:
+                    gradients = protocol.pushed_gradients(push, lambda n: parts[n][0]["dim"])
+                    pending.append((push.worker, push.step, list(gradients)))
+        if first is None or steps is None:
+            raise RequestError("INVALID_ARGUMENT", "a snapshot needs its last (steps) chunk")
+        tables = []
+        for config, messages in parts.values():
+            table = LocalTable(TableConfig.from_dict(config))
+            states = [protocol.read_state(m, table.dim, table.num_slots) for m in messages]
+            table.load_state(type(states[0]).concatenate(states))
+            tables.append(table)
+        with self._cond:
+            self._check_sender(first.group, first.epoch, first.primary)
+            self.shard.install(tables, steps, pending)
+            self._applied, self._applied_epoch = first.sequence, first.epoch
+            self._cond.notify_all()
+        return sum(len(t) for t in tables)
+
+    # The primary copies its state to a joining server.
+
+    def _copy_to(self, address: str) -> None:
+        """Snapshot, then the changes made meanwhile, then admission as a backup."""
+        with self._order:
+            with self._cond:
+                group = self._map.group_of(self.address)
+                if address in self._copying or group is None or address not in group.joining:
+                    return
+                self._copying[address] = []
+                header: dict[str, Any] = dict(
+                    group=group.id,
+                    epoch=group.epoch,
+                    sequence=self._applied or 0,
+                    primary=self.address,
+                )
+            tables = [(t.config(), t.export_state()) for t in self.shard.tables()]
+            steps, pending = self.shard.export_steps()
+        log.info("copying group %d (%d tables) to %s", group.id, len(tables), address)
+
+        def chunks() -> Iterator[ps_pb2.SnapshotChunk]:
+            for config, state in tables:
+                for begin in range(0, max(len(state.keys), 1), SNAPSHOT_ROWS):
+                    part = state.select(
+                        np.arange(begin, min(begin + SNAPSHOT_ROWS, len(state.keys)))
+                    )
+                    rows = protocol.write_state(ps_pb2.ExportRowsResponse(), part)
+                    yield ps_pb2.SnapshotChunk(
+                        **header, table_config_json=json.dumps(config), rows=rows
+                    )
+            yield ps_pb2.SnapshotChunk(
+                **header,
+                steps_json=json.dumps(steps),
+                pending=[protocol.push_request(w, s, ps_pb2.FLOAT32, p) for w, s, p in pending],
+            )
+
+        try:
+            stub = ps_pb2_grpc.ParameterServerStub(self._channel(address))
+            stub.InstallSnapshot(chunks(), timeout=6 * 3600.0)
+            while True:  # the changes made meanwhile, until few are left
+                with self._cond:
+                    changes, self._copying[address] = self._copying[address], []
+                self._send_all(address, changes)
+                if len(changes) < 16:
+                    break
+            with self._order:  # the last ones, and admission, between two changes
+                with self._cond:
+                    changes = self._copying.pop(address)
+                self._send_all(address, changes)
+                gid = group.id
+                self._change_map(
+                    lambda m: m.admit(gid, address) if address in m.group(gid).joining else None,
+                    as_primary=True,
+                )
+            log.info("%s is now a backup of group %d", address, group.id)
+        except Exception as e:
+            with self._cond:
+                self._copying.pop(address, None)
+            self._drop(address, f"copying to it failed: {e}")
+
+    def _send_all(self, address: str, changes: list[ps_pb2.ReplicateRequest]) -> None:
+        """Sends changes concurrently (the receiver applies them in order)."""
+        for future in [self._pool.submit(self._forward, address, c) for c in changes]:
+            future.result()

@@ -1,0 +1,117 @@
+"""`Routing`: which server a worker sends each group's requests to, kept current from etcd.
+
+Created by `ee.init(coordinator="etcd://host:port")`. It waits until the
+cluster map (`elastic_emb.ps.membership`) covers every slot with a primary,
+seals the map (no new groups form once tables may exist), and watches it:
+after a failover, `wait_for_change` wakes the worker's calls at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from elastic_emb import sharding
+from elastic_emb.ps import membership
+from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, Op
+from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
+
+__all__ = ["Routing"]
+
+
+class Routing:
+    """The primaries of the groups, in slot order. Thread-safe.
+
+    Raises:
+        ConnectionError: no complete cluster within `connect_timeout`.
+    """
+
+    def __init__(
+        self, coordinator: str, connect_timeout: float, prefix: str = DEFAULT_PREFIX
+    ) -> None:
+        self.coordinator = coordinator
+        self._etcd = Etcd(coordinator)
+        self._prefix = prefix
+        self._key = membership.map_key(prefix)
+        self._cond = threading.Condition()
+        self._map = self._sealed_map(connect_timeout)  # guarded by _cond
+        self.num_groups = len(self._map.groups)
+        self._watch = self._etcd.watch(self._key, self._on_events, self._map.revision + 1)
+
+    def _sealed_map(self, timeout: float) -> ClusterMap:
+        deadline = time.monotonic() + timeout
+        current = ClusterMap()
+        while True:
+            try:
+                current = ClusterMap.read(self._etcd, self._prefix)
+                if current.ready() and current.sealed:
+                    return current
+                if current.ready():
+                    current.sealed = True
+                    compare = [Compare.mod_revision(self._key, "=", current.revision)]
+                    result = self._etcd.txn(compare, [Op.put(self._key, current.to_json())])
+                    if result.succeeded:
+                        current.revision = result.revision
+                        return current
+                    continue
+            except EtcdError as e:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"elastic_emb: coordinator {self.coordinator} is unreachable: {e}"
+                    ) from None
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"elastic_emb: the cluster at {self.coordinator} has no primary for every "
+                    f"slot after {timeout:g} s (start servers with `elastic-emb serve "
+                    f"--coordinator {self.coordinator}`). Map: {current.describe()}"
+                )
+            time.sleep(0.1)
+
+    def _on_events(self, events: list[Any]) -> None:
+        new: ClusterMap | None = None
+        if not events:  # the watch restarted: read the map again
+            new = ClusterMap.read(self._etcd, self._prefix)
+        for event in events:
+            if event.type == "PUT":
+                new = ClusterMap.from_json(event.kv.value, event.kv.mod_revision)
+        with self._cond:
+            if new is not None and new.revision > self._map.revision:
+                self._map = new
+                self._cond.notify_all()
+
+    @property
+    def version(self) -> int:
+        with self._cond:
+            return self._map.revision
+
+    def primaries(self) -> list[str]:
+        """The primary of each group, in slot order."""
+        with self._cond:
+            groups = self._map.by_slot()
+        if len(groups) != self.num_groups:
+            raise RuntimeError(
+                f"the cluster at {self.coordinator} changed from {self.num_groups} to "
+                f"{len(groups)} groups while this worker was connected"
+            )
+        return [g.primary for g in groups]
+
+    def slot_ranges(self) -> list[tuple[int, int]]:
+        with self._cond:
+            return [(g.slot_begin, g.slot_end) for g in self._map.by_slot()]
+
+    def wait_for_change(self, version: int, timeout: float) -> None:
+        """Returns once the map is newer than `version`, or after `timeout`."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._map.revision > version, timeout)
+
+    def check_even(self) -> None:
+        """The groups' slot ranges are the even ones static routing assumes."""
+        n = self.num_groups
+        even = [(i * sharding.NUM_SLOTS // n, (i + 1) * sharding.NUM_SLOTS // n) for i in range(n)]
+        if self.slot_ranges() != even:
+            raise RuntimeError(f"uneven slot ranges {self.slot_ranges()} are not supported yet")
+
+    def close(self) -> None:
+        self._watch.cancel()
+        self._etcd.close()

