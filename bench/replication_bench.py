@@ -35,7 +35,8 @@ KEYS_PER_STEP = 4096
 
 
 def machine() -> str:
-    return f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python {platform.python_version()}"
+    cpu = platform.processor() or platform.machine()
+    return f"{os.cpu_count()} cores, {cpu}, Python {platform.python_version()}"
 
 
 def step(table: ee.Table, rng: np.random.Generator, vocab: int) -> None:
@@ -117,9 +118,7 @@ def failover(kills: int) -> None:
     print("| kills | median ms | p90 ms | min ms | max ms |")
     print("| --- | --- | --- | --- | --- |")
     p90 = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
-    print(
-        f"| {len(ms)} | {statistics.median(ms):.0f} | {p90:.0f} | {ms[0]:.0f} | {ms[-1]:.0f} |"
-    )
+    print(f"| {len(ms)} | {statistics.median(ms):.0f} | {p90:.0f} | {ms[0]:.0f} | {ms[-1]:.0f} |")
     print("\nAll (ms): " + ", ".join(f"{t:.0f}" for t in ms))
 
 

@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--ps", help="comma-separated PS addresses (host:port); default: in-process tables"
     )
+    demo.add_argument(
+        "--coordinator", help="etcd://HOST:PORT of a replicated cluster (instead of --ps)"
+    )
     demo.add_argument("--mode", choices=("async", "sync"), default="async", help="with --ps")
     demo.add_argument("--staleness", type=int, help="async staleness bound, with --ps")
     demo.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32")

@@ -1,7 +1,9 @@
 """One training worker for the cluster tests: a small DLRM on planted-signal data.
 
-Usage: python _remote_worker.py DATA_DIR OUT.npz --batch B [--ps A,B --mode sync
---tf-config JSON]. Without --ps the tables are in-process (the reference run).
+Usage: python _remote_worker.py DATA_DIR OUT.npz --batch B [--ps A,B | --coordinator
+URL] [--mode sync --tf-config JSON --kill PID]. Without --ps or --coordinator the
+tables are in-process (the reference run). --kill: SIGKILL process PID (a PS
+primary) after batch --kill-at-batch of the first epoch.
 With a TF_CONFIG of several workers, the dense model runs under
 MultiWorkerMirroredStrategy and every worker reads its share of each global
 batch. Writes the dense weights, the test predictions and the per-epoch loss.
@@ -10,6 +12,7 @@ batch. Writes the dense weights, the test predictions and the per-epoch loss.
 import argparse
 import json
 import os
+import signal
 import sys
 
 parser = argparse.ArgumentParser()
@@ -20,6 +23,11 @@ parser.add_argument("--ps")
 parser.add_argument("--mode", default="sync")
 parser.add_argument("--tf-config")
 parser.add_argument("--epochs", type=int, default=1)
+parser.add_argument(
+    "--coordinator", help="etcd://HOST:PORT of a replicated cluster (instead of --ps)"
+)
+parser.add_argument("--kill", type=int, help="SIGKILL this PS process at --kill-at-batch")
+parser.add_argument("--kill-at-batch", type=int, default=3)
 args = parser.parse_args()
 if args.tf_config:
     os.environ["TF_CONFIG"] = args.tf_config
@@ -44,7 +52,8 @@ def features(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
 
 def main() -> int:
     keras.utils.set_random_seed(0)
-    cluster = ee.init(ps=args.ps, mode=args.mode) if args.ps else None
+    remote = args.ps or args.coordinator
+    cluster = ee.init(ps=args.ps, coordinator=args.coordinator, mode=args.mode) if remote else None
     multi = cluster is not None and cluster.num_workers > 1
     strategy = (
         tf.distribute.MultiWorkerMirroredStrategy() if multi else tf.distribute.get_strategy()
@@ -62,7 +71,19 @@ def main() -> int:
         )
         model.compile(keras.optimizers.Adam(3e-3), "binary_crossentropy")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
-    history = model.fit(dataset, epochs=args.epochs, verbose=0)
+    callbacks = []
+    if args.kill:
+
+        class Kill(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == args.kill_at_batch and not self.killed:
+                    os.kill(args.kill, signal.SIGKILL)
+                    self.killed = True
+
+            killed = False
+
+        callbacks.append(Kill())
+    history = model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
     scores = np.concatenate(
         [
             keras.ops.convert_to_numpy(

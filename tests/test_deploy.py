@@ -339,3 +339,30 @@ def test_every_elastic_emb_command_in_deployment_md_parses():
             checked.append(_parse(args, "docs/deployment.md").command)
     assert len(checked) >= 5 and len(checked) > skipped, (checked, skipped)
     assert {"serve", "health", "demo"} <= set(checked)
+
+
+def test_replicated_manifests_parse_and_point_at_their_etcd():
+    """docs/kubernetes/replicated: etcd, replicated servers and their disruption budget."""
+    docs = []
+    for path in sorted((MANIFESTS / "replicated").glob("*.yaml")):
+        with path.open() as f:
+            docs += [d for d in yaml.safe_load_all(f) if d is not None]
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    services = {s["metadata"]["name"]: s for s in by_kind["Service"]}
+    ps = next(s for s in by_kind["StatefulSet"] if s["metadata"]["name"].endswith("ps-replicated"))
+    (container,) = ps["spec"]["template"]["spec"]["containers"]
+    (args,) = _invocations(_argv(container))
+    parsed = _parse(args, "replicated/ps.yaml")
+    assert parsed.replicas == 2 and ps["spec"]["replicas"] % parsed.replicas == 0
+    host, port = parsed.coordinator.removeprefix("etcd://").split(":")
+    etcd_port = services[host]["spec"]["ports"][0]["port"]
+    assert int(port) == etcd_port
+    # Servers advertise their own stable DNS name under their headless Service.
+    assert parsed.advertise.endswith(f".{ps['spec']['serviceName']}:{parsed.port}")
+    assert ps["spec"]["serviceName"] in services
+    (budget,) = by_kind["PodDisruptionBudget"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    labels = ps["spec"]["template"]["metadata"]["labels"].items()
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels

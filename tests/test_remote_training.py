@@ -1,9 +1,11 @@
 """Training against real `elastic-emb serve` shards: the modes, multi-worker, resharding."""
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -18,6 +20,7 @@ from elastic_emb import checkpoint, placement
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol as wire
 from elastic_emb.ps.cluster import Cluster
+from elastic_emb.ps.local_cluster import LocalCluster
 from elastic_emb.ps.remote_table import RemoteTable
 
 WORKER = Path(__file__).parent / "_remote_worker.py"
@@ -95,17 +98,37 @@ def _export(address: str, table: str) -> tuple[np.ndarray, np.ndarray]:
     return keys, wire.decode_floats(reply.values, ps_pb2.FLOAT32, len(keys), 8)
 
 
-def _multi_worker_run(data: Path, out: Path, mode: str) -> dict:
-    """2 workers under MultiWorkerMirroredStrategy with 2 PS shards; results of worker 0."""
-    out.mkdir()
+@contextlib.contextmanager
+def _static_shards() -> Iterator[tuple[Callable[[], list[str]], list[str]]]:
+    """Two PS shards: (their addresses, the worker arguments that use them)."""
     with shards(2) as ps:
+        addresses = [s.address for s in ps]
+        yield lambda: addresses, ["--ps", ",".join(addresses)]
+
+
+@contextlib.contextmanager
+def _replicated_shards(directory: Path) -> Iterator[tuple[Callable[[], list[str]], list[str]]]:
+    """Two groups of two replicas on etcd; worker 0 kills the primary of group 0 mid-fit."""
+    with LocalCluster(2, 2, directory) as c:
+        pid = c.servers[c.primaries()[0]].pid
+        yield c.primaries, ["--coordinator", c.coordinator, "--kill", str(pid)]
+
+
+def _multi_worker_run(data: Path, out: Path, mode: str, failover: bool = False) -> dict:
+    """2 workers under MultiWorkerMirroredStrategy with 2 PS shards; results of worker 0.
+
+    With `failover`, the shards are replica groups and a primary is killed mid-fit.
+    """
+    out.mkdir()
+    servers = _replicated_shards(out / "cluster") if failover else _static_shards()
+    with servers as (ps, worker_args):
         workers = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
         procs = []
         for i in range(2):
             tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
             command = [sys.executable, str(WORKER), str(data), str(out / f"worker{i}.npz")]
             command += ["--batch", "1024", "--epochs", "2", "--mode", mode]
-            command += ["--ps", ",".join(s.address for s in ps)]
+            command += worker_args if i == 0 else worker_args[:2]
             command += ["--tf-config", json.dumps(tf_config)]
             procs.append(
                 subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -115,7 +138,7 @@ def _multi_worker_run(data: Path, out: Path, mode: str) -> dict:
             assert proc.returncode == 0, stdout + stderr[-4000:]
         tables = {}
         for i in range(8):
-            parts = [_export(s.address, f"C{i + 1}") for s in ps]
+            parts = [_export(address, f"C{i + 1}") for address in ps()]
             keys = np.concatenate([k for k, _ in parts])
             values = np.concatenate([v for _, v in parts])
             order = np.argsort(keys)
@@ -145,6 +168,7 @@ def runs(tmp_path_factory):
         "reference": reference,
         "sync": _multi_worker_run(data, root / "sync", "sync"),
         "async": _multi_worker_run(data, root / "async", "async"),
+        "sync_failover": _multi_worker_run(data, root / "failover", "sync", failover=True),
     }
 
 
@@ -161,6 +185,17 @@ def test_two_workers_sync_equal_one_worker_with_twice_the_batch(runs):
         np.testing.assert_array_equal(sync["tables"][name][0], keys)
         np.testing.assert_allclose(sync["tables"][name][1], values, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(sync["scores"], reference["scores"], rtol=1e-5, atol=1e-6)
+
+
+def test_two_workers_lose_nothing_when_a_primary_is_killed_mid_fit(runs):
+    """Replica groups: a kill -9 of a primary during model.fit changes no bit of the result."""
+    sync, failover = runs["sync"], runs["sync_failover"]
+    assert sorted(failover["tables"]) == sorted(sync["tables"])
+    for name, (keys, values) in sync["tables"].items():
+        np.testing.assert_array_equal(failover["tables"][name][0], keys)
+        np.testing.assert_array_equal(failover["tables"][name][1], values)
+    for k in [*sorted(k for k in sync if k.startswith("w")), "loss", "scores"]:
+        np.testing.assert_array_equal(failover[k], sync[k])
 
 
 def test_async_reaches_the_auc_of_sync(runs):

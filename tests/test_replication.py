@@ -8,7 +8,6 @@ async with one worker).
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -43,7 +42,9 @@ def _export(address: str, table: str) -> dict[str, np.ndarray]:
     with grpc.insecure_channel(address) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         info = stub.DescribeTables(ps_pb2.DescribeTablesRequest(names=[table]), timeout=10)
-        response = stub.ExportRows(ps_pb2.ExportRowsRequest(table=table, with_state=True), timeout=10)
+        response = stub.ExportRows(
+            ps_pb2.ExportRowsRequest(table=table, with_state=True), timeout=10
+        )
     t = info.tables[0]
     state = protocol.read_state(response, t.dim, t.num_slots)
     order = np.argsort(state.keys)
@@ -137,10 +138,21 @@ def test_cluster_forms_and_reports_its_status(cluster):
     assert all(len(g.members) == 1 and not g.joining for g in m.groups)
     status = json.loads(
         subprocess.run(
-            [sys.executable, "-m", "elastic_emb.cli", "cluster", "status", "--json",
-             "--coordinator", cluster.coordinator],  # fmt: skip
-            capture_output=True, text=True, check=True, timeout=60,
-        ).stdout  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "elastic_emb.cli",
+                "cluster",
+                "status",
+                "--json",
+                "--coordinator",
+                cluster.coordinator,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
     )
     assert status == json.loads(json.dumps(cluster_status(cluster.coordinator)))
     roles = sorted(s["role"] for s in status["servers"].values())
@@ -196,13 +208,15 @@ def test_keras_fit_survives_a_primary_killed_mid_epoch(cluster):
             if batch == 5 and cluster.servers[victim].poll() is None:
                 cluster.kill(victim)
 
-    history = remote.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[Kill()])
+    history = remote.fit(
+        x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[Kill()]
+    )
     assert cluster.servers[victim].poll() is not None
     assert history.history["loss"] == local_history.history["loss"]
     for weight, local_weight in zip(remote.get_weights(), local.get_weights(), strict=True):
         np.testing.assert_array_equal(weight, local_weight)
     for name in ("ka", "kb"):
-        local_table = next(l.table for l in local.layers if l.name == name)
+        local_table = next(layer.table for layer in local.layers if layer.name == name)
         _assert_same_state(_cluster_state(cluster, name), _local_state(local_table))
 
 
@@ -229,6 +243,36 @@ def test_killed_backup_is_dropped_and_a_new_server_catches_up(cluster):
     _assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
 
 
+def test_two_primaries_killed_in_a_row_with_three_replicas(tmp_path):
+    """R=3: the first failover leaves a backup; a newcomer joins while the next primary dies."""
+    reference = _table("ref")
+    _train(reference, range(1, 41))
+    with LocalCluster(1, 3, tmp_path / "cluster") as c:
+        ee.init(coordinator=c.coordinator, mode="sync")
+        try:
+            table = _table("t")
+            _train(table, range(1, 11))
+            first = c.primaries()[0]
+            c.kill(first)
+            _train(table, range(11, 21))
+            second = c.primaries()[0]
+            assert second != first
+            newcomer = c.start_server()  # joining: the copy may or may not have begun...
+            time.sleep(0.5)
+            c.kill(second)  # ...when the primary it copies from dies
+            _train(table, range(21, 31))
+            c.wait_until(
+                lambda: newcomer in c.map().groups[0].members, 60, "the newcomer caught up"
+            )
+            _train(table, range(31, 41))
+            _assert_same_state(_cluster_state(c, "t"), _local_state(reference))
+            (group,) = c.map().groups
+            for backup in group.members:
+                _assert_same_state(_export(group.primary, "t"), _export(backup, "t"))
+        finally:
+            ee.shutdown()
+
+
 def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster):
     """No split brain: a primary cut off (SIGSTOP) is replaced; when it wakes it refuses writes."""
     ee.init(coordinator=cluster.coordinator, mode="async")
@@ -241,7 +285,9 @@ def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster)
         assert cluster.primaries()[0] != old
     finally:
         cluster.servers[old].send_signal(signal.SIGCONT)
-    push = protocol.push_request(0, 11, ps_pb2.FLOAT32, [("t", np.array([1]), np.ones((1, 8), np.float32))])
+    push = protocol.push_request(
+        0, 11, ps_pb2.FLOAT32, [("t", np.array([1]), np.ones((1, 8), np.float32))]
+    )
     with grpc.insecure_channel(old) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             ps_pb2_grpc.ParameterServerStub(channel).Push(push, timeout=10)

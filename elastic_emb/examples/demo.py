@@ -32,9 +32,10 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
 
     keras.utils.set_random_seed(args.seed)
     cluster = None
-    if args.ps:
+    if args.ps or args.coordinator:
         cluster = ee.init(
             ps=args.ps,
+            coordinator=args.coordinator,
             mode=args.mode,
             staleness=args.staleness,
             wire_dtype=args.wire_dtype,

@@ -184,7 +184,7 @@ class Cluster:
             return routing.primaries()[group] != address
 
         while True:
-            version = self.routing.version
+            version = routing.version
             try:
                 return self.shards.call(group, method, request, timeout, abandon)
             except ConnectionError as e:  # NotPrimary too
@@ -196,10 +196,10 @@ class Cluster:
                     ) from None
                 if (
                     not isinstance(e, NotPrimary)
-                    or self.routing.primaries()[group] == (self.shards.addresses[group])
+                    or routing.primaries()[group] == (self.shards.addresses[group])
                 ):
-                    self.routing.wait_for_change(version, min(left, 0.25))
-            self.shards.set_address(group, self.routing.primaries()[group])
+                    routing.wait_for_change(version, min(left, 0.25))
+            self.shards.set_address(group, routing.primaries()[group])
 
     # Tables.
 

@@ -515,7 +515,11 @@ class Replica:
         steps: dict[str, Any] | None = None
         pending: list[tuple[int, int, list[Any]]] = []
         first: ps_pb2.SnapshotChunk | None = None
-        for chunk in chunks:
+        try:
+            received = list(chunks)
+        except grpc.RpcError as e:  # the sender died or gave up
+            raise aborted(f"the snapshot stream broke: {e}") from None
+        for chunk in received:
             if first is None:
                 first = chunk
                 with self._cond:
