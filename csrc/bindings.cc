@@ -227,6 +227,32 @@ void BindTableMethods(py::class_<T>& cls) {
       .def("memory_bytes", &T::MemoryBytes, py::call_guard<py::gil_scoped_release>());
 }
 
+// Change tracking of the CPU table (incremental checkpoints).
+void BindChangeTracking(py::class_<elastic_emb::Table>& cls) {
+  cls.def(
+      "export_changes",
+      [](elastic_emb::Table& t, bool all) {
+        elastic_emb::ExportedChanges changes;
+        {
+          py::gil_scoped_release release;
+          changes = t.ExportChanges(all);
+        }
+        elastic_emb::ExportedRows& rows = changes.rows;
+        const auto m = static_cast<py::ssize_t>(rows.keys.size());
+        const auto e = static_cast<py::ssize_t>(changes.erased.size());
+        const py::ssize_t dim = t.dim(), slot_width = t.num_slots() * t.dim();
+        return py::make_tuple(
+            ToNumpy(std::move(rows.keys), {m}), ToNumpy(std::move(rows.values), {m, dim}),
+            ToNumpy(std::move(rows.slots), {m, slot_width}),
+            ToNumpy(std::move(rows.last_step), {m}), ToNumpy(std::move(rows.update_count), {m}),
+            ToNumpy(std::move(changes.erased), {e}), changes.change_set);
+      },
+      py::arg("all"),
+      "Closes the change set: (keys, values, slots, last_step, update_count) of the rows "
+      "changed since the previous call (every row with all=True), the keys erased since "
+      "(int64 (e,)), and the number of the change set.");
+}
+
 #if EE_WITH_CUDA
 // DLPack (https://dmlc.github.io/dlpack): the C ABI of a tensor handed
 // between frameworks in a PyCapsule named "dltensor".
@@ -403,6 +429,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<elastic_emb::Table> table(m, "Table");
   table.def(py::init<const elastic_emb::TableOptions&>(), py::arg("options"));
   BindTableMethods(table);
+  BindChangeTracking(table);
 
 #if EE_WITH_CUDA
   BindDevice(m);

@@ -39,6 +39,21 @@ inline uint32_t GetWord(const float* p) {
 
 inline void SetWord(float* p, uint32_t w) { std::memcpy(p, &w, sizeof(w)); }
 
+// Row bit sets of the change tracking: one word per arena chunk.
+static_assert(kChunkRows == 64, "one 64-bit word of a row bit set per arena chunk");
+
+inline bool TestBit(const std::vector<uint64_t>& bits, uint32_t row) {
+  return (bits[row >> kChunkRowsLog2] >> (row & (kChunkRows - 1))) & 1u;
+}
+
+inline void SetBit(std::vector<uint64_t>& bits, uint32_t row) {
+  bits[row >> kChunkRowsLog2] |= uint64_t{1} << (row & (kChunkRows - 1));
+}
+
+inline void ClearBit(std::vector<uint64_t>& bits, uint32_t row) {
+  bits[row >> kChunkRowsLog2] &= ~(uint64_t{1} << (row & (kChunkRows - 1)));
+}
+
 }  // namespace
 
 struct Table::Shard {
@@ -49,6 +64,10 @@ struct Table::Shard {
   std::vector<float*> chunks;
   uint32_t next_row = 0;
   std::vector<uint32_t> free_rows;
+  // Change tracking (see table.h), one bit per row, one word per chunk:
+  std::vector<uint64_t> changed;  // row inserted, pushed or imported since the last ExportChanges
+  std::vector<uint64_t> added;    // row inserted since the last ExportChanges
+  std::vector<int64_t> erased;    // keys present at the last ExportChanges, erased since
 };
 
 void TableOptions::Validate() const {
@@ -121,6 +140,27 @@ float* Table::Row(const Shard& s, uint32_t row) const {
          static_cast<size_t>(row & (kChunkRows - 1)) * row_floats_;
 }
 
+void Table::MarkChanged(Shard& s, uint32_t row) { SetBit(s.changed, row); }
+
+void Table::CopyRow(const Shard& s, int64_t key, uint32_t row, ExportedRows& out, int64_t i) const {
+  const int dim = options_.dim;
+  const int slot_floats = num_slots_ * dim;
+  const float* r = Row(s, row);
+  out.keys[i] = key;
+  std::memcpy(&out.values[i * dim], r, sizeof(float) * dim);
+  std::memcpy(out.slots.data() + i * slot_floats, r + dim, sizeof(float) * slot_floats);
+  out.last_step[i] = GetWord(r + row_floats_ - 2);
+  out.update_count[i] = GetWord(r + row_floats_ - 1);
+}
+
+void Table::ResizeRows(ExportedRows& out, int64_t m) const {
+  out.keys.resize(m);
+  out.values.resize(m * options_.dim);
+  out.slots.resize(m * num_slots_ * options_.dim);
+  out.last_step.resize(m);
+  out.update_count.resize(m);
+}
+
 void Table::InitRow(int64_t key, float* row) const {
   const int dim = options_.dim;
   InitialValue(options_.initializer, key, dim, row);
@@ -140,9 +180,13 @@ uint32_t Table::FindOrInsert(Shard& s, int64_t key, uint64_t hash) {
       row = s.next_row++;
       if ((row >> kChunkRowsLog2) >= s.chunks.size()) {
         s.chunks.push_back(arena_->NewChunk());
+        s.changed.push_back(0);
+        s.added.push_back(0);
       }
     }
     InitRow(key, Row(s, row));
+    SetBit(s.changed, row);
+    SetBit(s.added, row);
     return row;
   });
 }
@@ -219,6 +263,7 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
       ApplyUpdate(rule, dim, grad, r, r + dim);
       SetWord(r + row_floats_ - 2, static_cast<uint32_t>(step));
       SetWord(r + row_floats_ - 1, GetWord(r + row_floats_ - 1) + 1);
+      MarkChanged(s, row);
       a = e;
     }
     TrimScratch(scratch, by_row);
@@ -232,7 +277,9 @@ void Table::Import(int64_t n, const int64_t* keys, const float* values, const fl
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     for (int64_t k = 0; k < b.count; ++k) {
       const int64_t i = b.pos[k];
-      float* r = Row(s, FindOrInsert(s, b.keys[k], b.hashes[k]));
+      const uint32_t row = FindOrInsert(s, b.keys[k], b.hashes[k]);
+      MarkChanged(s, row);
+      float* r = Row(s, row);
       std::memcpy(r, values + i * dim, sizeof(float) * dim);
       if (slots != nullptr) {
         std::memcpy(r + dim, slots + i * slot_floats, sizeof(float) * slot_floats);
@@ -253,26 +300,44 @@ ExportedRows Table::Export() const {
     locks.emplace_back(s->mu);
     total += s->index.size();
   }
-  const int dim = options_.dim;
-  const int slot_floats = num_slots_ * dim;
   ExportedRows out;
-  out.keys.resize(total);
-  out.values.resize(total * dim);
-  out.slots.resize(total * slot_floats);
-  out.last_step.resize(total);
-  out.update_count.resize(total);
+  ResizeRows(out, total);
+  int64_t i = 0;
+  for (const auto& s : shards_) {
+    s->index.ForEach([&](int64_t key, uint32_t row) { CopyRow(*s, key, row, out, i++); });
+  }
+  return out;
+}
+
+ExportedChanges Table::ExportChanges(bool all) {
+  std::vector<std::unique_lock<std::mutex>> locks;
+  locks.reserve(shards_.size());
+  int64_t total = 0, erased = 0;
+  for (const auto& s : shards_) {
+    locks.emplace_back(s->mu);
+    if (all) {
+      total += s->index.size();
+    } else {
+      // Erased and free rows have both bits clear: this counts live rows.
+      for (const uint64_t word : s->changed) total += __builtin_popcountll(word);
+      erased += static_cast<int64_t>(s->erased.size());
+    }
+  }
+  ExportedChanges out;
+  ResizeRows(out.rows, total);
+  out.erased.reserve(erased);
   int64_t i = 0;
   for (const auto& s : shards_) {
     s->index.ForEach([&](int64_t key, uint32_t row) {
-      const float* r = Row(*s, row);
-      out.keys[i] = key;
-      std::memcpy(&out.values[i * dim], r, sizeof(float) * dim);
-      std::memcpy(out.slots.data() + i * slot_floats, r + dim, sizeof(float) * slot_floats);
-      out.last_step[i] = GetWord(r + row_floats_ - 2);
-      out.update_count[i] = GetWord(r + row_floats_ - 1);
-      ++i;
+      if (all || TestBit(s->changed, row)) CopyRow(*s, key, row, out.rows, i++);
     });
+    if (!all) out.erased.insert(out.erased.end(), s->erased.begin(), s->erased.end());
+    // The next change set starts empty: every live row counts as present.
+    std::fill(s->changed.begin(), s->changed.end(), 0);
+    std::fill(s->added.begin(), s->added.end(), 0);
+    std::vector<int64_t>().swap(s->erased);
   }
+  out.change_set = change_sets_++;
   return out;
 }
 
@@ -282,6 +347,11 @@ int64_t Table::Erase(int64_t n, const int64_t* keys) {
     for (int64_t k = 0; k < b.count; ++k) {
       const uint32_t row = s.index.Erase(b.keys[k], b.hashes[k]);
       if (row == kNoRow) continue;
+      // Every deletion comes through here: a key that the last change set
+      // saw present is logged for the next one.
+      if (!TestBit(s.added, row)) s.erased.push_back(b.keys[k]);
+      ClearBit(s.changed, row);
+      ClearBit(s.added, row);
       s.free_rows.push_back(row);
       erased.fetch_add(1, std::memory_order_relaxed);
     }
@@ -321,6 +391,8 @@ int64_t Table::MemoryBytes() const {
     std::lock_guard<std::mutex> lock(s->mu);
     bytes += s->index.MemoryBytes();
     bytes += static_cast<int64_t>(s->free_rows.capacity() * sizeof(uint32_t));
+    bytes += static_cast<int64_t>((s->changed.capacity() + s->added.capacity()) * sizeof(uint64_t));
+    bytes += static_cast<int64_t>(s->erased.capacity() * sizeof(int64_t));
   }
   return bytes + static_cast<int64_t>(arena_->ReservedBytes());
 }

@@ -12,6 +12,15 @@
 // at once. Batch methods block, split their keys by shard and run the shards
 // on the process thread pool.
 //
+// Change tracking (incremental checkpoints): every row carries two bits,
+// "changed" (inserted, pushed or imported) and "added" (inserted), and each
+// shard logs the keys erased whose rows were present at the last
+// ExportChanges (their "added" bit clear). ExportChanges copies the changed
+// rows and the erased keys and clears all of it at once, so the rows of a
+// table are always: its rows at the last ExportChanges, minus the erased
+// keys, with the changed rows replaced or added. The erased log holds at most
+// the number of rows present at the last ExportChanges (none before the first).
+//
 // Usage:
 //   TableOptions o; o.dim = 16; o.optimizer.kind = OptimizerKind::kAdagrad;
 //   Table t(o);
@@ -49,6 +58,16 @@ struct ExportedRows {
   std::vector<uint32_t> update_count;  // (m,)
 };
 
+// What ExportChanges returns: one change set of a table.
+struct ExportedChanges {
+  ExportedRows rows;            // the rows changed in the set (every row with `all`)
+  std::vector<int64_t> erased;  // (e,): keys present when the set opened, erased since
+  // The set's number: how many ExportChanges calls came before this one. The
+  // set numbered s holds the changes since call s (s = 0: since the table
+  // was built, i.e. every row).
+  uint64_t change_set = 0;
+};
+
 class Table {
  public:
   explicit Table(const TableOptions& options);
@@ -79,6 +98,15 @@ class Table {
 
   // A consistent copy of every row (all shards locked while copying).
   ExportedRows Export() const;
+
+  // Closes the current change set and opens the next one: copies the rows
+  // inserted, pushed or imported since the previous call (every row with
+  // `all`) and the keys that were present at the previous call and have been
+  // erased since (none with `all`), then clears the tracking. All shards are
+  // locked at once, so the copy is a consistent snapshot and every change
+  // made concurrently lands in exactly one change set. Blocks pulls and
+  // pushes while it copies.
+  ExportedChanges ExportChanges(bool all);
 
   // Removes keys; returns how many were present.
   int64_t Erase(int64_t n, const int64_t* keys);
@@ -115,6 +143,11 @@ class Table {
   const uint32_t* LookupRows(Shard& s, const ShardBatch& b, bool insert,
                              std::vector<uint32_t>& rows);
   float* Row(const Shard& s, uint32_t row) const;
+  // Marks a row as changed since the last ExportChanges.
+  static void MarkChanged(Shard& s, uint32_t row);
+  // Copies row `row` of key `key` into row i of `out` (sized by ResizeRows).
+  void CopyRow(const Shard& s, int64_t key, uint32_t row, ExportedRows& out, int64_t i) const;
+  void ResizeRows(ExportedRows& out, int64_t m) const;
   void InitRow(int64_t key, float* row) const;
 
   TableOptions options_;
@@ -122,6 +155,7 @@ class Table {
   int row_floats_;                         // floats per arena row, metadata words included
   std::unique_ptr<ChunkAllocator> arena_;  // before shards_: outlives them
   std::vector<std::unique_ptr<Shard>> shards_;
+  uint64_t change_sets_ = 0;  // ExportChanges calls so far; guarded by every shard's mutex
 };
 
 }  // namespace elastic_emb

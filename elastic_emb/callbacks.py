@@ -30,6 +30,11 @@ class Checkpoint(keras.callbacks.Callback):
     As with `keras.callbacks.BackupAndRestore`, a checkpoint taken mid-epoch
     resumes at the start of that epoch (its first batches train again).
 
+    With `incremental=True`, each checkpoint's `tables/` starts as a copy of
+    the previous checkpoint's (hard links: no bytes copied) and gets one delta
+    of the rows changed since (`ee.save(..., incremental=True)`), so every
+    checkpoint is complete on its own while only changes are written.
+
     Example:
         >>> cb = Checkpoint("/tmp/run1", save_freq="epoch")
         >>> model.fit(ds, epochs=10, callbacks=[cb])  # doctest: +SKIP
@@ -39,6 +44,9 @@ class Checkpoint(keras.callbacks.Callback):
         save_freq: "epoch", or an int: save every that many training batches.
         max_to_keep: int, number of newest checkpoints kept on disk.
         resume: bool, restore from `directory/latest` when training starts.
+        incremental: bool, write the tables as deltas (in-process CPU tables).
+        max_deltas: int >= 0, with `incremental`, the most deltas before a
+            checkpoint writes its tables in full again.
 
     Raises:
         ValueError: on an invalid argument.
@@ -50,6 +58,8 @@ class Checkpoint(keras.callbacks.Callback):
         save_freq: str | int = "epoch",
         max_to_keep: int = 2,
         resume: bool = True,
+        incremental: bool = False,
+        max_deltas: int = checkpoint.DEFAULT_MAX_DELTAS,
     ) -> None:
         super().__init__()
         if save_freq != "epoch" and (
@@ -62,10 +72,18 @@ class Checkpoint(keras.callbacks.Callback):
             raise ValueError(
                 f"`max_to_keep` must be a positive int. Received: max_to_keep={max_to_keep!r}"
             )
+        if not isinstance(incremental, bool):
+            raise ValueError(f"`incremental` must be a bool. Received: incremental={incremental!r}")
+        if isinstance(max_deltas, bool) or not isinstance(max_deltas, int) or max_deltas < 0:
+            raise ValueError(
+                f"`max_deltas` must be a non-negative int. Received: max_deltas={max_deltas!r}"
+            )
         self.directory = Path(directory)
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.resume = resume
+        self.incremental = incremental
+        self.max_deltas = max_deltas
         self._epoch = 0
         self._global_step = 0
         self._batches_since_save = 0
@@ -126,7 +144,10 @@ class Checkpoint(keras.callbacks.Callback):
         final = self.directory / name
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        checkpoint.save(tmp / "tables", tables=self._tables())
+        if self.incremental:
+            self._save_incremental(tmp / "tables")
+        else:
+            checkpoint.save(tmp / "tables", tables=self._tables())
         self.model.save_weights(tmp / "model.weights.h5")
         state = {"epoch": epoch, "global_step": self._global_step}
         (tmp / "state.json").write_text(json.dumps(state))
@@ -137,6 +158,19 @@ class Checkpoint(keras.callbacks.Callback):
         os.replace(pointer_tmp, self.directory / _LATEST)
         self._prune(keep=final)
         return final
+
+    def _save_incremental(self, tables_dir: Path) -> None:
+        """The tables as the previous checkpoint's chains plus one delta each."""
+        try:
+            previous = self.latest()
+            if previous is not None:
+                checkpoint.clone(previous / "tables", tables_dir)
+        except (checkpoint.CheckpointError, OSError):
+            # No usable previous checkpoint: the save writes bases.
+            shutil.rmtree(tables_dir, ignore_errors=True)
+        checkpoint.save(
+            tables_dir, tables=self._tables(), incremental=True, max_deltas=self.max_deltas
+        )
 
     def _tables(self) -> list[Any]:
         """The tables of the model's elastic_emb layers."""

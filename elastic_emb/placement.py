@@ -126,6 +126,8 @@ def init(
             rows and pushed gradients (the PS optimizer runs in float32).
         worker_index, num_workers: this worker's place; default from
             `TF_CONFIG` (task index, number of "worker"/"chief" tasks), else 0 of 1.
+            With a coordinator, workers are elastic: any index >= 0 joins
+            (and leaves when its process ends; docs/fault-tolerance.md).
         timeout: seconds a call may wait for other workers (sync, bounded
             staleness) before failing with `TimeoutError`.
         connect_timeout: seconds to wait for each PS to answer at start.

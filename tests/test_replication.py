@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import keras
@@ -314,3 +315,66 @@ def test_training_goes_on_across_an_etcd_restart(cluster):
         restart.join()
     assert cluster.complete()  # the same servers, in the same roles
     _assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+
+
+# Elastic workers (a coordinator makes workers elastic).
+
+ELASTIC_WORKER = Path(__file__).parent / "_elastic_worker.py"
+
+
+def _worker(c: LocalCluster, mode: str, index: int, steps: int, gradient: float, *extra: str):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(ELASTIC_WORKER),
+            c.coordinator,
+            mode,
+            str(index),
+            str(steps),
+            str(gradient),
+            *extra,
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _pushed(lines: list[str]) -> int:
+    return max((int(line.split()[1]) for line in lines if line.startswith("pushed")), default=0)
+
+
+def _run_to_end(process: subprocess.Popen, timeout: float = 120) -> int:
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err[-3000:]
+    return _pushed(out.splitlines())
+
+
+@pytest.mark.parametrize("mode, staleness", [("sync", ()), ("async", ("1",))])
+def test_workers_join_and_a_dead_one_stops_holding_the_others(cluster, mode, staleness):
+    """Worker 1 dies mid-run; worker 0 goes on once its lease ends; worker 2 joins later.
+
+    SGD(1.0) from zeros on one key: the value is minus the sum of the applied
+    gradients (1 per step of worker 0, 10 of worker 1, 100 of worker 2), exact.
+    """
+    steady = _worker(cluster, mode, 0, 60, 1.0, *staleness)
+    doomed = _worker(cluster, mode, 1, 0, 10.0, *staleness)
+    seen: list[str] = []
+    assert doomed.stdout is not None
+    for line in doomed.stdout:
+        seen.append(line)
+        if _pushed(seen) >= 5:
+            break
+    doomed.kill()
+    doomed.wait()
+    acknowledged = _pushed(seen + doomed.stdout.read().splitlines())
+    late = _worker(cluster, mode, 2, 5, 100.0, *staleness)
+    assert _run_to_end(late) == 5
+    assert _run_to_end(steady) == 60
+    ee.init(coordinator=cluster.coordinator, mode=mode, worker_index=3, num_workers=1,
+            staleness=int(staleness[0]) if staleness else None)  # fmt: skip
+    table = ee.Table(1, optimizer=ee.optimizers.SGD(1.0), initializer="zeros", name="e")
+    value = float(table.pull(np.array([0]), train=False)[0, 0])
+    # Worker 1's last push may have been applied without its answer arriving.
+    expected = [-(60 + 10 * k + 100 * 5) for k in (acknowledged, acknowledged + 1)]
+    assert value in expected, (value, expected)

@@ -76,16 +76,24 @@ class TablesResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker", "num_workers", "mode", "staleness")
+    __slots__ = ("worker", "num_workers", "mode", "staleness", "elastic")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
     worker: int
     num_workers: int
     mode: Mode
     staleness: int
-    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ...) -> None: ...
+    elastic: bool
+    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., elastic: bool = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    def __init__(self, worker: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("step",)

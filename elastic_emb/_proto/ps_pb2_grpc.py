@@ -29,6 +29,11 @@ class ParameterServerStub(object):
                 request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.JoinRequest.SerializeToString,
                 response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.JoinResponse.FromString,
                 )
+        self.Leave = channel.unary_unary(
+                '/elastic_emb.ps.v1.ParameterServer/Leave',
+                request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.JoinResponse.FromString,
+                )
         self.Pull = channel.unary_unary(
                 '/elastic_emb.ps.v1.ParameterServer/Pull',
                 request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
@@ -109,6 +114,13 @@ class ParameterServerServicer(object):
 
     def Join(self, request, context):
         """A worker announces itself and the training mode; all workers must agree.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """An elastic worker leaves (or its lease expired): no step waits for it any more.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -208,6 +220,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
                     request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.JoinRequest.FromString,
+                    response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.JoinResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.LeaveRequest.FromString,
                     response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.JoinResponse.SerializeToString,
             ),
             'Pull': grpc.unary_unary_rpc_method_handler(
@@ -327,6 +344,23 @@ class ParameterServer(object):
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/elastic_emb.ps.v1.ParameterServer/Join',
             elastic__emb_dot_ps_dot_v1_dot_ps__pb2.JoinRequest.SerializeToString,
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.JoinResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/elastic_emb.ps.v1.ParameterServer/Leave',
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
             elastic__emb_dot_ps_dot_v1_dot_ps__pb2.JoinResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

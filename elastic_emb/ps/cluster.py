@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from elastic_emb import sharding
+from elastic_emb._proto import ps_pb2
 from elastic_emb.ps import protocol
 from elastic_emb.ps.client import NotPrimary, ShardClient
 
@@ -32,6 +33,8 @@ MODES = ("async", "sync")
 _RPC_MARGIN_SECONDS = 60.0
 # Shards write and read whole tables: allow them hours, not the step timeout.
 CHECKPOINT_TIMEOUT = 6 * 3600.0
+# With a coordinator: a worker that stops renewing its lease for this long has left.
+WORKER_LEASE_SECONDS = 3
 # Pushes of a worker that may be in flight while it pulls again.
 _PUSHES_AHEAD = 2
 
@@ -92,9 +95,10 @@ class Cluster:
                 "`staleness` must be a non-negative integer, with mode='async'. "
                 f"Received: staleness={staleness!r}, mode={mode!r}"
             )
-        if num_workers < 1 or not 0 <= worker_index < num_workers:
+        elastic = routing is not None  # any index: workers come and go
+        if num_workers < 1 or worker_index < 0 or (worker_index >= num_workers and not elastic):
             raise ValueError(
-                "`worker_index` must be in [0, num_workers). "
+                "`worker_index` must be in [0, num_workers) (any index >= 0 with a coordinator). "
                 f"Received: worker_index={worker_index}, num_workers={num_workers}"
             )
         # Read-only after construction.
@@ -130,7 +134,11 @@ class Cluster:
         self._in_flight: collections.deque[concurrent.futures.Future[None]] = collections.deque()
         try:
             self.shards.connect(connect_timeout)
-            join = protocol.join_request(worker_index, num_workers, mode, staleness)
+            if routing is not None:  # elastic: no step waits for this worker once it is gone
+                routing.register_worker(worker_index, WORKER_LEASE_SECONDS)
+            join = protocol.join_request(
+                worker_index, num_workers, mode, staleness, elastic=routing is not None
+            )
             steps = {r.step for r in self._call_all("Join", [join] * self.num_shards)}
             if len(steps) != 1:
                 raise RuntimeError(f"PS shards {self.addresses} are at different steps {steps}")
@@ -154,9 +162,12 @@ class Cluster:
             return self._step
 
     def close(self) -> None:
-        """Sends pending pushes, waits for them, and closes the connections."""
+        """Sends pending pushes, waits for them, leaves (elastic), closes the connections."""
         try:
             self.flush()
+            if self.routing is not None:
+                leave = ps_pb2.LeaveRequest(worker=self.worker_index)
+                self._call_all("Leave", [leave] * self.num_shards)
         finally:
             self._close_connections()
 
@@ -210,15 +221,11 @@ class Cluster:
 
     def describe(self, name: str) -> list[Any]:
         """The table's TableInfo on each shard."""
-        from elastic_emb._proto import ps_pb2
-
         request = ps_pb2.DescribeTablesRequest(names=[name])
         return [r.tables[0] for r in self._call_all("DescribeTables", [request] * self.num_shards)]
 
     def server_stats(self) -> list[Any]:
         """Each shard's StatsResponse."""
-        from elastic_emb._proto import ps_pb2
-
         return self._call_all("Stats", [ps_pb2.StatsRequest()] * self.num_shards)
 
     def save_tables(self, directories: list[str], names: list[str]) -> None:

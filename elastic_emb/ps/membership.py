@@ -26,7 +26,10 @@ import numpy as np
 
 from elastic_emb import sharding
 
-__all__ = ["DEFAULT_PREFIX", "ClusterMap", "Group", "map_key", "server_key", "servers_prefix"]
+__all__ = [
+    "DEFAULT_PREFIX", "ClusterMap", "Group", "map_key", "server_key", "servers_prefix",
+    "worker_key", "workers_prefix",
+]  # fmt: skip
 
 DEFAULT_PREFIX = "/elastic_emb/default/"  # every key of a cluster starts with its prefix
 
@@ -41,6 +44,15 @@ def servers_prefix(prefix: str) -> str:
 
 def server_key(prefix: str, address: str) -> str:
     return f"{servers_prefix(prefix)}{address}"
+
+
+def workers_prefix(prefix: str) -> str:
+    """Elastic workers hold `<prefix>workers/<index>` under their lease."""
+    return f"{prefix}workers/"
+
+
+def worker_key(prefix: str, worker: int) -> str:
+    return f"{workers_prefix(prefix)}{worker}"
 
 
 @dataclasses.dataclass

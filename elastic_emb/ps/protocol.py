@@ -221,12 +221,15 @@ def table_info(table: Table) -> ps_pb2.TableInfo:
 # Training.
 
 
-def join_request(worker: int, num_workers: int, mode: str, staleness: int | None) -> Any:
+def join_request(
+    worker: int, num_workers: int, mode: str, staleness: int | None, elastic: bool = False
+) -> Any:
     return ps_pb2.JoinRequest(
         worker=worker,
         num_workers=num_workers,
         mode=ps_pb2.SYNC if mode == "sync" else ps_pb2.ASYNC,
         staleness=-1 if staleness is None else staleness,
+        elastic=elastic,
     )
 
 

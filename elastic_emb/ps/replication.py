@@ -52,7 +52,9 @@ __all__ = ["REPLICATED_METHODS", "Replica"]
 log = logging.getLogger("elastic_emb.server")
 
 # The requests that change a shard's state: every replica applies them, in order.
-REPLICATED_METHODS = ("CreateTables", "Join", "Push", "ImportRows", "EraseRows", "Restore")
+REPLICATED_METHODS = (
+    "CreateTables", "Join", "Leave", "Push", "ImportRows", "EraseRows", "Restore",
+)  # fmt: skip
 PING_SECONDS = 0.1  # a backup asks its primary this often...
 PING_FAILURES = 3  # ...and takes over after this many failures in a row
 FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
@@ -120,6 +122,8 @@ class Replica:
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="ee-replicate")
         self._threads: list[threading.Thread] = []
         self._watch: Any = None
+        # Set by the server: records that an elastic worker left (a change, on a primary).
+        self.worker_gone: Callable[[int], None] = lambda worker: None
 
     # Life cycle.
 
@@ -231,14 +235,29 @@ class Replica:
     def _on_events(self, events: list[Any]) -> None:
         map_key = membership.map_key(self._prefix)
         servers = membership.servers_prefix(self._prefix)
+        workers = membership.workers_prefix(self._prefix)
         if not events:  # the watch restarted: read everything again
             self._set_map(self._read_map())
+            self._in_background(self._forget_gone_workers)
             return
         for event in events:
             if event.kv.key == map_key and event.type == "PUT":
                 self._set_map(ClusterMap.from_json(event.kv.value, event.kv.mod_revision))
             elif event.kv.key.startswith(servers) and event.type == "DELETE":
                 self._server_gone(event.kv.key[len(servers) :])
+            elif event.kv.key.startswith(workers) and event.type == "DELETE":
+                if self.role == "primary":
+                    self._in_background(self.worker_gone, int(event.kv.key[len(workers) :]))
+
+    def _forget_gone_workers(self) -> None:
+        """A new primary: the elastic workers whose leases ended meanwhile leave."""
+        if self.role != "primary":
+            return
+        registered, _ = self._etcd.get_prefix(membership.workers_prefix(self._prefix))
+        alive = {int(kv.key.rsplit("/", 1)[1]) for kv in registered}
+        for worker in self.shard.export_steps()[0]["live"]:
+            if worker not in alive:
+                self.worker_gone(worker)
 
     def _set_map(self, new: ClusterMap) -> None:
         """Adopts a newer map and acts on what it says of this server."""
@@ -378,6 +397,7 @@ class Replica:
             return
         group = new.group_of(self.address)
         if group is not None and group.primary == self.address:
+            self._forget_gone_workers()
             log.warning(
                 "%s is now the primary of group %d (epoch %d): %s stopped answering",
                 self.address, group.id, group.epoch, primary,

@@ -8,6 +8,7 @@ after a failover, `wait_for_change` wakes the worker's calls at once.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -18,6 +19,8 @@ from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, Op
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
 
 __all__ = ["Routing"]
+
+log = logging.getLogger("elastic_emb")
 
 
 class Routing:
@@ -37,6 +40,8 @@ class Routing:
         self._cond = threading.Condition()
         self._map = self._sealed_map(connect_timeout)  # guarded by _cond
         self.num_groups = len(self._map.groups)
+        self._keep_alive: Any = None  # this worker's lease (`register_worker`)
+        self._worker_lease = 0
         self._watch = self._etcd.watch(self._key, self._on_events, self._map.revision + 1)
 
     def _sealed_map(self, timeout: float) -> ClusterMap:
@@ -112,6 +117,34 @@ class Routing:
         if self.slot_ranges() != even:
             raise RuntimeError(f"uneven slot ranges {self.slot_ranges()} are not supported yet")
 
+    def register_worker(self, worker: int, lease_seconds: int) -> None:
+        """Holds `workers/<worker>` under a lease while this worker lives (elastic workers).
+
+        Raises:
+            ValueError: a live process already holds this worker index.
+        """
+        lease = self._etcd.grant(lease_seconds)
+        key = membership.worker_key(self._prefix, worker)
+        created = self._etcd.txn(
+            [Compare.version(key, "=", 0)], [Op.put(key, b"{}", lease.id)]
+        ).succeeded
+        if not created:
+            self._etcd.revoke(lease.id)
+            raise ValueError(
+                f"worker {worker} is already connected to {self.coordinator} (another process "
+                "holds its index; give each worker its own `worker_index`)"
+            )
+        self._worker_lease = lease.id
+        self._keep_alive = self._etcd.keep_alive(
+            lease.id, lease_seconds / 4, lambda: log.warning("worker lease lost")
+        )
+
     def close(self) -> None:
+        if self._keep_alive is not None:
+            self._keep_alive.stop()
+            try:
+                self._etcd.revoke(self._worker_lease)
+            except EtcdError:
+                pass
         self._watch.cancel()
         self._etcd.close()

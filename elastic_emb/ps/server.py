@@ -74,6 +74,7 @@ def serve(
             lease_seconds,
         )  # fmt: skip
         servicer.replica = replica
+        replica.worker_gone = servicer.worker_gone
         try:
             replica.start()
         except Exception as e:

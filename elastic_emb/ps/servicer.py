@@ -132,8 +132,24 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         return self._change("Join", request)
 
     def _Join(self, request: ps_pb2.JoinRequest) -> ps_pb2.JoinResponse:
-        step = self.shard.join(request.worker, request.num_workers, request.mode, request.staleness)
+        step = self.shard.join(
+            request.worker, request.num_workers, request.mode, request.staleness, request.elastic
+        )
         return ps_pb2.JoinResponse(step=step)
+
+    @_rpc
+    def Leave(self, request: ps_pb2.LeaveRequest) -> ps_pb2.JoinResponse:
+        return self._change("Leave", request)
+
+    def _Leave(self, request: ps_pb2.LeaveRequest) -> ps_pb2.JoinResponse:
+        return ps_pb2.JoinResponse(step=self.shard.leave(request.worker))
+
+    def worker_gone(self, worker: int) -> None:
+        """A worker's lease ended (the primary hears it from the coordinator)."""
+        try:
+            self._change("Leave", ps_pb2.LeaveRequest(worker=worker))
+        except RequestError as e:
+            log.info("worker %d left; not recorded here: %s", worker, e)
 
     @_rpc
     def Pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:

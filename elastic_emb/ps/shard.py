@@ -55,6 +55,8 @@ class _Steps:
         self.cond = threading.Condition()
         self.mode: int | None = None  # set by the first Join
         self.num_workers = 1
+        self.elastic = False  # set by the first Join: workers come and go
+        self.live: set[int] = set()  # elastic: the workers that joined and have not left
         self.staleness = -1
         self.pushed: dict[int, int] = {}  # worker -> last step pushed
         self.applying: set[int] = set()  # ASYNC: workers whose push is being applied
@@ -103,7 +105,16 @@ class _Steps:
             return [], ""
         if needed <= 0 or (self.mode == SYNC and self.applied >= needed):
             return [], ""
-        return [w for w in range(self.num_workers) if self.pushed.get(w, 0) < needed], what
+        return [w for w in self.workers() if self.pushed.get(w, 0) < needed], what
+
+    def workers(self) -> list[int]:
+        """The workers every step waits for."""
+        return sorted(self.live) if self.elastic else list(range(self.num_workers))
+
+    def step_complete(self, pushed_by: dict[int, Any]) -> bool:
+        if self.elastic:
+            return bool(pushed_by) and self.live <= pushed_by.keys()
+        return len(pushed_by) >= self.num_workers
 
 
 class Shard:
@@ -172,30 +183,71 @@ class Shard:
 
     # Training.
 
-    def join(self, worker: int, num_workers: int, mode: int, staleness: int) -> int:
-        """Registers a worker; returns the step it continues from."""
+    def join(
+        self, worker: int, num_workers: int, mode: int, staleness: int, elastic: bool = False
+    ) -> int:
+        """Registers a worker; returns the step it continues from.
+
+        Fixed workers (not `elastic`): every worker joins with the same
+        (mode, num_workers, staleness), and steps wait for workers
+        0..num_workers-1. Elastic: workers join (at the current step) and
+        `leave` at any time; they must agree on (mode, staleness), and steps
+        wait for the workers that joined and have not left.
+        """
         s = self._steps
-        if num_workers < 1 or not 0 <= worker < num_workers:
+        if num_workers < 1 or not 0 <= worker < (1 << 30 if elastic else num_workers):
             raise invalid(f"worker {worker} of {num_workers}: need 0 <= worker < num_workers")
         if mode not in _MODE_NAMES:
             raise invalid(f"Unknown mode {mode}")
-        wanted = (mode, num_workers, staleness)
+        wanted = (mode, staleness, elastic) if elastic else (mode, num_workers, staleness, elastic)
         with s.cond:
-            if s.mode is not None and (s.mode, s.num_workers, s.staleness) != wanted:
-                current = (_MODE_NAMES[s.mode], s.num_workers, s.staleness)
+            ours = (
+                (s.mode, s.staleness, s.elastic)
+                if elastic
+                else (s.mode, s.num_workers, s.staleness, s.elastic)
+            )
+            if s.mode is not None and ours != wanted:
+                what = "(mode, staleness, elastic)" if elastic else "(mode, num_workers, staleness)"
+                current = (_MODE_NAMES[s.mode], *ours[1:])
+                asked = (_MODE_NAMES[mode], *wanted[1:])
+                if not elastic:
+                    current, asked = current[:3], asked[:3]
+                if s.elastic != elastic:
+                    what, current, asked = "elastic", (s.elastic,), (elastic,)
                 raise RequestError(
                     "FAILED_PRECONDITION",
-                    f"worker {worker} joined with (mode, num_workers, staleness) = "
-                    f"{(_MODE_NAMES[mode], num_workers, staleness)}; this shard runs {current}",
+                    f"worker {worker} joined with {what} = {asked}; this shard runs {current}",
                 )
-            s.mode, s.num_workers, s.staleness = wanted
+            s.mode, s.num_workers, s.staleness, s.elastic = mode, num_workers, staleness, elastic
             step = s.applied if s.mode == SYNC else s.pushed.get(worker, 0)
             s.pushed[worker] = max(s.pushed.get(worker, 0), step)
+            if elastic:
+                s.live.add(worker)
             return step
+
+    def leave(self, worker: int) -> int:
+        """An elastic worker leaves: no step waits for it any more. Returns the shard's step."""
+        s = self._steps
+        with s.cond:
+            if not s.elastic:
+                raise RequestError(
+                    "FAILED_PRECONDITION", "only elastic workers leave (this shard has fixed ones)"
+                )
+            s.live.discard(worker)
+            if s.mode == SYNC:
+                self._apply_complete_steps()
+            s.cond.notify_all()
+            return s.step()
 
     def _check_worker(self, worker: int, step: int) -> None:
         s = self._steps
-        if s.mode is not None and not 0 <= worker < s.num_workers:
+        if s.elastic and worker not in s.live:
+            raise RequestError(
+                "FAILED_PRECONDITION",
+                f"worker {worker} is not an elastic worker of this shard (it left, or its lease "
+                "expired): it must join again",
+            )
+        if not s.elastic and s.mode is not None and not 0 <= worker < s.num_workers:
             raise invalid(f"worker {worker} is not one of the {s.num_workers} workers that joined")
         if step < 1:
             raise invalid(f"wrong step {step}: steps start at 1")
@@ -270,7 +322,7 @@ class Shard:
         s = self._steps
         while True:
             entry = s.pending.get(s.applied + 1)
-            if entry is None or len(entry) < s.num_workers:
+            if entry is None or not s.step_complete(entry):
                 return
             del s.pending[s.applied + 1]
             parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -308,6 +360,8 @@ class Shard:
             state = {
                 "mode": s.mode,
                 "num_workers": s.num_workers,
+                "elastic": s.elastic,
+                "live": sorted(s.live),
                 "staleness": s.staleness,
                 "pushed": {str(w): step for w, step in s.pushed.items()},
                 "applied": s.applied,
@@ -330,6 +384,7 @@ class Shard:
         with self._tables_lock, s.cond:
             self._tables = {t.name: t for t in tables}
             s.mode, s.num_workers = state["mode"], state["num_workers"]
+            s.elastic, s.live = state["elastic"], set(state["live"])
             s.staleness, s.applied = state["staleness"], state["applied"]
             s.pushed = {int(w): step for w, step in state["pushed"].items()}
             s.pending = {}
