@@ -64,6 +64,7 @@ class LocalCluster:
         self.directory = Path(directory or self._tmp.name)  # type: ignore[union-attr]
         self.etcd: EtcdProcess | None = None
         self.servers: dict[str, subprocess.Popen[bytes]] = {}  # address -> process
+        self._used_ports: set[int] = set()
 
     @property
     def coordinator(self) -> str:
@@ -73,14 +74,21 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> LocalCluster:
         """Starts etcd and the servers; returns once every group has all its replicas."""
         self.etcd = start_etcd(self.directory / "etcd")
+        self._used_ports |= {self.etcd.port, self.etcd.peer_port}
         for _ in range(self.shards * self.replicas):
             self.start_server()
         self.wait_until(self.complete, timeout, "every group has all its replicas")
         return self
 
     def start_server(self, port: int = 0) -> str:
-        """One more server (on `port`, or a free one); returns its address."""
-        port = port or free_port()
+        """One more server (on `port`, or a free one); returns its address.
+
+        A free port is one this cluster never used: a killed server's address
+        stays its own (the kernel may hand the same free port out twice).
+        """
+        while not port or port in self._used_ports:
+            port = free_port()
+        self._used_ports.add(port)
         address = f"127.0.0.1:{port}"
         log = open(self.directory / f"server-{port}.log", "ab")
         self.servers[address] = subprocess.Popen(
@@ -128,7 +136,12 @@ class LocalCluster:
                 if process.poll() not in (None, -signal.SIGKILL):
                     raise RuntimeError(f"server {address} exited: {self.log_tail(address)}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not within {timeout:g} s: {what}; map {self.map().describe()}")
+                logs = "".join(
+                    f"\n--- {a} (last lines)\n{self.log_tail(a, 8)}" for a in self.servers
+                )
+                raise TimeoutError(
+                    f"not within {timeout:g} s: {what}; map {self.map().describe()}{logs}"
+                )
             time.sleep(0.05)
 
     def log_tail(self, address: str, lines: int = 30) -> str:

@@ -52,12 +52,17 @@ def serve(
     """
     servicer = Servicer()
     health_servicer = health.HealthServicer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS)
+    # No SO_REUSEPORT: a second server on a port in use must fail, not share its traffic.
+    options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=options)
     ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.60 raises where older versions returned 0
+        bound = 0
     if bound == 0:
-        log.error("cannot listen on %s:%d", host, port)
+        log.error("cannot listen on %s:%d (is the port in use?)", host, port)
         return 1
     server.start()
     for service in ("", SERVICE):  # "": the whole server
