@@ -782,6 +782,19 @@ def test_health_command(cluster):
     assert time.monotonic() - start < 120  # a hang guard
 
 
+def test_a_second_server_on_a_port_in_use_exits_and_the_first_keeps_serving(cluster):
+    """gRPC's default SO_REUSEPORT would let both listen and split the traffic."""
+    port = cluster[0].address.rsplit(":", 1)[1]
+    second = subprocess.run(
+        [*serve_command(), "serve", "--host", "127.0.0.1", "--port", port],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert second.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in second.stdout + second.stderr
+    ok = _cli("health", cluster[0].address)
+    assert ok.communicate(timeout=120)[0].count("serving") == 1 and ok.returncode == 0
+
+
 def test_sigterm_saves_a_checkpoint_restorable_in_process(tmp_path):
     final = tmp_path / "final"
     name = _name("final")
