@@ -260,8 +260,8 @@ def test_two_primaries_killed_in_a_row_with_three_replicas(tmp_path):
             time.sleep(0.5)
             c.kill(second)  # ...when the primary it copies from dies
             _train(table, range(21, 31))
-            c.wait_until(
-                lambda: newcomer in c.map().groups[0].members, 60, "the newcomer caught up"
+            c.wait_until(  # as a backup, or as the primary if it was one when `second` died
+                lambda: newcomer in c.map().groups[0].replicas, 60, "the newcomer caught up"
             )
             _train(table, range(31, 41))
             _assert_same_state(_cluster_state(c, "t"), _local_state(reference))
