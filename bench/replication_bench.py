@@ -101,15 +101,19 @@ def failover(kills: int) -> None:
             for _ in range(kills):
                 time.sleep(0.5)
                 victim = cluster.primaries()[0]
+                cluster.kill(victim)  # returns once the process is gone
                 killed = time.monotonic()
-                cluster.kill(victim)
                 while not errors and not any(t > killed for t in done[-3:]):
                     time.sleep(0.001)
                 if errors:
                     raise errors[0]
                 times.append(next(t for t in done[-3:] if t > killed) - killed)
-                cluster.start_server()
-                cluster.wait_until(cluster.complete, 60, "a new backup")
+                newcomer = cluster.start_server()
+                # The next victim must have a backup: wait for the newcomer's admission
+                # (the map may still list the killed primary and its backup as complete).
+                cluster.wait_until(
+                    lambda: newcomer in cluster.map().groups[0].members, 60, "a new backup"
+                )
         finally:
             stop.set()
             worker.join()

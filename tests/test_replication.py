@@ -272,6 +272,23 @@ def test_two_primaries_killed_in_a_row_with_three_replicas(tmp_path):
             ee.shutdown()
 
 
+def test_a_group_that_lost_every_replica_fails_calls_with_an_error_that_says_so(tmp_path):
+    """R=1: its only server dies; the worker is told the rows are gone, not left waiting."""
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        ee.init(coordinator=c.coordinator, mode="sync", failover_timeout=600)
+        try:
+            table = _table("t")
+            _train(table, range(1, 3))
+            c.kill(c.primaries()[0])
+            start = time.monotonic()
+            with pytest.raises(ConnectionError, match="lost every replica") as raised:
+                _train(table, range(3, 4))
+            assert time.monotonic() - start < 60  # the lease (2 s), not failover_timeout
+            assert "since the last checkpoint" in str(raised.value)
+        finally:
+            ee.shutdown()  # Leave cannot reach the lost group: a warning, not an error
+
+
 def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster):
     """No split brain: a primary cut off (SIGSTOP) is replaced; when it wakes it refuses writes."""
     ee.init(coordinator=cluster.coordinator, mode="async")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from elastic_emb.ps.routing import Routing
 
 __all__ = ["MODES", "Cluster"]
+
+log = logging.getLogger("elastic_emb")
 
 MODES = ("async", "sync")
 # An RPC may wait `timeout` for other workers on the shard; its deadline is longer.
@@ -167,7 +170,11 @@ class Cluster:
             self.flush()
             if self.routing is not None:
                 leave = ps_pb2.LeaveRequest(worker=self.worker_index)
-                self._call_all("Leave", [leave] * self.num_shards)
+                try:
+                    self._call_all("Leave", [leave] * self.num_shards)
+                except ConnectionError as e:  # the servers see this worker's lease end instead
+                    log.warning("could not tell the servers that worker %d left: %s",
+                                self.worker_index, e)  # fmt: skip
         finally:
             self._close_connections()
 
@@ -200,6 +207,9 @@ class Cluster:
                 return self.shards.call(group, method, request, timeout, abandon)
             except ConnectionError as e:  # NotPrimary too
                 left = deadline - time.monotonic()
+                lost = None if isinstance(e, NotPrimary) else routing.lost(group)
+                if lost is not None:
+                    raise ConnectionError(f"elastic_emb: {lost}") from None
                 if left <= 0:
                     raise ConnectionError(
                         f"{e} (no primary of group {group} answered for "

@@ -105,6 +105,31 @@ class Routing:
         with self._cond:
             return [(g.slot_begin, g.slot_end) for g in self._map.by_slot()]
 
+    def lost(self, group: int) -> str | None:
+        """Why group `group` (in slot order) lost every replica, or None while it may recover.
+
+        A primary whose lease ended and that has no backup cannot come back
+        with its rows: a server that restarts (or wakes after its lease
+        expired) joins again empty.
+        """
+        with self._cond:
+            g = self._map.by_slot()[group]
+        if g.members:
+            return None
+        try:
+            alive = self._etcd.get(membership.server_key(self._prefix, g.primary)) is not None
+        except EtcdError:
+            return None  # unknown: keep waiting
+        if alive:
+            return None
+        return (
+            f"group {g.id} (slots {g.slot_begin}-{g.slot_end}) lost every replica: its primary "
+            f"{g.primary or '(none)'} is gone and it has no backup"
+            + (f" ({', '.join(g.joining)} was still copying)" if g.joining else "")
+            + "; its rows since the last checkpoint are lost. Restart the cluster and restore "
+            "the last checkpoint (docs/fault-tolerance.md)"
+        )
+
     def wait_for_change(self, version: int, timeout: float) -> None:
         """Returns once the map is newer than `version`, or after `timeout`."""
         with self._cond:
