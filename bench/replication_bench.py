@@ -112,7 +112,7 @@ def failover(kills: int) -> None:
                 # The next victim must have a backup: wait for the newcomer's admission
                 # (the map may still list the killed primary and its backup as complete).
                 cluster.wait_until(
-                    lambda: newcomer in cluster.map().groups[0].members, 60, "a new backup"
+                    lambda n=newcomer: n in cluster.map().groups[0].members, 60, "a new backup"
                 )
         finally:
             stop.set()
