@@ -123,9 +123,9 @@ def save(
     checkpoint switches to them when `manifest.json` is replaced (a rename);
     a crash before that leaves the previous checkpoint intact.
 
-    With `incremental=True` (in-process CPU tables), a table whose previous
-    incremental save went to this directory, and is still its newest link
-    there, gets a delta: only the rows inserted, pushed or imported since then
+    With `incremental=True` (CPU tables, in-process or on PS shards), a
+    table whose previous incremental save went to this directory, and is
+    still its newest link there, gets a delta: only the rows inserted, pushed or imported since then
     and the keys erased since. Otherwise (first save, another directory since,
     a restore, a changed directory, or `max_deltas` deltas already) it gets a
     new base, a full copy. `restore` applies base and deltas exactly.
@@ -135,7 +135,10 @@ def save(
     Remote tables (after `ee.init`) are written by their PS shards, each its
     own files and all in parallel, into `directory`, which must therefore be
     reachable by the shards under the same path (same machine or a shared
-    file system).
+    file system). In sync mode every shard saves at the same step boundary
+    (after this worker's last step); the manifest records each shard's step
+    (`cut`). A shard's part continues its chains only while the shards own
+    the same slots; after a failover the new primary starts new ones.
 
     Example:
         >>> ee.save("/tmp/ckpt", incremental=True)  # a base  # doctest: +SKIP
@@ -154,7 +157,7 @@ def save(
 
     Raises:
         ValueError: an invalid argument.
-        NotImplementedError: `incremental=True` with remote or GPU tables.
+        NotImplementedError: `incremental=True` with in-process GPU tables.
     """
     if not isinstance(incremental, bool):
         raise ValueError(f"`incremental` must be a bool. Received: incremental={incremental!r}")
@@ -165,35 +168,78 @@ def save(
     root = Path(directory).absolute()
     chosen = _tables_arg(tables)
     remote_tables = {n: t for n, t in chosen.items() if _is_remote(t)}
+    local = {n: t for n, t in chosen.items() if n not in remote_tables}
     if incremental:
-        _check_tracks_changes(chosen)
-        root.mkdir(parents=True, exist_ok=True)
-        _save_chains(root, chosen, max_deltas)
-        _remove_unused(root, keep_parts=set())
-        return root
+        _check_tracks_changes(local)
     root.mkdir(parents=True, exist_ok=True)
-    if not remote_tables:
-        _save_part(root, chosen)
-        _remove_unused(root, keep_parts=set())
+    if remote_tables:
+        _save_cluster(root, remote_tables, local, incremental, max_deltas)
         return root
+    if incremental:
+        _save_chains(root, chosen, max_deltas)
+    else:
+        _save_part(root, chosen)
+    _remove_unused(root, keep_parts=set())
+    return root
+
+
+def _save_cluster(
+    root: Path,
+    remote_tables: dict[str, RemoteTable],
+    local: dict[str, Table],
+    incremental: bool,
+    max_deltas: int,
+) -> None:
+    """A cluster checkpoint: a part per shard (written by the shard) and one for `local`.
+
+    Incremental: each part starts as a clone of the same shard's part in
+    the checkpoint already in `root` (if its shards owned the same slots),
+    and its chains get deltas.
+    """
     clusters = {id(t.cluster): t.cluster for t in remote_tables.values()}
     if len(clusters) != 1:
         raise ValueError("ee.save: the remote tables belong to different ee.init() connections")
     (cluster,) = clusters.values()
+    slots = [list(r) for r in cluster.slot_ranges()]
     parts_dir = f"parts-{secrets.token_hex(4)}"
-    parts = [f"{parts_dir}/shard-{i:04d}" for i in range(cluster.num_shards)]
-    names = sorted(remote_tables)
-    local = {n: t for n, t in chosen.items() if n not in remote_tables}
+    names = [f"shard-{i:04d}" for i in range(cluster.num_shards)] + (["local"] if local else [])
+    parts = [f"{parts_dir}/{name}" for name in names]
+    previous = _previous_parts(root, slots) if incremental else {}
+    for name, part in zip(names, parts, strict=True):
+        if name in previous:
+            clone(previous[name], root / part)
     if local:
-        parts.append(f"{parts_dir}/local")
-        _save_part(root / parts[-1], local)
-    cluster.save_tables([str(root / p) for p in parts[: cluster.num_shards]], names)
+        if incremental:
+            _save_chains(root / parts[-1], local, max_deltas)
+        else:
+            _save_part(root / parts[-1], local)
+    saved = cluster.save_tables(
+        [str(root / p) for p in parts[: cluster.num_shards]],
+        sorted(remote_tables),
+        incremental=incremental,
+        max_deltas=max_deltas,
+    )
     for part in parts:
         _fsync_directory(root / part)
-    manifest = {"format": FORMAT, "version": VERSION, "parts": parts}
+    cut = {
+        "mode": cluster.mode,
+        "steps": [r.step for r in saved],
+        "worker_steps": [{str(w): s for w, s in sorted(r.worker_steps.items())} for r in saved],
+    }
+    manifest = {"format": FORMAT, "version": VERSION, "parts": parts, "slots": slots, "cut": cut}
     _write_manifest(root, manifest)
     _remove_unused(root, keep_parts={parts_dir})
-    return root
+
+
+def _previous_parts(root: Path, slots: list[list[int]]) -> dict[str, Path]:
+    """The parts of the cluster checkpoint in `root` by name, if its shards owned `slots`."""
+    try:
+        manifest = _read_manifest(root)
+    except CheckpointError:
+        return {}
+    if manifest.get("slots") != slots or not isinstance(manifest.get("parts"), list):
+        return {}
+    return {str(p).rsplit("/", 1)[-1]: root / str(p) for p in manifest["parts"]}
 
 
 def _save_part(root: Path, tables: dict[str, Table]) -> None:
@@ -247,11 +293,6 @@ _chain_lock = threading.Lock()
 
 def _check_tracks_changes(tables: dict[str, Table]) -> None:
     for name, table in sorted(tables.items()):
-        if _is_remote(table):
-            raise NotImplementedError(
-                f"ee.save(incremental=True) does not support tables on parameter-server shards "
-                f"yet (table {name!r}); save them with incremental=False"
-            )
         if table.device != "cpu" or not callable(getattr(table, "export_changes", None)):
             raise NotImplementedError(
                 f"ee.save(incremental=True) needs tables that track changed rows (in-process CPU "

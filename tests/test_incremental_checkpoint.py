@@ -325,13 +325,7 @@ def test_invalid_arguments_are_refused(bad: Any, tmp_path: Path) -> None:
 
 
 def test_tables_that_do_not_track_changes_are_refused(tmp_path: Path) -> None:
-    from elastic_emb.ps.remote_table import RemoteTable
     from elastic_emb.table import TableConfig
-
-    remote = object.__new__(RemoteTable)
-    remote._config = TableConfig.make(dim=2, name=_name("remote"))
-    with pytest.raises(NotImplementedError, match="parameter-server"):
-        ee.save(tmp_path, tables=[remote], incremental=True)
 
     class OtherTable(ee.Table):
         device = "cpu"

@@ -7,6 +7,7 @@ replicated, failed-over training must match bit for bit (sync mode, and
 async with one worker).
 """
 
+import gc
 import json
 import signal
 import subprocess
@@ -287,6 +288,36 @@ def test_a_group_that_lost_every_replica_fails_calls_with_an_error_that_says_so(
             assert "since the last checkpoint" in str(raised.value)
         finally:
             ee.shutdown()  # Leave cannot reach the lost group: a warning, not an error
+
+
+def test_incremental_saves_go_on_across_a_failover_and_restore_exactly(cluster, tmp_path):
+    """The new primary has no chain of its own yet: its group's part becomes a new base."""
+    reference = _table("t")
+    _train(reference, range(1, 21))
+    expected = _local_state(reference)
+    del reference
+    root = tmp_path / "ckpt"
+    ee.init(coordinator=cluster.coordinator, mode="sync")
+    table = _table("t")
+    _train(table, range(1, 11))
+    ee.save(root, incremental=True)
+    _train(table, range(11, 16))
+    ee.save(root, incremental=True)
+    cluster.kill(cluster.primaries()[0])
+    _train(table, range(16, 21))
+    ee.save(root, incremental=True)
+    ee.shutdown()
+    del table
+    gc.collect()
+    manifest = json.loads((root / "manifest.json").read_text())
+    chains = [
+        json.loads((root / p / "manifest.json").read_text())["tables"]["t"]["links"]
+        for p in manifest["parts"]
+    ]
+    assert [[link["kind"] for link in c] for c in chains] == [["base"], ["base", "delta", "delta"]]
+    assert manifest["cut"]["steps"] == [20, 20]
+    restored = ee.restore(root)["t"]
+    _assert_same_state(_local_state(restored), expected)
 
 
 def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster):

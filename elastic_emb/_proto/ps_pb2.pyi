@@ -256,18 +256,35 @@ class MetadataResponse(_message.Message):
     def __init__(self, last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("directory", "tables")
+    __slots__ = ("directory", "tables", "incremental", "max_deltas", "after_step")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     directory: str
     tables: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, directory: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+    incremental: bool
+    max_deltas: int
+    after_step: int
+    def __init__(self, directory: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., incremental: bool = ..., max_deltas: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("rows",)
+    __slots__ = ("rows", "step", "worker_steps")
+    class WorkerStepsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STEPS_FIELD_NUMBER: _ClassVar[int]
     rows: int
-    def __init__(self, rows: _Optional[int] = ...) -> None: ...
+    step: int
+    worker_steps: _containers.ScalarMap[int, int]
+    def __init__(self, rows: _Optional[int] = ..., step: _Optional[int] = ..., worker_steps: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("slot_begin", "slot_end", "directories", "tables", "num_shards", "shard_index", "num_slots")

@@ -238,13 +238,31 @@ class Cluster:
         """Each shard's StatsResponse."""
         return self._call_all("Stats", [ps_pb2.StatsRequest()] * self.num_shards)
 
-    def save_tables(self, directories: list[str], names: list[str]) -> None:
-        """Each shard i writes its rows of the named tables to `directories[i]`."""
-        self.per_shard(
+    def save_tables(
+        self,
+        directories: list[str],
+        names: list[str],
+        incremental: bool = False,
+        max_deltas: int = 0,
+    ) -> list[Any]:
+        """Each shard i writes its rows of the named tables to `directories[i]`.
+
+        SYNC: every shard saves after this worker's last step is applied, a
+        step boundary everywhere. Returns each shard's SaveResponse.
+        """
+        after = self.step if self.mode == "sync" else 0
+        return self.per_shard(
             "Save",
-            lambda i: protocol.save_request(directories[i], names),
+            lambda i: protocol.save_request(directories[i], names, incremental, max_deltas, after),
             timeout=CHECKPOINT_TIMEOUT,
         )
+
+    def slot_ranges(self) -> list[tuple[int, int]]:
+        """The slots [begin, end) each shard owns."""
+        if self.routing is not None:
+            return self.routing.slot_ranges()
+        n = self.num_shards
+        return [(i * sharding.NUM_SLOTS // n, (i + 1) * sharding.NUM_SLOTS // n) for i in range(n)]
 
     def restore_tables(self, directory: str, names: list[str]) -> None:
         """Each shard loads the rows it owns of the named tables from a checkpoint."""

@@ -392,8 +392,20 @@ def metadata_arrays(response: ps_pb2.MetadataResponse, n: int) -> tuple[np.ndarr
 # Checkpoints.
 
 
-def save_request(directory: str, tables: Sequence[str]) -> ps_pb2.SaveRequest:
-    return ps_pb2.SaveRequest(directory=directory, tables=list(tables))
+def save_request(
+    directory: str,
+    tables: Sequence[str],
+    incremental: bool = False,
+    max_deltas: int = 0,
+    after_step: int = 0,
+) -> ps_pb2.SaveRequest:
+    return ps_pb2.SaveRequest(
+        directory=directory,
+        tables=list(tables),
+        incremental=incremental,
+        max_deltas=max_deltas,
+        after_step=after_step,
+    )
 
 
 def restore_request(

@@ -207,7 +207,14 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc
     def Save(self, request: ps_pb2.SaveRequest) -> ps_pb2.SaveResponse:
         self._serving()
-        return ps_pb2.SaveResponse(rows=self.shard.save(request.directory, list(request.tables)))
+        rows, step, worker_steps = self.shard.save(
+            request.directory,
+            list(request.tables),
+            incremental=request.incremental,
+            max_deltas=request.max_deltas,
+            after_step=request.after_step,
+        )
+        return ps_pb2.SaveResponse(rows=rows, step=step, worker_steps=worker_steps)
 
     @_rpc
     def Restore(self, request: ps_pb2.RestoreRequest) -> ps_pb2.TablesResponse:

@@ -26,6 +26,8 @@ __all__ = ["MAX_PUSHES_IN_FLIGHT", "RequestError", "Shard"]
 
 log = logging.getLogger("elastic_emb.server")
 
+# A sync save waits this long for the other workers to push its step.
+SAVE_WAIT_SECONDS = 600.0
 # A worker's pushes leave in the background: its pull may overtake them.
 MAX_PUSHES_IN_FLIGHT = 4
 # Training modes (the wire's Mode values).
@@ -395,14 +397,48 @@ class Shard:
 
     # Checkpoints.
 
-    def save(self, directory: str, names: list[str]) -> int:
-        """Writes the named tables (all for none) to `directory`; returns their rows."""
+    def save(
+        self,
+        directory: str,
+        names: list[str],
+        incremental: bool = False,
+        max_deltas: int = checkpoint.DEFAULT_MAX_DELTAS,
+        after_step: int = 0,
+        timeout: float = SAVE_WAIT_SECONDS,
+    ) -> tuple[int, int, dict[int, int]]:
+        """Writes the named tables (all for none) to `directory`.
+
+        SYNC with `after_step`: once that step is applied (the saving worker
+        pushes nothing meanwhile, so no later one is). Returns the rows
+        written and where the state stands: the shard's step, and each
+        worker's last push applied before the save began (ASYNC: pushes
+        applied while the tables are written may be in them too).
+        """
         chosen = self.tables(names)
+        if max_deltas < 0:
+            raise invalid(f"max_deltas must be >= 0, not {max_deltas}")
+        s = self._steps
+        with s.cond:
+            if after_step and s.mode == SYNC:
+                deadline = time.monotonic() + timeout
+                while s.applied < after_step:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        late = [w for w in s.workers() if s.pushed.get(w, 0) < after_step]
+                        raise RequestError(
+                            "DEADLINE_EXCEEDED",
+                            f"waited {timeout:g} s to save after step {after_step}: workers "
+                            f"{late} have not pushed it (stopped or dead?)",
+                        )
+                    s.cond.wait(left)
+            step, worker_steps = s.step(), dict(s.pushed)
         try:
-            checkpoint.save(directory, chosen)
+            checkpoint.save(directory, chosen, incremental=incremental, max_deltas=max_deltas)
         except OSError as e:  # the directory, not the shard: the caller can act on it
             raise RequestError("FAILED_PRECONDITION", f"cannot write {directory}: {e}") from e
-        return sum(len(t) for t in chosen)
+        except checkpoint.CheckpointError as e:
+            raise RequestError("FAILED_PRECONDITION", str(e)) from e
+        return sum(len(t) for t in chosen), step, worker_steps
 
     def restore(
         self,

@@ -1,0 +1,167 @@
+"""Incremental checkpoints of tables on PS shards, and the step a cluster checkpoint is cut at.
+
+The right answers come from elsewhere than the code under test: an
+in-process table trained with the same steps (restores must equal it bit for
+bit), and the keys the steps touched (a delta holds exactly those rows: a
+pull inserts, a push updates).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _cluster import shards
+
+import elastic_emb as ee
+from elastic_emb import checkpoint
+from elastic_emb.ps.shard import SYNC, RequestError, Shard
+from elastic_emb.table import TableConfig
+
+VOCAB = 2000
+
+
+def _table(name: str) -> ee.Table:
+    return ee.Table(8, optimizer=ee.optimizers.Adam(0.01), name=name, seed=5)
+
+
+def _keys(step: int, n: int) -> np.ndarray:
+    return np.unique(np.random.default_rng(step).integers(0, VOCAB, n))
+
+
+def _train(table: ee.Table, steps: range, n: int) -> None:
+    for step in steps:
+        keys = _keys(step, n)
+        rows = table.pull(keys)
+        table.push(keys, (rows * 0.5 + 0.01 * step).astype(np.float32))
+
+
+def _state(table: ee.Table) -> dict[str, np.ndarray]:
+    st = table.export_state()
+    order = np.argsort(st.keys)
+    out = {f: getattr(st, f)[order] for f in st.FIELDS}
+    out["iterations"] = np.array(st.iterations)
+    return out
+
+
+def _assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for f in a:
+        np.testing.assert_array_equal(a[f], b[f], err_msg=f)
+
+
+def _parts(root: Path) -> list[dict]:
+    manifest = json.loads((root / "manifest.json").read_text())
+    return [json.loads((root / p / "manifest.json").read_text()) for p in manifest["parts"]]
+
+
+def _expected(name: str, *runs: tuple[range, int]) -> dict[str, np.ndarray]:
+    """The state an in-process table reaches with the same steps (it is gone afterwards)."""
+    table = _table(name)
+    for steps, n in runs:
+        _train(table, steps, n)
+    state = _state(table)
+    del table
+    gc.collect()
+    return state
+
+
+def _restored(root: Path, name: str) -> dict[str, np.ndarray]:
+    gc.collect()  # the remote tables of the closed connection are gone
+    return _state(ee.restore(root)[name])
+
+
+def test_shards_write_deltas_of_the_rows_the_steps_touched_and_restore_exactly(tmp_path):
+    expected = _expected("t", (range(1, 11), 500), (range(11, 13), 10))
+    root = tmp_path / "ckpt"
+    with shards(2) as servers:
+        gc.collect()
+        ee.init(ps=[s.address for s in servers], mode="sync")
+        try:
+            table = _table("t")
+            _train(table, range(1, 11), 500)
+            ee.save(root, incremental=True)
+            (base,) = _parts(root)[0]["tables"]["t"]["links"]
+            _train(table, range(11, 13), 10)
+            ee.save(root, incremental=True)
+            ee.save(tmp_path / "full")  # for the sizes
+            del table
+        finally:
+            ee.shutdown()
+    touched = np.unique(np.concatenate([_keys(s, 10) for s in (11, 12)]))
+    links = [part["tables"]["t"]["links"] for part in _parts(root)]
+    assert [len(chain) for chain in links] == [2, 2]
+    assert [chain[1]["kind"] for chain in links] == ["delta", "delta"]
+    assert sum(chain[1]["num_rows"] for chain in links) == len(touched)
+    assert links[0][0]["sha256"] == base["sha256"]  # the base was kept, not rewritten
+    full = sum(p["tables"]["t"]["bytes"] for p in _parts(tmp_path / "full"))
+    assert sum(chain[1]["bytes"] for chain in links) < full / 10
+    cut = json.loads((root / "manifest.json").read_text())["cut"]
+    assert cut["mode"] == "sync" and cut["steps"] == [12, 12]
+    assert cut["worker_steps"] == [{"0": 12}, {"0": 12}]
+    _assert_same(_restored(root, "t"), expected)
+
+
+def test_shards_that_own_other_slots_start_new_chains(tmp_path):
+    root = tmp_path / "ckpt"
+    expected = _expected("moved", (range(1, 8), 200))
+    for n, steps in ((2, range(1, 6)), (3, range(6, 8))):
+        with shards(n) as servers:
+            gc.collect()
+            ee.init(ps=[s.address for s in servers], mode="async")
+            try:
+                table = _table("moved")
+                if n == 3:
+                    ee.restore(root)
+                _train(table, steps, 200)
+                ee.save(root, incremental=True)
+                del table
+            finally:
+                ee.shutdown()
+    # Three shards own other slots than two did: every part is a new base.
+    assert [len(p["tables"]["moved"]["links"]) for p in _parts(root)] == [1, 1, 1]
+    _assert_same(_restored(root, "moved"), expected)
+
+
+SGD_TABLE = TableConfig.make(dim=2, optimizer=ee.optimizers.SGD(1.0), name="t", seed=1).to_dict()
+
+
+def _sync_shard(workers: int) -> Shard:
+    shard = Shard()
+    shard.create([SGD_TABLE])
+    for w in range(workers):
+        shard.join(w, workers, SYNC, -1)
+    return shard
+
+
+def test_a_sync_save_waits_for_its_step_to_be_applied_everywhere(tmp_path):
+    shard = _sync_shard(2)
+    keys, ones = np.array([7]), np.ones((1, 2), np.float32)
+    shard.push(0, 1, [("t", keys, ones)])  # worker 1's push of step 1 has not arrived
+    saved: list = []
+    saver = threading.Thread(
+        target=lambda: saved.append(shard.save(str(tmp_path), [], after_step=1))
+    )
+    saver.start()
+    saver.join(0.5)
+    assert saver.is_alive()  # waiting for step 1
+    shard.push(1, 1, [("t", keys, 2 * ones)])
+    saver.join(30)
+    rows, step, worker_steps = saved[0]
+    assert (rows, step, worker_steps) == (1, 1, {0: 1, 1: 1})
+    (state,) = checkpoint.read_shards([tmp_path], ["t"])[1].values()
+    initial = Shard().create([SGD_TABLE])[0].pull(keys)  # the same seeded row
+    np.testing.assert_array_equal(state.values, initial - 3.0)  # SGD, lr 1: both gradients
+
+
+def test_a_sync_save_that_waits_too_long_names_the_late_workers(tmp_path):
+    shard = _sync_shard(3)
+    shard.push(0, 1, [("t", np.array([1]), np.ones((1, 2), np.float32))])
+    with pytest.raises(RequestError, match=r"workers \[1, 2\] have not pushed it") as raised:
+        shard.save(str(tmp_path), [], after_step=1, timeout=0.2)
+    assert raised.value.code == "DEADLINE_EXCEEDED"
+    assert not (tmp_path / "manifest.json").exists()
