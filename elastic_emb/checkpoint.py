@@ -18,7 +18,7 @@ import sys
 import threading
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -173,7 +173,11 @@ def save(
         _check_tracks_changes(local)
     root.mkdir(parents=True, exist_ok=True)
     if remote_tables:
-        _save_cluster(root, remote_tables, local, incremental, max_deltas)
+        clusters = {id(t.cluster): t.cluster for t in remote_tables.values()}
+        if len(clusters) != 1:
+            raise ValueError("ee.save: the remote tables belong to different ee.init() connections")
+        (cluster,) = clusters.values()
+        save_cluster(root, cluster, sorted(remote_tables), local, incremental, max_deltas)
         return root
     if incremental:
         _save_chains(root, chosen, max_deltas)
@@ -183,29 +187,43 @@ def save(
     return root
 
 
-def _save_cluster(
+class ShardSaver(Protocol):
+    """What writes the shards' parts of a cluster checkpoint (`ps.cluster.Cluster`)."""
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def num_shards(self) -> int: ...
+
+    def slot_ranges(self) -> list[tuple[int, int]]: ...
+
+    def save_tables(
+        self, directories: list[str], names: list[str], incremental: bool, max_deltas: int
+    ) -> list[Any]: ...
+
+
+def save_cluster(
     root: Path,
-    remote_tables: dict[str, RemoteTable],
+    cluster: ShardSaver,
+    names: list[str],
     local: dict[str, Table],
     incremental: bool,
     max_deltas: int,
 ) -> None:
     """A cluster checkpoint: a part per shard (written by the shard) and one for `local`.
 
-    Incremental: each part starts as a clone of the same shard's part in
-    the checkpoint already in `root` (if its shards owned the same slots),
-    and its chains get deltas.
+    `names`: the shards' tables to save (empty: all). Incremental: each part
+    starts as a clone of the same shard's part in the checkpoint already in
+    `root` (if its shards owned the same slots), and its chains get deltas.
     """
-    clusters = {id(t.cluster): t.cluster for t in remote_tables.values()}
-    if len(clusters) != 1:
-        raise ValueError("ee.save: the remote tables belong to different ee.init() connections")
-    (cluster,) = clusters.values()
     slots = [list(r) for r in cluster.slot_ranges()]
     parts_dir = f"parts-{secrets.token_hex(4)}"
-    names = [f"shard-{i:04d}" for i in range(cluster.num_shards)] + (["local"] if local else [])
-    parts = [f"{parts_dir}/{name}" for name in names]
+    part_names = [f"shard-{i:04d}" for i in range(cluster.num_shards)]
+    part_names += ["local"] if local else []
+    parts = [f"{parts_dir}/{name}" for name in part_names]
     previous = _previous_parts(root, slots) if incremental else {}
-    for name, part in zip(names, parts, strict=True):
+    for name, part in zip(part_names, parts, strict=True):
         if name in previous:
             clone(previous[name], root / part)
     if local:
@@ -215,7 +233,7 @@ def _save_cluster(
             _save_part(root / parts[-1], local)
     saved = cluster.save_tables(
         [str(root / p) for p in parts[: cluster.num_shards]],
-        sorted(remote_tables),
+        names,
         incremental=incremental,
         max_deltas=max_deltas,
     )

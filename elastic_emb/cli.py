@@ -30,6 +30,8 @@ def _serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         grace_seconds=args.grace_seconds,
         checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        max_deltas=args.max_deltas,
         ready=ready,
         coordinator=args.coordinator,
         replicas=args.replicas,
@@ -156,7 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time for in-flight requests"
     )
-    serve.add_argument("--checkpoint-dir", help="on SIGTERM, save every table here")
+    serve.add_argument(
+        "--checkpoint-dir",
+        help="save the tables here on SIGTERM, and every --checkpoint-every seconds (with "
+        "--coordinator: one directory all servers share, for cluster checkpoints)",
+    )
+    serve.add_argument(
+        "--checkpoint-every",
+        type=float,
+        metavar="SECONDS",
+        help="with --checkpoint-dir: an incremental checkpoint this often",
+    )
+    serve.add_argument(
+        "--max-deltas", type=int, default=10, help="deltas per chain before a new base"
+    )
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING"))
     serve.add_argument(
         "--coordinator",

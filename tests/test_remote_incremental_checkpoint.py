@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -165,3 +167,80 @@ def test_a_sync_save_that_waits_too_long_names_the_late_workers(tmp_path):
         shard.save(str(tmp_path), [], after_step=1, timeout=0.2)
     assert raised.value.code == "DEADLINE_EXCEEDED"
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_a_held_sync_save_applies_no_later_step_until_it_is_written(tmp_path, monkeypatch):
+    shard = _sync_shard(2)
+    keys, ones = np.array([3]), np.ones((1, 2), np.float32)
+    for worker in (0, 1):
+        shard.push(worker, 1, [("t", keys, ones)])
+    writing, written = threading.Event(), threading.Event()
+    real_save = checkpoint.save
+
+    def slow_save(*args, **kwargs):
+        writing.set()
+        assert written.wait(30)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", slow_save)
+    saver = threading.Thread(target=lambda: shard.save(str(tmp_path), [], after_step=1, hold=True))
+    saver.start()
+    assert writing.wait(30)
+    for worker in (0, 1):  # step 2 is complete, and held
+        shard.push(worker, 2, [("t", keys, ones)])
+    assert shard.step() == 1
+    with pytest.raises(RequestError, match="another save holds step 1"):
+        shard.save(str(tmp_path / "other"), [], after_step=1, hold=True)
+    written.set()
+    saver.join(30)
+    assert shard.step() == 2  # applied once the save was written
+    (state,) = checkpoint.read_shards([tmp_path], ["t"])[1].values()
+    initial = Shard().create([SGD_TABLE])[0].pull(keys)
+    np.testing.assert_array_equal(state.values, initial - 2.0)  # step 1 only
+    with pytest.raises(RequestError, match="cannot hold at step 1: step 2 is applied"):
+        shard.save(str(tmp_path), [], after_step=1, hold=True)
+
+
+def _chain(root: Path, name: str) -> list[dict]:
+    manifest = json.loads((root / "manifest.json").read_text())
+    return manifest["tables"][name]["links"]
+
+
+def _wait_for(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except (OSError, KeyError, ValueError):  # not written yet
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.05)
+
+
+def test_a_server_writes_periodic_deltas_and_nothing_while_idle(tmp_path):
+    expected = _expected("p", (range(1, 6), 300), (range(6, 9), 10))
+    iterations = [5, 8]
+    d = tmp_path / "server"
+    with shards(1, ["--checkpoint-dir", str(d), "--checkpoint-every", "0.2"]) as (server,):
+        gc.collect()
+        ee.init(ps=[server.address], mode="async")
+        try:
+            table = _table("p")
+            _train(table, range(1, 6), 300)
+            _wait_for(lambda: _chain(d, "p")[-1]["iterations"] == iterations[0], "step 5 saved")
+            _train(table, range(6, 9), 10)
+            _wait_for(lambda: _chain(d, "p")[-1]["iterations"] == iterations[1], "step 8 saved")
+            links = _chain(d, "p")
+            time.sleep(1.0)  # five idle periods
+            assert _chain(d, "p") == links
+            del table
+        finally:
+            ee.shutdown()
+        server.stop(signal.SIGKILL)
+    assert links[0]["kind"] == "base" and len(links) >= 2
+    assert all(link["kind"] == "delta" and link["num_rows"] > 0 for link in links[1:])
+    touched = np.unique(np.concatenate([_keys(s, 10) for s in (6, 7, 8)]))
+    assert sum(link["num_rows"] for link in links[1:]) >= len(touched)
+    _assert_same(_restored(d, "p"), expected)

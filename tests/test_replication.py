@@ -9,6 +9,7 @@ async with one worker).
 
 import gc
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -318,6 +319,52 @@ def test_incremental_saves_go_on_across_a_failover_and_restore_exactly(cluster, 
     assert manifest["cut"]["steps"] == [20, 20]
     restored = ee.restore(root)["t"]
     _assert_same_state(_local_state(restored), expected)
+
+
+def test_servers_write_periodic_cluster_checkpoints_cut_at_a_step(tmp_path):
+    """The primary owning slot 0 writes them; its successor goes on after it is killed."""
+    reference = _table("t")
+    _train(reference, range(1, 11))
+    at_10 = _local_state(reference)
+    _train(reference, range(11, 21))
+    at_20 = _local_state(reference)
+    del reference
+    shared = tmp_path / "checkpoints"
+    every = ["--checkpoint-dir", str(shared), "--checkpoint-every", "0.2"]
+    with LocalCluster(2, 2, tmp_path / "cluster", server_args=every) as c:
+        ee.init(coordinator=c.coordinator, mode="sync")
+        try:
+            table = _table("t")
+
+            def cut() -> list[int]:
+                return json.loads((shared / "manifest.json").read_text())["cut"]["steps"]
+
+            _train(table, range(1, 11))
+            c.wait_until(lambda: (shared / "manifest.json").exists() and cut() == [10, 10],
+                         60, "a checkpoint at step 10")  # fmt: skip
+            first = _restore_copy(shared, tmp_path / "at10")
+            c.kill(c.primaries()[0])  # the one writing them
+            _train(table, range(11, 21))
+            c.wait_until(lambda: cut() == [20, 20], 60, "a checkpoint at step 20")
+            del table
+        finally:
+            ee.shutdown()
+    gc.collect()
+    _assert_same_state(_local_state(ee.restore(first)["t"]), at_10)
+    gc.collect()
+    _assert_same_state(_local_state(ee.restore(shared)["t"]), at_20)
+    manifest = json.loads((shared / "manifest.json").read_text())
+    assert manifest["cut"]["mode"] == "sync"
+
+
+def _restore_copy(source: Path, destination: Path) -> Path:
+    """A copy of the checkpoint in `source` as it is now (it is rewritten meanwhile)."""
+    for _ in range(100):
+        try:
+            return ee.checkpoint.clone(source, destination)
+        except (ee.CheckpointError, OSError):  # replaced while being copied: again
+            shutil.rmtree(destination, ignore_errors=True)
+    raise AssertionError(f"could not copy {source}")
 
 
 def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster):

@@ -256,18 +256,20 @@ class MetadataResponse(_message.Message):
     def __init__(self, last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("directory", "tables", "incremental", "max_deltas", "after_step")
+    __slots__ = ("directory", "tables", "incremental", "max_deltas", "after_step", "hold")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
     MAX_DELTAS_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     directory: str
     tables: _containers.RepeatedScalarFieldContainer[str]
     incremental: bool
     max_deltas: int
     after_step: int
-    def __init__(self, directory: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., incremental: bool = ..., max_deltas: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
+    hold: bool
+    def __init__(self, directory: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., incremental: bool = ..., max_deltas: _Optional[int] = ..., after_step: _Optional[int] = ..., hold: bool = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("rows", "step", "worker_steps")

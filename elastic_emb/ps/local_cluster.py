@@ -50,6 +50,7 @@ class LocalCluster:
         directory: where etcd's data and the servers' logs go (default: a
             new temporary directory).
         lease_seconds: the servers' lease TTL.
+        server_args: more `elastic-emb serve` flags for every server.
     """
 
     def __init__(
@@ -58,8 +59,10 @@ class LocalCluster:
         replicas: int,
         directory: str | os.PathLike[str] | None = None,
         lease_seconds: int = 2,
+        server_args: list[str] | None = None,
     ) -> None:
         self.shards, self.replicas, self.lease_seconds = shards, replicas, lease_seconds
+        self.server_args = list(server_args or [])
         self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="ee-cluster-")
         self.directory = Path(directory or self._tmp.name)  # type: ignore[union-attr]
         self.etcd: EtcdProcess | None = None
@@ -105,6 +108,7 @@ class LocalCluster:
                 str(self.replicas),
                 "--lease-seconds",
                 str(self.lease_seconds),
+                *self.server_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

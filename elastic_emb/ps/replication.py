@@ -449,6 +449,15 @@ class Replica:
         stub = ps_pb2_grpc.ParameterServerStub(self._channel(address))
         stub.Replicate(request, timeout=FORWARD_TIMEOUT)
 
+    def cluster_map(self) -> ClusterMap:
+        """The newest map this server knows."""
+        with self._cond:
+            return self._map.copy()
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A channel to another server (kept open)."""
+        return self._channel(address)
+
     def _channel(self, address: str) -> grpc.Channel:
         with self._cond:
             channel = self._channels.get(address)

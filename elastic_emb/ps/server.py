@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from elastic_emb import checkpoint
 from elastic_emb._proto import ps_pb2_grpc
+from elastic_emb.ps.checkpointer import PeriodicCheckpoints
 from elastic_emb.ps.client import GRPC_OPTIONS, SERVICE
 from elastic_emb.ps.servicer import Servicer
 
@@ -33,6 +34,8 @@ def serve(
     threads: int = 64,
     grace_seconds: float = 30.0,
     checkpoint_dir: str | None = None,
+    checkpoint_every: float | None = None,
+    max_deltas: int = 10,
     ready: Callable[[int], None] | None = None,
     coordinator: str | None = None,
     replicas: int = 2,
@@ -43,7 +46,9 @@ def serve(
 
     On a signal the shard reports NOT_SERVING to health checks, stops taking
     new requests, lets in-flight ones finish (up to `grace_seconds`) and,
-    with `checkpoint_dir`, saves every table there.
+    with `checkpoint_dir` (and no coordinator), saves every table there.
+    With `checkpoint_every` too, it writes incremental checkpoints there
+    periodically (`elastic_emb.ps.checkpointer`).
 
     With `coordinator` ("etcd://host:port") the server joins a replicated
     cluster (`elastic_emb.ps.replication`) as "host:port" `advertise`
@@ -86,6 +91,18 @@ def serve(
             log.error("cannot join the cluster at %s: %s", coordinator, e)
             server.stop(0)
             return 1
+    periodic = None
+    if checkpoint_every is not None:
+        if not checkpoint_dir or checkpoint_every <= 0 or max_deltas < 0:
+            log.error("--checkpoint-every needs --checkpoint-dir, a positive period and "
+                      "--max-deltas >= 0")  # fmt: skip
+            server.stop(0)
+            return 1
+        periodic = PeriodicCheckpoints(
+            servicer.shard, checkpoint_dir, checkpoint_every, max_deltas, replica,
+            changes=lambda: servicer.changes,
+        )  # fmt: skip
+        periodic.start()
     if ready is not None:
         ready(bound)
     stop = threading.Event()
@@ -98,10 +115,15 @@ def serve(
     stop.wait()
     log.info("stopping: finishing in-flight requests (up to %.0f s)", grace_seconds)
     health_servicer.enter_graceful_shutdown()
+    if periodic is not None:
+        periodic.stop()
     if replica is not None:
         replica.stop()  # backups take over at once
     server.stop(grace_seconds).wait()
-    if checkpoint_dir:
-        checkpoint.save(checkpoint_dir, servicer.shard.tables())
+    if checkpoint_dir and replica is None:  # (a replica's rows live on in its group)
+        if periodic is not None:
+            periodic.save_now()
+        else:
+            checkpoint.save(checkpoint_dir, servicer.shard.tables())
         log.info("saved every table to %s", checkpoint_dir)
     return 0

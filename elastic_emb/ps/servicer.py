@@ -78,6 +78,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard | None = None) -> None:
         self.shard = Shard() if shard is None else shard
         self.replica: Replica | None = None  # set once, before the server starts
+        self.changes = 0  # change requests applied (guarded by _stats_lock)
         self._stats_lock = threading.Lock()
         self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
             _MethodStats
@@ -105,6 +106,8 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     def apply_change(self, method: str, request: Any) -> Any:
         """Applies a change request to the shard; its response."""
+        with self._stats_lock:
+            self.changes += 1
         return getattr(self, f"_{method}")(request)
 
     def _serving(self) -> None:
@@ -213,6 +216,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             incremental=request.incremental,
             max_deltas=request.max_deltas,
             after_step=request.after_step,
+            hold=request.hold,
         )
         return ps_pb2.SaveResponse(rows=rows, step=step, worker_steps=worker_steps)
 

@@ -63,6 +63,7 @@ class _Steps:
         self.pushed: dict[int, int] = {}  # worker -> last step pushed
         self.applying: set[int] = set()  # ASYNC: workers whose push is being applied
         self.applied = 0  # SYNC: steps applied
+        self.hold: int | None = None  # SYNC: apply no step after this one (a save)
         # SYNC: step -> worker -> its pushed [(table, keys, grads)], applied
         # in worker order once every worker pushed (the same sums everywhere).
         self.pending: dict[int, dict[int, list[tuple[str, np.ndarray, np.ndarray]]]] = {}
@@ -322,7 +323,7 @@ class Shard:
     def _apply_complete_steps(self) -> None:
         """SYNC: applies, in order, every step all workers have pushed (caller holds `cond`)."""
         s = self._steps
-        while True:
+        while s.hold is None or s.applied < s.hold:
             entry = s.pending.get(s.applied + 1)
             if entry is None or not s.step_complete(entry):
                 return
@@ -344,6 +345,11 @@ class Shard:
                     )
             s.applied += 1
             s.cond.notify_all()
+
+    def mode_name(self) -> str | None:
+        """ "sync" or "async" once a worker joined, else None."""
+        mode = self._steps.mode
+        return None if mode is None else _MODE_NAMES[mode].lower()
 
     def step(self) -> int:
         """Steps applied (SYNC) or the furthest step pushed (ASYNC)."""
@@ -405,18 +411,50 @@ class Shard:
         max_deltas: int = checkpoint.DEFAULT_MAX_DELTAS,
         after_step: int = 0,
         timeout: float = SAVE_WAIT_SECONDS,
+        hold: bool = False,
     ) -> tuple[int, int, dict[int, int]]:
         """Writes the named tables (all for none) to `directory`.
 
         SYNC with `after_step`: once that step is applied (the saving worker
-        pushes nothing meanwhile, so no later one is). Returns the rows
-        written and where the state stands: the shard's step, and each
+        pushes nothing meanwhile, so no later one is). With `hold` (a save
+        not sent by a worker), no later step is applied until the tables are
+        written, and a shard past `after_step` already refuses. Returns the
+        rows written and where the state stands: the shard's step, and each
         worker's last push applied before the save began (ASYNC: pushes
         applied while the tables are written may be in them too).
         """
         chosen = self.tables(names)
         if max_deltas < 0:
             raise invalid(f"max_deltas must be >= 0, not {max_deltas}")
+        s = self._steps
+        held = hold and bool(after_step) and s.mode == SYNC
+        with s.cond:
+            if held:
+                if s.applied > after_step or s.hold is not None:
+                    raise RequestError(
+                        "FAILED_PRECONDITION",
+                        f"cannot hold at step {after_step}: step {s.applied} is applied"
+                        + (f" and another save holds step {s.hold}" if s.hold is not None else ""),
+                    )
+                s.hold = after_step
+        try:
+            return self._save_at(directory, chosen, incremental, max_deltas, after_step, timeout)
+        finally:
+            if held:
+                with s.cond:
+                    s.hold = None
+                    self._apply_complete_steps()
+                    s.cond.notify_all()
+
+    def _save_at(
+        self,
+        directory: str,
+        chosen: list[LocalTable],
+        incremental: bool,
+        max_deltas: int,
+        after_step: int,
+        timeout: float,
+    ) -> tuple[int, int, dict[int, int]]:
         s = self._steps
         with s.cond:
             if after_step and s.mode == SYNC:
