@@ -23,19 +23,22 @@ Usage:
     python bench/checkpoint_bench.py --quick   # ~1 min: 1M rows, dim 16, 3 rounds
     python bench/checkpoint_bench.py           # 1M rows, dims 16 and 64, 5 rounds
     python bench/checkpoint_bench.py --rows 200000 --dims 16 --fractions 0.01 --rounds 3
+    python bench/checkpoint_bench.py --quick --ps 2   # the table on 2 local PS servers
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,22 +65,63 @@ def ratio(x: float) -> str:
     return f"{x:.1f}×"
 
 
-def written_bytes(directory: Path, previous: set[str]) -> int:
-    """Bytes of the data files of `directory`'s manifest not in `previous`, plus the manifest."""
+def _manifests(directory: Path) -> list[tuple[str, dict]]:
+    """(part name, manifest) of a checkpoint's parts ("" for an ordinary checkpoint)."""
     manifest = json.loads((directory / "manifest.json").read_text())
-    total = (directory / "manifest.json").stat().st_size
-    for entry in manifest["tables"].values():
-        links = entry.get("links", [entry])
-        total += sum(link["bytes"] for link in links if link["file"] not in previous)
+    if "parts" not in manifest:
+        return [("", manifest)]
+    return [
+        (p.rsplit("/", 1)[-1], json.loads((directory / p / "manifest.json").read_text()))
+        for p in manifest["parts"]
+    ]
+
+
+def written_bytes(directory: Path, previous: set[str]) -> int:
+    """Bytes of the checkpoint's data files not in `previous`, plus its manifests."""
+    top = json.loads((directory / "manifest.json").read_text())
+    parts = [directory / p for p in top.get("parts", [])]
+    total = sum((d / "manifest.json").stat().st_size for d in [directory, *parts])
+    for part, manifest in _manifests(directory):
+        for entry in manifest["tables"].values():
+            links = entry.get("links", [entry])
+            total += sum(
+                link["bytes"] for link in links if f"{part}/{link['file']}" not in previous
+            )
     return total
 
 
 def data_files(directory: Path) -> set[str]:
-    manifest = json.loads((directory / "manifest.json").read_text())
+    """Every data file of the checkpoint, as "part/file" (a cloned part keeps its names)."""
     files = set()
-    for entry in manifest["tables"].values():
-        files |= {link["file"] for link in entry.get("links", [entry])}
+    for part, manifest in _manifests(directory):
+        for entry in manifest["tables"].values():
+            files |= {f"{part}/{link['file']}" for link in entry.get("links", [entry])}
     return files
+
+
+@contextlib.contextmanager
+def servers(n: int) -> Iterator[list[str]]:
+    """`n` local `elastic-emb serve` processes (none for n = 0); their addresses."""
+    if n == 0:
+        yield []
+        return
+    from elastic_emb.ps.local_cluster import cli_command, free_port
+
+    ports = sorted({free_port() for _ in range(4 * n)})[:n]
+    procs = [
+        subprocess.Popen(
+            [*cli_command(), "serve", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for port in ports
+    ]
+    try:
+        yield [f"127.0.0.1:{port}" for port in ports]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait()
 
 
 def make_table(ee: Any, name: str, rows: int, dim: int, optimizer: str, seed: int) -> Any:
@@ -138,7 +182,7 @@ def bench_one(ee: Any, args: argparse.Namespace, dim: int, fraction: float, root
             t0 = time.perf_counter()
             ee.restore(full_dir if variant == "full" else inc_dir, tables=[fresh])
             (restore_full if variant == "full" else restore_chain).append(time.perf_counter() - t0)
-    links = len(json.loads((inc_dir / "manifest.json").read_text())["tables"][name]["links"])
+    links = max(len(m["tables"][name]["links"]) for _, m in _manifests(inc_dir))
     t0 = time.perf_counter()
     ee.checkpoint.compact(inc_dir)
     compact_s = time.perf_counter() - t0
@@ -183,6 +227,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restore-rounds", type=int, default=3, help="restores of each kind")
     p.add_argument("--dir", help="where to write (default: a new directory under $TMPDIR)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ps", type=int, default=0, help="the table on this many local PS servers (0: in-process)"
+    )
     args = p.parse_args(argv)
     if args.dims is None:
         args.dims = [16] if args.quick else [16, 64]
@@ -201,9 +248,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     results = []
     try:
-        for dim in args.dims:
-            for fraction in args.fractions:
-                results.append(bench_one(ee, args, dim, fraction, root))
+        with servers(args.ps) as addresses:
+            if addresses:
+                ee.init(ps=addresses, mode="async", connect_timeout=120)
+            try:
+                for dim in args.dims:
+                    for fraction in args.fractions:
+                        results.append(bench_one(ee, args, dim, fraction, root))
+            finally:
+                ee.shutdown()
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -218,8 +271,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "end\n"
     )
     opt = args.optimizer.capitalize()
+    where = f"on {args.ps} PS servers (each writes its part)" if args.ps else "in-process"
     print(
-        f"Bytes and seconds per save: {args.rows:,} rows, float32, {opt} "
+        f"Bytes and seconds per save: {args.rows:,} rows {where}, float32, {opt} "
         f"(slots {'1' if args.optimizer == 'adagrad' else '2'} × dim), one push to the changed "
         f"rows before each save; medians over {args.rounds} rounds\n"
     )
