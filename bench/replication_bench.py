@@ -45,18 +45,34 @@ def step(table: ee.Table, rng: np.random.Generator, vocab: int) -> None:
     table.push(keys, (rows * 0.01 + 0.001).astype(np.float32))
 
 
-def steps_per_second(cluster: LocalCluster, seconds: float, name: str) -> float:
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes used so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def steps_per_second(
+    cluster: LocalCluster, seconds: float, name: str
+) -> tuple[float, float, float]:
+    """Steps/s, and the servers' and the worker's CPU milliseconds per step."""
     ee.init(coordinator=cluster.coordinator, mode="sync")
     try:
         table = ee.Table(DIM, optimizer=ee.optimizers.Adagrad(0.05), name=name)
         rng = np.random.default_rng(0)
         for _ in range(5):  # warm up
             step(table, rng, 1_000_000)
+        servers = [p.pid for p in cluster.servers.values()]
+        server_cpu, worker_cpu = cpu_seconds(servers), time.process_time()
         start, n = time.perf_counter(), 0
         while time.perf_counter() - start < seconds:
             step(table, rng, 1_000_000)
             n += 1
-        return n / (time.perf_counter() - start)
+        rate = n / (time.perf_counter() - start)
+        server_ms = 1000 * (cpu_seconds(servers) - server_cpu) / n
+        return rate, server_ms, 1000 * (time.process_time() - worker_cpu) / n
     finally:
         ee.shutdown()
 
@@ -64,15 +80,23 @@ def steps_per_second(cluster: LocalCluster, seconds: float, name: str) -> float:
 def throughput(rounds: int, seconds: float) -> None:
     print("\n## Throughput: sync steps/s, 2 groups, R=2 against R=1\n")
     print(f"{KEYS_PER_STEP} keys per step (pull + Adagrad push), dim {DIM}\n")
-    print("| round | R=1 steps/s | R=2 steps/s | R=2 / R=1 |")
-    print("| --- | --- | --- | --- |")
+    print("CPU ms / step: the servers' (all of them) and the worker's, over the same steps\n")
+    print(
+        "| round | R=1 steps/s | R=2 steps/s | R=2 / R=1 | R=1 CPU ms/step: servers, worker "
+        "| R=2 CPU ms/step: servers, worker |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     ratios = []
     with LocalCluster(2, 1) as one, LocalCluster(2, 2) as two:
         for r in range(rounds):
-            a = steps_per_second(one, seconds, f"r1_{r}")
-            b = steps_per_second(two, seconds, f"r2_{r}")
+            a, a_servers, a_worker = steps_per_second(one, seconds, f"r1_{r}")
+            b, b_servers, b_worker = steps_per_second(two, seconds, f"r2_{r}")
             ratios.append(b / a)
-            print(f"| {r + 1} | {a:.1f} | {b:.1f} | {b / a:.2f}x |", flush=True)
+            print(
+                f"| {r + 1} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {a_servers:.1f}, {a_worker:.1f} "
+                f"| {b_servers:.1f}, {b_worker:.1f} |",
+                flush=True,
+            )
     print(f"\nMedian R=2 / R=1: **{statistics.median(ratios):.2f}x** (goal >= 0.8x)")
 
 
