@@ -59,9 +59,22 @@ def _cluster_status(args: argparse.Namespace) -> int:
                 f"{s['role']:8} rows {s['rows']:>12,}  step {s['step']:>8}  "
                 f"sequence {s['sequence']:>9}  lag {g['lag'].get(address, 0)}"
             )
-            print(f"  {address:21} {what}")
+            draining = "  (draining)" if address in status["draining"] else ""
+            print(f"  {address:21} {what}{draining}")
     for address in status["spares"]:
-        print(f"spare {address}")
+        print(f"spare {address}{'  (drained)' if address in status['draining'] else ''}")
+    return 0
+
+
+def _cluster_drain(args: argparse.Namespace) -> int:
+    from elastic_emb.ps.local_cluster import drain_server
+
+    try:
+        drain_server(args.coordinator, args.server, args.timeout)
+    except (TimeoutError, ValueError) as e:
+        print(f"elastic-emb cluster drain: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.server} holds nothing now: stop it")
     return 0
 
 
@@ -192,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--coordinator", required=True, help="etcd://HOST:PORT")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(run=_cluster_status)
+    drain = cluster_sub.add_parser(
+        "drain", help="retire a server: a spare replaces it in its group first"
+    )
+    drain.add_argument("--coordinator", required=True, help="etcd://HOST:PORT")
+    drain.add_argument("--server", required=True, help="HOST:PORT of the server to retire")
+    drain.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a spare")
+    drain.set_defaults(run=_cluster_drain)
     local = cluster_sub.add_parser("local", help="etcd and SHARDS x REPLICAS servers, here")
     local.add_argument("--shards", type=int, default=2, help="replica groups")
     local.add_argument("--replicas", type=int, default=2, help="servers per group")

@@ -191,12 +191,25 @@ def test_a_held_sync_save_applies_no_later_step_until_it_is_written(tmp_path, mo
     assert shard.step() == 1
     with pytest.raises(RequestError, match="another save holds step 1"):
         shard.save(str(tmp_path / "other"), [], after_step=1, hold=True)
+    # Every worker pushed step 2, but a pull of step 3 must still wait for it to be applied.
+    pulled: list = []
+    puller = threading.Thread(
+        target=lambda: pulled.append(shard.pull(0, 3, True, 30.0, [("t", keys)]))
+    )
+    puller.start()
+    puller.join(0.5)
+    assert puller.is_alive() and not pulled
+    with pytest.raises(RequestError, match="a checkpoint holds step 1 back"):
+        shard.pull(1, 3, True, 0.1, [("t", keys)])
     written.set()
     saver.join(30)
+    puller.join(30)
     assert shard.step() == 2  # applied once the save was written
     (state,) = checkpoint.read_shards([tmp_path], ["t"])[1].values()
     initial = Shard().create([SGD_TABLE])[0].pull(keys)
     np.testing.assert_array_equal(state.values, initial - 2.0)  # step 1 only
+    ((_, rows),) = pulled[0]
+    np.testing.assert_array_equal(rows, initial - 4.0)  # steps 1 and 2
     with pytest.raises(RequestError, match="cannot hold at step 1: step 2 is applied"):
         shard.save(str(tmp_path), [], after_step=1, hold=True)
 

@@ -67,6 +67,14 @@ def _health(address: str) -> ps_pb2.HealthResponse:
         return ps_pb2_grpc.ParameterServerStub(channel).Health(ps_pb2.HealthRequest(), timeout=5)
 
 
+def _role(address: str) -> str:
+    """The server's role, or "" while it does not answer (starting)."""
+    try:
+        return _health(address).role
+    except grpc.RpcError:
+        return ""
+
+
 def _table(name: str) -> ee.Table:
     return ee.Table(8, optimizer=ee.optimizers.Adam(0.01), name=name, seed=3)
 
@@ -128,8 +136,18 @@ def test_placement_fills_groups_then_splits_slots_evenly():
     assert promoted.groups[0].primary == "s1" and promoted.groups[0].members == []
     with pytest.raises(ValueError, match="not a backup"):
         m.promote(0, "s2")
-    assert ClusterMap.from_json(m.to_json(), 7) == ClusterMap(m.replicas, m.groups, True, 7)
+    assert ClusterMap.from_json(m.to_json(), 7) == ClusterMap(
+        m.replicas, m.groups, True, revision=7
+    )
     assert not ClusterMap(2, [Group(0, 0, 10, primary="a")]).ready()
+    # Draining s1 (a backup): it stays until a spare joins; a draining server gets no place.
+    draining = m.drain("s1")
+    assert draining.lacking() == [draining.groups[0]] and not draining.replaced("s1")
+    assert draining.place("s1", replicas=2).group_of("s1") is None
+    joined = draining.place("s6", replicas=2)
+    assert joined.groups[0].joining == ["s6"]
+    assert joined.admit(0, "s6").replaced("s1") and not joined.replaced("s1")
+    assert joined.undrain("s1").draining == [] and joined.undrain("s0") is None
 
 
 # A real cluster.
@@ -365,6 +383,52 @@ def _restore_copy(source: Path, destination: Path) -> Path:
         except (ee.CheckpointError, OSError):  # replaced while being copied: again
             shutil.rmtree(destination, ignore_errors=True)
     raise AssertionError(f"could not copy {source}")
+
+
+def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_training(tmp_path):
+    reference = _table("t")
+    _train(reference, range(1, 41))
+    expected = _local_state(reference)
+    del reference
+    with LocalCluster(1, 2, tmp_path / "cluster") as c:
+        ee.init(coordinator=c.coordinator, mode="sync")
+        table = _table("t")
+        _train(table, range(1, 11))
+        spare = c.start_server()
+        c.wait_until(lambda: _role(spare) == "spare", 30, "a spare")
+        (group,) = c.map().groups
+        c.kill(group.members[0])
+        _train(table, range(11, 21))  # the primary drops the dead backup; the spare fills in
+        c.wait_until(lambda: c.map().groups[0].members == [spare], 60, "the spare is a backup")
+        _assert_same_state(_export(group.primary, "t"), _export(spare, "t"))
+        second = c.start_server()
+        c.wait_until(lambda: _role(second) == "spare", 30, "another spare")
+        # Retire the primary while a worker trains: `second` joins, then the primary hands over.
+        slowly = lambda step: time.sleep(0.1)  # noqa: E731 (the drain happens meanwhile)
+        trainer = threading.Thread(target=_train, args=(table, range(21, 41), slowly))
+        trainer.start()
+        drain = subprocess.run(
+            [*cli_command(), "cluster", "drain", "--coordinator", c.coordinator,
+             "--server", group.primary, "--timeout", "60"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        trainer.join(120)
+        assert drain.returncode == 0, drain.stderr
+        assert f"{group.primary} holds nothing now" in drain.stdout
+        (now,) = c.map().groups
+        assert sorted(now.replicas) == sorted([spare, second]) and not now.joining
+        assert c.map().draining == [group.primary]
+        c.wait_until(lambda: _role(group.primary) == "spare", 30, "the old primary left")
+        assert _health(group.primary).rows == 0
+        _assert_same_state(_cluster_state(c, "t"), expected)
+        _assert_same_state(_export(now.primary, "t"), _export(now.members[0], "t"))
+        ee.shutdown()
+        unknown = subprocess.run(
+            [*cli_command(), "cluster", "drain", "--coordinator", c.coordinator,
+             "--server", "127.0.0.1:1"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert unknown.returncode == 1 and "is not a server of the cluster" in unknown.stderr
 
 
 def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster):

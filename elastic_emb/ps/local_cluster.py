@@ -24,7 +24,7 @@ from elastic_emb.ps.etcd import Etcd
 from elastic_emb.ps.etcd_process import EtcdProcess, start_etcd
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
 
-__all__ = ["LocalCluster", "cli_command", "cluster_status", "free_port"]
+__all__ = ["LocalCluster", "cli_command", "cluster_status", "drain_server", "free_port"]
 
 
 def cli_command() -> list[str]:
@@ -229,5 +229,47 @@ def cluster_status(coordinator: str, timeout: float = 2.0) -> dict[str, Any]:
         "sealed": m.sealed,
         "groups": groups,
         "spares": spares,
+        "draining": m.draining,
         "servers": servers,
     }
+
+
+def drain_server(coordinator: str, address: str, timeout: float = 600.0) -> ClusterMap:
+    """Retires `address`: a spare takes its place in its group, then it leaves the group.
+
+    The map marks it draining (placed nowhere again, not counted as a
+    replica), so a spare joins its group and is copied to; once the group
+    has its replicas without it, it is removed (a primary hands over to a
+    backup, as in a failover). It then holds nothing and may be stopped.
+    Returns the map.
+
+    Raises:
+        ValueError: no such server in the cluster.
+        TimeoutError: no spare replaced it within `timeout` (it is not
+            draining any more, and stays where it was).
+    """
+    with Etcd(coordinator) as etcd:
+        known = ClusterMap.read(etcd).group_of(address) is not None
+        if not known and etcd.get(membership.server_key(DEFAULT_PREFIX, address)) is None:
+            raise ValueError(f"{address} is not a server of the cluster at {coordinator}")
+        m, _ = membership.update(etcd, DEFAULT_PREFIX, lambda m: m.drain(address))
+        if m.group_of(address) is None:
+            return m
+        deadline = time.monotonic() + timeout
+
+        def leave(m: ClusterMap) -> ClusterMap | None:
+            return m.without(address) if m.group_of(address) and m.replaced(address) else None
+
+        while True:
+            m, removed = membership.update(etcd, DEFAULT_PREFIX, leave)
+            if removed or m.group_of(address) is None:
+                return m
+            if time.monotonic() > deadline:
+                membership.update(etcd, DEFAULT_PREFIX, lambda m: m.undrain(address))
+                group = m.group_of(address)
+                raise TimeoutError(
+                    f"no spare replaced {address} in group {group.id if group else '?'} within "
+                    f"{timeout:g} s: start one (`elastic-emb serve --coordinator {coordinator}`) "
+                    "and drain again"
+                )
+            time.sleep(0.1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from elastic_emb import sharding
 
 __all__ = [
-    "DEFAULT_PREFIX", "ClusterMap", "Group", "map_key", "server_key", "servers_prefix",
+    "DEFAULT_PREFIX", "ClusterMap", "Group", "map_key", "server_key", "servers_prefix", "update",
     "worker_key", "workers_prefix",
 ]  # fmt: skip
 
@@ -87,6 +88,9 @@ class ClusterMap:
     replicas: int = 1
     groups: list[Group] = dataclasses.field(default_factory=list)
     sealed: bool = False
+    # Servers being retired (`elastic-emb cluster drain`): placed nowhere, and
+    # not counted as replicas, so that a spare joins their group first.
+    draining: list[str] = dataclasses.field(default_factory=list)
     revision: int = 0  # the etcd mod_revision it was read at (not stored)
 
     @classmethod
@@ -101,12 +105,13 @@ class ClusterMap:
             return cls(revision=revision)
         data = json.loads(raw)
         groups = [Group(**g) for g in data["groups"]]
-        return cls(data["replicas"], groups, data["sealed"], revision)
+        return cls(data["replicas"], groups, data["sealed"], data.get("draining", []), revision)
 
     def to_json(self) -> bytes:
         data = {
             "replicas": self.replicas,
             "sealed": self.sealed,
+            "draining": self.draining,
             "groups": [dataclasses.asdict(g) for g in self.groups],
         }
         return json.dumps(data, sort_keys=True).encode()
@@ -130,6 +135,13 @@ class ClusterMap:
             end = stop
         return end == sharding.NUM_SLOTS
 
+    def lacking(self) -> list[Group]:
+        """The groups with fewer than `replicas` replicas (joining ones counted, draining not)."""
+        return [g for g in self.groups if self._count(g) < self.replicas]
+
+    def _count(self, g: Group) -> int:
+        return len([a for a in g.replicas + g.joining if a not in self.draining])
+
     def slot_owners(self) -> np.ndarray:
         """Index into `groups` (sorted by slot) of each slot's group."""
         owners = np.full(sharding.NUM_SLOTS, -1, np.int64)
@@ -149,16 +161,19 @@ class ClusterMap:
         Then: a group without any replica takes it as primary (its rows are
         lost); a group below `replicas` takes it as a joining backup; before
         any table exists it makes a new group and the slot ranges are
-        redrawn evenly; otherwise it stays a spare.
+        redrawn evenly; otherwise it stays a spare. A draining server gets no
+        place, and draining servers do not count toward a group's replicas.
         """
         new = self.without(address)
         new.replicas = max(new.replicas, replicas)
+        if address in new.draining:
+            return new
         for g in new.groups:
             if not g.primary:
                 g.primary, g.epoch = address, g.epoch + 1
                 return new
-        for g in sorted(new.groups, key=lambda g: (len(g.replicas) + len(g.joining), g.id)):
-            if len(g.replicas) + len(g.joining) < new.replicas:
+        for g in sorted(new.groups, key=lambda g: (new._count(g), g.id)):
+            if new._count(g) < new.replicas:
                 g.joining.append(address)
                 return new
         if not new.sealed:
@@ -201,7 +216,65 @@ class ClusterMap:
         g.members.append(address)
         return new
 
+    def drain(self, address: str) -> ClusterMap:
+        """`address` is being retired: it stays in its group until a spare replaces it."""
+        new = self.copy()
+        if address not in new.draining:
+            new.draining.append(address)
+        return new
+
+    def undrain(self, address: str) -> ClusterMap | None:
+        """`address` is not being retired (any more); None if it was not."""
+        if address not in self.draining:
+            return None
+        new = self.copy()
+        new.draining.remove(address)
+        return new
+
+    def replaced(self, address: str) -> bool:
+        """Whether draining `address` can leave its group: the others make `replicas`."""
+        g = self.group_of(address)
+        if g is None:
+            return True
+        others = [a for a in g.replicas if a != address and a not in self.draining]
+        return len(others) >= self.replicas
+
     def describe(self) -> dict[str, Any]:
         data = json.loads(self.to_json())
         data["revision"] = self.revision
         return data
+
+
+def update(
+    etcd: Any,
+    prefix: str,
+    change: Callable[[ClusterMap], ClusterMap | None],
+    compare: Callable[[], list[Any]] = list,
+) -> tuple[ClusterMap, bool]:
+    """Applies `change` to the stored map in one etcd transaction, retried on races.
+
+    `change` returns the new map, or None for no change; `compare()` adds
+    conditions to the transaction. Returns (the map now, whether it changed).
+
+    Raises:
+        RuntimeError: the map kept changing under 100 tries.
+    """
+    from elastic_emb.ps.etcd import Compare, Op
+
+    key = map_key(prefix)
+    for _ in range(100):
+        current = ClusterMap.read(etcd, prefix)
+        new = change(current)
+        if new is None:
+            return current, False
+        conditions = [
+            Compare.mod_revision(key, "=", current.revision)
+            if current.revision
+            else Compare.version(key, "=", 0),
+            *compare(),
+        ]
+        result = etcd.txn(conditions, [Op.put(key, new.to_json())])
+        if result.succeeded:
+            new.revision = result.revision
+            return new, True
+    raise RuntimeError("the cluster map kept changing: gave up after 100 tries")

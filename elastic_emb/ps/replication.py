@@ -42,7 +42,7 @@ from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.local import LocalTable
 from elastic_emb.ps import membership, protocol
 from elastic_emb.ps.client import GRPC_OPTIONS
-from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, LeaseLost, Op
+from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, LeaseLost
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group
 from elastic_emb.ps.shard import RequestError, Shard
 from elastic_emb.table import TableConfig
@@ -129,7 +129,7 @@ class Replica:
 
     def start(self) -> None:
         """Registers with the coordinator, takes a place, and starts the background work."""
-        self._register()
+        self._register(fresh=True)
         self._watch = self._etcd.watch(self._prefix, self._on_events, self._map.revision + 1)
         for target in (self._keep_alive, self._monitor):
             thread = threading.Thread(target=target, daemon=True, name=f"ee-{target.__name__}")
@@ -152,8 +152,11 @@ class Replica:
         for channel in self._channels.values():
             channel.close()
 
-    def _register(self) -> None:
-        """A fresh lease, the server key under it, and a place in the map (state wiped)."""
+    def _register(self, fresh: bool = False) -> None:
+        """A fresh lease, the server key under it, and a place in the map (state wiped).
+
+        `fresh`: a new process; if its address was being drained, that was another server.
+        """
         lease = self._etcd.grant(self._lease_seconds)
         key = membership.server_key(self._prefix, self.address)
         self._etcd.put(
@@ -167,12 +170,36 @@ class Replica:
             except EtcdError:
                 pass
         self._reset_state()
-        placed = self._change_map(lambda m: m.place(self.address, self._replicas), as_primary=False)
+
+        def place(m: ClusterMap) -> ClusterMap:
+            if fresh:
+                m = m.undrain(self.address) or m
+            return m.place(self.address, self._replicas)
+
+        self._take_place(place)
+        log.info("registered as %s: %s", self.address, self.role)
+
+    def _take_place(self, change: Callable[[ClusterMap], ClusterMap | None]) -> None:
+        placed = self._change_map(change, as_primary=False)
         group = placed.group_of(self.address)
         if group is not None and group.primary == self.address:
             with self._cond:  # a new group (or one that lost every replica): empty is its state
                 self._applied, self._applied_epoch = 0, group.epoch
-        log.info("registered as %s: %s", self.address, self.role)
+
+    def _fill_in(self) -> None:
+        """A spare joins a group that lacks a replica (its state is empty: it was reset)."""
+
+        def place(m: ClusterMap) -> ClusterMap | None:
+            if m.group_of(self.address) is not None or not m.lacking():
+                return None
+            return m.place(self.address, self._replicas)
+
+        with self._cond:
+            if self._stopped:
+                return
+        self._take_place(place)
+        if self.role != "spare":
+            log.info("%s left the spares: %s", self.address, self.role)
 
     def _reset_state(self) -> None:
         empty = Shard()
@@ -193,31 +220,27 @@ class Replica:
         With `as_primary`, only while this server is still its group's
         primary, with its lease (else `aborted`).
         """
-        key = membership.map_key(self._prefix)
-        for _ in range(100):
-            current = self._read_map()
+
+        def checked(current: ClusterMap) -> ClusterMap | None:
             if as_primary:
                 self._check_primary_in(current)
-            new = change(current)
-            if new is None:
-                return current
-            compare = [
-                Compare.mod_revision(key, "=", current.revision)
-                if current.revision
-                else Compare.version(key, "=", 0)
-            ]
-            if as_primary:
-                with self._cond:
-                    lease = self._lease
-                compare.append(
-                    Compare.lease(membership.server_key(self._prefix, self.address), "=", lease)
-                )
-            result = self._etcd.txn(compare, [Op.put(key, new.to_json())])
-            if result.succeeded:
-                new.revision = result.revision
-                self._set_map(new)
-                return new
-        raise aborted("the cluster map kept changing: gave up after 100 tries")
+            return change(current)
+
+        def holds_lease() -> list[Any]:
+            if not as_primary:
+                return []
+            with self._cond:
+                lease = self._lease
+            key = membership.server_key(self._prefix, self.address)
+            return [Compare.lease(key, "=", lease)]
+
+        try:
+            new, changed = membership.update(self._etcd, self._prefix, checked, holds_lease)
+        except RuntimeError as e:
+            raise aborted(str(e)) from None
+        if changed:
+            self._set_map(new)
+        return new
 
     def _check_primary_in(self, current: ClusterMap) -> Group:
         with self._cond:
@@ -271,6 +294,8 @@ class Replica:
         if old_group is not None and group is None:
             log.warning("%s was removed from group %d: rejoining", self.address, old_group.id)
             self._in_background(self._rejoin)
+        elif old_group is None and group is None and new.lacking():
+            self._in_background(self._fill_in)
         elif group is not None and group.primary == self.address:
             for address in group.joining:
                 if address not in self._copying:

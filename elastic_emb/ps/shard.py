@@ -82,33 +82,42 @@ class _Steps:
         """
         deadline = time.monotonic() + timeout
         while True:
-            late, what = self._late(worker, step)
-            if not late:
+            blocked, late, what = self._late(worker, step)
+            if not blocked:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
+                why = (
+                    f"workers {late} have not pushed it (stopped or dead?)"
+                    if late
+                    else f"a checkpoint holds step {self.hold} back"
+                )
                 raise RequestError(
                     "DEADLINE_EXCEEDED",
-                    f"worker {worker} waited {timeout:g} s to pull step {step}: {what}; workers "
-                    f"{late} have not pushed it (stopped or dead?). Steps pushed: "
-                    f"{dict(sorted(self.pushed.items()))}",
+                    f"worker {worker} waited {timeout:g} s to pull step {step}: {what}; {why}. "
+                    f"Steps pushed: {dict(sorted(self.pushed.items()))}",
                 )
             self.cond.wait(left)
 
-    def _late(self, worker: int, step: int) -> tuple[list[int], str]:
-        """Workers whose pushes a pull of `step` by `worker` still waits for, and why."""
+    def _late(self, worker: int, step: int) -> tuple[bool, list[int], str]:
+        """Whether a pull of `step` by `worker` must wait; the workers it waits for; why.
+
+        SYNC waits until step - 1 is applied, even once every worker pushed
+        it (a save may hold it back).
+        """
         if self.pushed.get(worker, 0) < step - 1:
-            return [worker], f"its own push of step {step - 1} has not arrived"
+            return True, [worker], f"its own push of step {step - 1} has not arrived"
         if self.mode == SYNC:
             needed, what = step - 1, f"step {step - 1} must be applied"
         elif self.mode == ASYNC and self.staleness >= 0:
             needed = step - 1 - self.staleness
             what = f"staleness {self.staleness}: every worker must have pushed step {needed}"
         else:
-            return [], ""
+            return False, [], ""
         if needed <= 0 or (self.mode == SYNC and self.applied >= needed):
-            return [], ""
-        return [w for w in self.workers() if self.pushed.get(w, 0) < needed], what
+            return False, [], ""
+        late = [w for w in self.workers() if self.pushed.get(w, 0) < needed]
+        return self.mode == SYNC or bool(late), late, what
 
     def workers(self) -> list[int]:
         """The workers every step waits for."""
