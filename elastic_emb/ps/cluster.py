@@ -115,11 +115,12 @@ class Cluster:
         self.routing = routing
         self.failover_timeout = failover_timeout
         if routing is not None:
-            routing.check_even()
             addresses = routing.primaries()
         self.shards = ShardClient(
             addresses, timeout=self.timeout + _RPC_MARGIN_SECONDS, retry=routing is None
         )
+        # Where each shard's slots begin (a coordinator's groups may own uneven ranges).
+        self._starts = np.array([begin for begin, _ in self.slot_ranges()], np.int64)
         # Pushes leave in order, one step at a time, off the training thread.
         self._pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ee-push")
         self._lock = threading.Lock()
@@ -261,16 +262,18 @@ class Cluster:
         """The slots [begin, end) each shard owns."""
         if self.routing is not None:
             return self.routing.slot_ranges()
-        n = self.num_shards
-        return [(i * sharding.NUM_SLOTS // n, (i + 1) * sharding.NUM_SLOTS // n) for i in range(n)]
+        return sharding.even_ranges(self.num_shards)
+
+    def split(self, keys: np.ndarray) -> list[np.ndarray]:
+        """Positions into `keys` of each shard's keys (`sharding.split_by_shard`)."""
+        return sharding.split_by_shard(keys, self.num_shards, self._starts)
 
     def restore_tables(self, directory: str, names: list[str]) -> None:
         """Each shard loads the rows it owns of the named tables from a checkpoint."""
+        ranges = self.slot_ranges()
         self.per_shard(
             "Restore",
-            lambda i: protocol.restore_request(
-                directory, names, self.num_shards, i, sharding.NUM_SLOTS
-            ),
+            lambda i: protocol.restore_request(directory, names, ranges[i]),
             timeout=CHECKPOINT_TIMEOUT,
         )
 
@@ -291,7 +294,7 @@ class Cluster:
     def pull(self, tables: list[tuple[str, int, np.ndarray]], insert: bool) -> list[np.ndarray]:
         """Rows of many tables in one request per shard: [(name, dim, keys)] -> [rows]."""
         self._raise_push_errors()
-        split = [sharding.split_by_shard(keys, self.num_shards) for _, _, keys in tables]
+        split = [self.split(keys) for _, _, keys in tables]
         with self._lock:
             step = self._step + 1
         requests = []
@@ -345,7 +348,7 @@ class Cluster:
     def _push_step(self, step: int, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]) -> None:
         # Every shard hears of every table of the step (maybe with no keys),
         # so all shards advance their step and optimizer iterations together.
-        split = {n: sharding.split_by_shard(k, self.num_shards) for n, (_, k, _) in tables.items()}
+        split = {n: self.split(k) for n, (_, k, _) in tables.items()}
         requests = [
             protocol.push_request(
                 self.worker_index,

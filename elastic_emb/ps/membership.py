@@ -179,10 +179,9 @@ class ClusterMap:
         if not new.sealed:
             next_id = max((g.id for g in new.groups), default=-1) + 1
             new.groups.append(Group(next_id, 0, 0, primary=address, epoch=1))
-            n = len(new.groups)
-            for i, g in enumerate(sorted(new.groups, key=lambda g: g.id)):
-                g.slot_begin = i * sharding.NUM_SLOTS // n
-                g.slot_end = (i + 1) * sharding.NUM_SLOTS // n
+            ranges = sharding.even_ranges(len(new.groups))
+            for g, (begin, end) in zip(sorted(new.groups, key=lambda g: g.id), ranges, strict=True):
+                g.slot_begin, g.slot_end = begin, end
         return new
 
     def without(self, address: str) -> ClusterMap:

@@ -409,12 +409,9 @@ def save_request(
 
 
 def restore_request(
-    directory: str, tables: Sequence[str], num_shards: int, shard_index: int, num_slots: int
+    directory: str, tables: Sequence[str], slots: tuple[int, int]
 ) -> ps_pb2.RestoreRequest:
+    """The shard keeps the rows whose keys' slots are in [slots[0], slots[1])."""
     return ps_pb2.RestoreRequest(
-        directories=[directory],
-        tables=list(tables),
-        num_shards=num_shards,
-        shard_index=shard_index,
-        num_slots=num_slots,
+        directories=[directory], tables=list(tables), slot_begin=slots[0], slot_end=slots[1]
     )

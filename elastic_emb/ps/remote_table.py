@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 
-from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps import protocol
 from elastic_emb.ps.cluster import Cluster
@@ -61,13 +60,13 @@ class RemoteTable(Table):
 
     def _by_shard(self, method: str, keys: np.ndarray, make: Any) -> tuple[list[Any], list[Any]]:
         """Calls `method` on every shard with `make(its keys)`; (positions, responses)."""
-        split = sharding.split_by_shard(keys, self.cluster.num_shards)
+        split = self.cluster.split(keys)
         return split, self.cluster.per_shard(method, lambda i: make(keys[split[i]]))
 
     def import_rows(self, keys: Any, values: Any) -> None:
         k = check_keys(keys)
         v = check_rows(values, "values", k.shape[0], self.dim)
-        split = sharding.split_by_shard(k, self.cluster.num_shards)
+        split = self.cluster.split(k)
         self.cluster.per_shard(
             "ImportRows",
             lambda i: protocol.import_rows_request(self.name, k[split[i]], v[split[i]]),
@@ -117,7 +116,7 @@ class RemoteTable(Table):
 
     def load_state(self, state: TableState) -> None:
         s = state.checked(self.dim, self.num_slots)
-        split = sharding.split_by_shard(s.keys, self.cluster.num_shards)
+        split = self.cluster.split(s.keys)
         self.cluster.per_shard(
             "ImportRows",
             lambda i: protocol.write_state(

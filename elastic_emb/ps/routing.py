@@ -13,7 +13,6 @@ import threading
 import time
 from typing import Any
 
-from elastic_emb import sharding
 from elastic_emb.ps import membership
 from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, Op
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
@@ -134,13 +133,6 @@ class Routing:
         """Returns once the map is newer than `version`, or after `timeout`."""
         with self._cond:
             self._cond.wait_for(lambda: self._map.revision > version, timeout)
-
-    def check_even(self) -> None:
-        """The groups' slot ranges are the even ones static routing assumes."""
-        n = self.num_groups
-        even = [(i * sharding.NUM_SLOTS // n, (i + 1) * sharding.NUM_SLOTS // n) for i in range(n)]
-        if self.slot_ranges() != even:
-            raise RuntimeError(f"uneven slot ranges {self.slot_ranges()} are not supported yet")
 
     def register_worker(self, worker: int, lease_seconds: int) -> None:
         """Holds `workers/<worker>` under a lease while this worker lives (elastic workers).
