@@ -421,6 +421,13 @@ def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_traini
         (now,) = c.map().groups
         assert sorted(now.replicas) == sorted([spare, second]) and not now.joining
         assert c.map().draining == [group.primary]
+        status = json.loads(
+            subprocess.run(
+                [*cli_command(), "cluster", "status", "--coordinator", c.coordinator, "--json"],
+                capture_output=True, text=True, timeout=120, check=True,
+            ).stdout
+        )  # fmt: skip
+        assert status["draining"] == [group.primary]
         c.wait_until(lambda: _role(group.primary) == "spare", 30, "the old primary left")
         assert _health(group.primary).rows == 0
         _assert_same_state(_cluster_state(c, "t"), expected)
