@@ -201,6 +201,9 @@ def test_replicas_stay_identical_and_a_killed_primary_loses_nothing(cluster, mod
     _train(table, range(22, 41))
     assert victim not in cluster.primaries()
     _assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+    # The traffic statistics name each group's current primary.
+    connection = ee.placement.current_cluster()
+    assert [s["address"] for s in connection.stats()] == cluster.primaries()
 
 
 def test_keras_fit_survives_a_primary_killed_mid_epoch(cluster):

@@ -127,6 +127,8 @@ class ShardClient:
         with self._lock:
             self._stubs[shard] = self._stub(address)
             self.addresses = [*self.addresses[:shard], address, *self.addresses[shard + 1 :]]
+        with self._stats_lock:  # the shard's traffic so far, under its current address
+            self._stats[shard].address = address
 
     @property
     def num_shards(self) -> int:
