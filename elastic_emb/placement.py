@@ -104,6 +104,7 @@ def init(
     connect_timeout: float = 30.0,
     coordinator: str | None = None,
     failover_timeout: float = 60.0,
+    read_from_backups: bool = False,
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
@@ -138,6 +139,12 @@ def init(
             the new one (see docs/fault-tolerance.md).
         failover_timeout: with a coordinator, seconds a call keeps waiting
             for a group's new primary before raising `ConnectionError`.
+        read_from_backups: with a coordinator, pulls with `train=False`
+            (evaluation, prediction) go to the primary and the backups of
+            each group in turn, spreading the reads. A backup has applied
+            every acknowledged push (sync: every step a pull may read); in
+            async mode a read may miss pushes still in flight, as it may on
+            the primary. Falls back to the primary if the backup fails.
 
     Returns:
         The `Cluster`, or None when no PS is configured.
@@ -182,7 +189,7 @@ def init(
         try:
             _cluster = Cluster(
                 addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
-                connect_timeout, routing, failover_timeout,
+                connect_timeout, routing, failover_timeout, read_from_backups,
             )  # fmt: skip
         except BaseException:
             if routing is not None:

@@ -476,6 +476,37 @@ def test_groups_with_uneven_slot_ranges_route_and_restore_by_slot(tmp_path):
             ee.shutdown()
 
 
+def _pulls_served(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stats = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=5)
+    return sum(m.calls - m.errors for m in stats.methods if m.method == "Pull")
+
+
+def test_reads_go_to_backups_too_when_asked_and_fall_back_to_the_primary(tmp_path):
+    with LocalCluster(1, 2, tmp_path / "cluster") as c:
+        with pytest.raises(ValueError, match="needs a coordinator"):
+            ee.init(ps=["127.0.0.1:1"], read_from_backups=True)
+        ee.init(coordinator=c.coordinator, mode="sync", read_from_backups=True)
+        try:
+            table = _table("t")
+            _train(table, range(1, 11))
+            (group,) = c.map().groups
+            backup = group.members[0]
+            served = _pulls_served(backup)
+            _train(table, range(11, 13))  # training pulls (train=True) only go to the primary
+            assert _pulls_served(backup) == served
+            keys = _export(group.primary, "t")["keys"]
+            values = _export(group.primary, "t")["values"]
+            for _ in range(6):
+                np.testing.assert_array_equal(table.pull(keys, train=False), values)
+            assert _pulls_served(backup) == served + 3  # every other read
+            c.kill(backup)
+            np.testing.assert_array_equal(table.pull(keys, train=False), values)
+            np.testing.assert_array_equal(table.pull(keys, train=False), values)
+        finally:
+            ee.shutdown()
+
+
 def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster):
     """No split brain: a primary cut off (SIGSTOP) is replaced; when it wakes it refuses writes."""
     ee.init(coordinator=cluster.coordinator, mode="async")

@@ -160,14 +160,19 @@ class ShardClient:
         request: Any,
         timeout: float | None = None,
         abandon: Callable[[str], bool] | None = None,
+        address: str | None = None,
     ) -> Any:
         """`method` on one shard; gRPC errors become Python exceptions (`error_of`).
 
         `abandon(address)`, asked every 50 ms while the call runs, may give
         it up (it then raises `NotPrimary`): its server was replaced.
+        `address`: another server of the shard's group to ask (a backup).
         """
         with self._lock:
-            address, stub = self.addresses[shard], self._stubs[shard]
+            if address is None:
+                address, stub = self.addresses[shard], self._stubs[shard]
+            else:
+                stub = self._stub(address)
         start = time.perf_counter()
         deadline = self.timeout if timeout is None else timeout
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -90,6 +91,7 @@ class Cluster:
         connect_timeout: float,
         routing: Routing | None = None,
         failover_timeout: float = 60.0,
+        read_from_backups: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
@@ -114,6 +116,10 @@ class Cluster:
         self._encoding = protocol.encoding(wire_dtype)
         self.routing = routing
         self.failover_timeout = failover_timeout
+        if read_from_backups and routing is None:
+            raise ValueError("`read_from_backups` needs a coordinator (replicated groups)")
+        self.read_from_backups = read_from_backups
+        self._reads = itertools.count()  # round robin over a group's replicas
         if routing is not None:
             addresses = routing.primaries()
         self.shards = ShardClient(
@@ -194,9 +200,16 @@ class Cluster:
         return self.shards.call_all(method, requests, timeout, call=self._call_group)
 
     def _call_group(self, group: int, method: str, request: Any, timeout: float | None) -> Any:
-        """One call to a group's primary, following failovers."""
+        """One call to a group's primary, following failovers (a read: maybe to a backup)."""
         routing = self.routing
         assert routing is not None
+        if self.read_from_backups and method == "Pull" and not request.train:
+            replicas = routing.replicas(group)
+            address = replicas[next(self._reads) % len(replicas)]
+            try:
+                return self.shards.call(group, method, request, timeout, address=address)
+            except ConnectionError:  # that server is gone or no replica any more
+                pass  # the primary answers
         deadline = time.monotonic() + self.failover_timeout
 
         def abandon(address: str) -> bool:  # a stopped (not dead) primary was replaced

@@ -430,12 +430,19 @@ class Replica:
 
     # Serving.
 
-    def check_primary(self) -> None:
-        """Raises `aborted` unless this server may serve workers now."""
+    def check_primary(self, backup_too: bool = False) -> None:
+        """Raises `aborted` unless this server may serve workers now.
+
+        `backup_too`: a backup may serve too (reads: it applied every
+        acknowledged change).
+        """
         with self._cond:
             group = self._map.group_of(self.address)
             alive = time.monotonic() - self._last_keepalive < self._lease_seconds
-        if group is None or group.primary != self.address:
+        serves = group is not None and (
+            group.primary == self.address or (backup_too and self.address in group.members)
+        )
+        if not serves:
             where = f"group {group.id}'s primary is {group.primary}" if group else "it is a spare"
             raise aborted(f"{self.address} is not a primary ({where})")
         if not alive:

@@ -100,6 +100,11 @@ class Routing:
             )
         return [g.primary for g in groups]
 
+    def replicas(self, group: int) -> list[str]:
+        """The primary and the backups of group `group` (in slot order)."""
+        with self._cond:
+            return self._map.by_slot()[group].replicas
+
     def slot_ranges(self) -> list[tuple[int, int]]:
         with self._cond:
             return [(g.slot_begin, g.slot_end) for g in self._map.by_slot()]

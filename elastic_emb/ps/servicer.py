@@ -110,10 +110,10 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             self.changes += 1
         return getattr(self, f"_{method}")(request)
 
-    def _serving(self) -> None:
-        """With a coordinator, only a primary answers workers."""
+    def _serving(self, read_only: bool = False) -> None:
+        """With a coordinator, only a primary answers workers (a backup too: `read_only`)."""
         if self.replica is not None:
-            self.replica.check_primary()
+            self.replica.check_primary(backup_too=read_only)
 
     # Tables.
 
@@ -156,7 +156,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
-        self._serving()
+        self._serving(read_only=not request.train)  # train=False inserts nothing
         if request.encoding not in protocol.ENCODINGS.values():
             raise invalid(f"Unknown encoding {request.encoding}")
         timeout = request.timeout_ms / 1000 if request.timeout_ms > 0 else 3600.0
