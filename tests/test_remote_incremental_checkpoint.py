@@ -257,3 +257,36 @@ def test_a_server_writes_periodic_deltas_and_nothing_while_idle(tmp_path):
     touched = np.unique(np.concatenate([_keys(s, 10) for s in (6, 7, 8)]))
     assert sum(link["num_rows"] for link in links[1:]) >= len(touched)
     _assert_same(_restored(d, "p"), expected)
+
+
+def test_the_keras_checkpoint_callback_writes_deltas_of_tables_on_shards(tmp_path):
+    keras = pytest.importorskip("keras")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 400, (256, 3)).astype(np.int64)
+    y = rng.normal(size=(256, 1)).astype(np.float32)
+    states = []
+    with shards(2) as servers:
+        gc.collect()
+        ee.init(ps=[s.address for s in servers], mode="sync")
+        try:
+            layer = ee.Embedding(4, optimizer=ee.optimizers.Adagrad(0.3), name="cb")
+            inp = keras.Input((3,), dtype="int64")
+            model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(layer(inp))))
+            model.compile(optimizer="sgd", loss="mse")
+
+            class Snapshot(keras.callbacks.Callback):  # after Checkpoint: what it saved
+                def on_epoch_end(self, epoch, logs=None):
+                    states.append(_state(layer.table))
+
+            callback = ee.callbacks.Checkpoint(tmp_path, incremental=True, max_to_keep=2)
+            model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[callback, Snapshot()])
+        finally:
+            ee.shutdown()
+    saved = sorted(tmp_path.glob("ckpt-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert [p.name for p in saved] == ["ckpt-8", "ckpt-12"]
+    for i, ckpt in enumerate(saved):
+        kinds = [
+            [link["kind"] for link in p["tables"]["cb"]["links"]] for p in _parts(ckpt / "tables")
+        ]
+        assert kinds == [["base"] + ["delta"] * (i + 1)] * 2  # both shards' parts
+        _assert_same(_restored(ckpt / "tables", "cb"), states[i + 1])
