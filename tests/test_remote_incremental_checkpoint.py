@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _cluster import shards
+from _states import assert_same_state, sorted_state
 
 import elastic_emb as ee
 from elastic_emb import checkpoint
@@ -43,17 +44,7 @@ def _train(table: ee.Table, steps: range, n: int) -> None:
 
 
 def _state(table: ee.Table) -> dict[str, np.ndarray]:
-    st = table.export_state()
-    order = np.argsort(st.keys)
-    out = {f: getattr(st, f)[order] for f in st.FIELDS}
-    out["iterations"] = np.array(st.iterations)
-    return out
-
-
-def _assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
-    assert a.keys() == b.keys()
-    for f in a:
-        np.testing.assert_array_equal(a[f], b[f], err_msg=f)
+    return sorted_state(table.export_state())
 
 
 def _parts(root: Path) -> list[dict]:
@@ -105,7 +96,7 @@ def test_shards_write_deltas_of_the_rows_the_steps_touched_and_restore_exactly(t
     cut = json.loads((root / "manifest.json").read_text())["cut"]
     assert cut["mode"] == "sync" and cut["steps"] == [12, 12]
     assert cut["worker_steps"] == [{"0": 12}, {"0": 12}]
-    _assert_same(_restored(root, "t"), expected)
+    assert_same_state(_restored(root, "t"), expected)
 
 
 def test_shards_that_own_other_slots_start_new_chains(tmp_path):
@@ -126,7 +117,7 @@ def test_shards_that_own_other_slots_start_new_chains(tmp_path):
                 ee.shutdown()
     # Three shards own other slots than two did: every part is a new base.
     assert [len(p["tables"]["moved"]["links"]) for p in _parts(root)] == [1, 1, 1]
-    _assert_same(_restored(root, "moved"), expected)
+    assert_same_state(_restored(root, "moved"), expected)
 
 
 SGD_TABLE = TableConfig.make(dim=2, optimizer=ee.optimizers.SGD(1.0), name="t", seed=1).to_dict()
@@ -256,7 +247,7 @@ def test_a_server_writes_periodic_deltas_and_nothing_while_idle(tmp_path):
     assert all(link["kind"] == "delta" and link["num_rows"] > 0 for link in links[1:])
     touched = np.unique(np.concatenate([_keys(s, 10) for s in (6, 7, 8)]))
     assert sum(link["num_rows"] for link in links[1:]) >= len(touched)
-    _assert_same(_restored(d, "p"), expected)
+    assert_same_state(_restored(d, "p"), expected)
 
 
 def test_the_keras_checkpoint_callback_writes_deltas_of_tables_on_shards(tmp_path):
@@ -289,4 +280,4 @@ def test_the_keras_checkpoint_callback_writes_deltas_of_tables_on_shards(tmp_pat
             [link["kind"] for link in p["tables"]["cb"]["links"]] for p in _parts(ckpt / "tables")
         ]
         assert kinds == [["base"] + ["delta"] * (i + 1)] * 2  # both shards' parts
-        _assert_same(_restored(ckpt / "tables", "cb"), states[i + 1])
+        assert_same_state(_restored(ckpt / "tables", "cb"), states[i + 1])

@@ -21,6 +21,7 @@ import grpc
 import keras
 import numpy as np
 import pytest
+from _states import assert_same_state, sorted_state
 
 import elastic_emb as ee
 from elastic_emb import sharding
@@ -50,17 +51,7 @@ def _export(address: str, table: str) -> dict[str, np.ndarray]:
             ps_pb2.ExportRowsRequest(table=table, with_state=True), timeout=10
         )
     t = info.tables[0]
-    state = protocol.read_state(response, t.dim, t.num_slots)
-    order = np.argsort(state.keys)
-    out = {f: getattr(state, f)[order] for f in state.FIELDS}
-    out["iterations"] = np.array(state.iterations)
-    return out
-
-
-def _assert_same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
-    assert a.keys() == b.keys()
-    for field in a:
-        np.testing.assert_array_equal(a[field], b[field], err_msg=field)
+    return sorted_state(protocol.read_state(response, t.dim, t.num_slots))
 
 
 def _health(address: str) -> ps_pb2.HealthResponse:
@@ -92,11 +83,17 @@ def _train(table: ee.Table, steps: range, on_step=None) -> None:
 
 
 def _local_state(table: ee.Table) -> dict[str, np.ndarray]:
-    state = table.export_state()
-    order = np.argsort(state.keys)
-    out = {f: getattr(state, f)[order] for f in state.FIELDS}
-    out["iterations"] = np.array(state.iterations)
-    return out
+    return sorted_state(table.export_state())
+
+
+def _expected(steps: range) -> dict[str, np.ndarray]:
+    """The state of an in-process table trained with `steps` (gone afterwards)."""
+    reference = _table("t")
+    _train(reference, steps)
+    state = _local_state(reference)
+    del reference
+    gc.collect()
+    return state
 
 
 def _cluster_state(c: LocalCluster, name: str) -> dict[str, np.ndarray]:
@@ -191,7 +188,7 @@ def test_replicas_stay_identical_and_a_killed_primary_loses_nothing(cluster, mod
     _train(table, range(1, 21))
     # Backups hold exactly what their primaries hold.
     for g in cluster.map().groups:
-        _assert_same_state(_export(g.primary, "t"), _export(g.members[0], "t"))
+        assert_same_state(_export(g.primary, "t"), _export(g.members[0], "t"))
     victim = cluster.primaries()[0]
     cluster.kill(victim)
     start = time.monotonic()
@@ -200,7 +197,7 @@ def test_replicas_stay_identical_and_a_killed_primary_loses_nothing(cluster, mod
     assert took < 2.0, f"the first step after the kill took {took:.2f} s"
     _train(table, range(22, 41))
     assert victim not in cluster.primaries()
-    _assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+    assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
     # The traffic statistics name each group's current primary.
     connection = ee.placement.current_cluster()
     assert [s["address"] for s in connection.stats()] == cluster.primaries()
@@ -242,7 +239,7 @@ def test_keras_fit_survives_a_primary_killed_mid_epoch(cluster):
         np.testing.assert_array_equal(weight, local_weight)
     for name in ("ka", "kb"):
         local_table = next(layer.table for layer in local.layers if layer.name == name)
-        _assert_same_state(_cluster_state(cluster, name), _local_state(local_table))
+        assert_same_state(_cluster_state(cluster, name), _local_state(local_table))
 
 
 def test_killed_backup_is_dropped_and_a_new_server_catches_up(cluster):
@@ -259,13 +256,13 @@ def test_killed_backup_is_dropped_and_a_new_server_catches_up(cluster):
     cluster.wait_until(cluster.complete, 30, "the new server joined as a backup")
     assert cluster.map().groups[0].members == [newcomer]
     _train(table, range(21, 31))
-    _assert_same_state(_export(group.primary, "t"), _export(newcomer, "t"))
+    assert_same_state(_export(group.primary, "t"), _export(newcomer, "t"))
     # Then the old primary dies: the newcomer serves, and nothing was lost.
     cluster.kill(group.primary)
     _train(table, range(31, 32))
     _train(reference, range(31, 32))
     assert cluster.primaries()[0] == newcomer
-    _assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+    assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
 
 
 def test_two_primaries_killed_in_a_row_with_three_replicas(tmp_path):
@@ -290,10 +287,10 @@ def test_two_primaries_killed_in_a_row_with_three_replicas(tmp_path):
                 lambda: newcomer in c.map().groups[0].replicas, 60, "the newcomer caught up"
             )
             _train(table, range(31, 41))
-            _assert_same_state(_cluster_state(c, "t"), _local_state(reference))
+            assert_same_state(_cluster_state(c, "t"), _local_state(reference))
             (group,) = c.map().groups
             for backup in group.members:
-                _assert_same_state(_export(group.primary, "t"), _export(backup, "t"))
+                assert_same_state(_export(group.primary, "t"), _export(backup, "t"))
         finally:
             ee.shutdown()
 
@@ -317,10 +314,7 @@ def test_a_group_that_lost_every_replica_fails_calls_with_an_error_that_says_so(
 
 def test_incremental_saves_go_on_across_a_failover_and_restore_exactly(cluster, tmp_path):
     """The new primary has no chain of its own yet: its group's part becomes a new base."""
-    reference = _table("t")
-    _train(reference, range(1, 21))
-    expected = _local_state(reference)
-    del reference
+    expected = _expected(range(1, 21))
     root = tmp_path / "ckpt"
     ee.init(coordinator=cluster.coordinator, mode="sync")
     table = _table("t")
@@ -342,7 +336,7 @@ def test_incremental_saves_go_on_across_a_failover_and_restore_exactly(cluster, 
     assert [[link["kind"] for link in c] for c in chains] == [["base"], ["base", "delta", "delta"]]
     assert manifest["cut"]["steps"] == [20, 20]
     restored = ee.restore(root)["t"]
-    _assert_same_state(_local_state(restored), expected)
+    assert_same_state(_local_state(restored), expected)
 
 
 def test_servers_write_periodic_cluster_checkpoints_cut_at_a_step(tmp_path):
@@ -374,9 +368,9 @@ def test_servers_write_periodic_cluster_checkpoints_cut_at_a_step(tmp_path):
         finally:
             ee.shutdown()
     gc.collect()
-    _assert_same_state(_local_state(ee.restore(first)["t"]), at_10)
+    assert_same_state(_local_state(ee.restore(first)["t"]), at_10)
     gc.collect()
-    _assert_same_state(_local_state(ee.restore(shared)["t"]), at_20)
+    assert_same_state(_local_state(ee.restore(shared)["t"]), at_20)
     manifest = json.loads((shared / "manifest.json").read_text())
     assert manifest["cut"]["mode"] == "sync"
 
@@ -392,10 +386,7 @@ def _restore_copy(source: Path, destination: Path) -> Path:
 
 
 def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_training(tmp_path):
-    reference = _table("t")
-    _train(reference, range(1, 41))
-    expected = _local_state(reference)
-    del reference
+    expected = _expected(range(1, 41))
     with LocalCluster(1, 2, tmp_path / "cluster") as c:
         ee.init(coordinator=c.coordinator, mode="sync")
         table = _table("t")
@@ -406,7 +397,7 @@ def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_traini
         c.kill(group.members[0])
         _train(table, range(11, 21))  # the primary drops the dead backup; the spare fills in
         c.wait_until(lambda: c.map().groups[0].members == [spare], 60, "the spare is a backup")
-        _assert_same_state(_export(group.primary, "t"), _export(spare, "t"))
+        assert_same_state(_export(group.primary, "t"), _export(spare, "t"))
         second = c.start_server()
         c.wait_until(lambda: _role(second) == "spare", 30, "another spare")
         # Retire the primary while a worker trains: `second` joins, then the primary hands over.
@@ -433,8 +424,8 @@ def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_traini
         assert status["draining"] == [group.primary]
         c.wait_until(lambda: _role(group.primary) == "spare", 30, "the old primary left")
         assert _health(group.primary).rows == 0
-        _assert_same_state(_cluster_state(c, "t"), expected)
-        _assert_same_state(_export(now.primary, "t"), _export(now.members[0], "t"))
+        assert_same_state(_cluster_state(c, "t"), expected)
+        assert_same_state(_export(now.primary, "t"), _export(now.members[0], "t"))
         ee.shutdown()
         unknown = subprocess.run(
             [*cli_command(), "cluster", "drain", "--coordinator", c.coordinator,
@@ -446,10 +437,7 @@ def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_traini
 
 def test_groups_with_uneven_slot_ranges_route_and_restore_by_slot(tmp_path):
     """The map's ranges, not an even split, decide where a key goes."""
-    reference = _table("t")
-    _train(reference, range(1, 21))
-    expected = _local_state(reference)
-    del reference
+    expected = _expected(range(1, 21))
     with LocalCluster(2, 1, tmp_path / "cluster") as c:
         with Etcd(c.coordinator) as etcd:  # before any worker: no rows exist yet
             m = ClusterMap.read(etcd)
@@ -466,12 +454,12 @@ def test_groups_with_uneven_slot_ranges_route_and_restore_by_slot(tmp_path):
                 assert ((slots >= g.slot_begin) & (slots < g.slot_end)).all()
                 assert len(slots) > 0
             assert len(_export(first.primary, "t")["keys"]) < 100  # 300 of 4096 slots
-            _assert_same_state(_cluster_state(c, "t"), expected)
+            assert_same_state(_cluster_state(c, "t"), expected)
             ee.restore(tmp_path / "ckpt")  # each group keeps its own slots' rows
             for g in c.map().by_slot():
                 slots = sharding.slot_of(_export(g.primary, "t")["keys"])
                 assert ((slots >= g.slot_begin) & (slots < g.slot_end)).all()
-            _assert_same_state(_cluster_state(c, "t"), expected)
+            assert_same_state(_cluster_state(c, "t"), expected)
         finally:
             ee.shutdown()
 
@@ -529,7 +517,7 @@ def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster)
     _train(table, range(11, 16))
     cluster.wait_until(cluster.complete, 30, "the old primary rejoined as a backup")
     new = cluster.primaries()[0]
-    _assert_same_state(_export(new, "t"), _export(old, "t"))
+    assert_same_state(_export(new, "t"), _export(old, "t"))
 
 
 def test_training_goes_on_across_an_etcd_restart(cluster):
@@ -547,7 +535,7 @@ def test_training_goes_on_across_an_etcd_restart(cluster):
     finally:
         restart.join()
     assert cluster.complete()  # the same servers, in the same roles
-    _assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+    assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
 
 
 # Elastic workers (a coordinator makes workers elastic).
