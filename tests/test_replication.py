@@ -433,6 +433,12 @@ def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_traini
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert unknown.returncode == 1 and "is not a server of the cluster" in unknown.stderr
+        # A drained spare fills no group, and leaves the map alone, even when one lacks a replica.
+        c.kill(now.members[0])
+        c.wait_until(lambda: c.map().lacking(), 30, "the dead backup dropped")
+        revision = c.map().revision
+        time.sleep(1.0)
+        assert c.map().revision == revision and _role(group.primary) == "spare"
 
 
 def test_groups_with_uneven_slot_ranges_route_and_restore_by_slot(tmp_path):

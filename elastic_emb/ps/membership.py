@@ -252,8 +252,9 @@ def update(
 ) -> tuple[ClusterMap, bool]:
     """Applies `change` to the stored map in one etcd transaction, retried on races.
 
-    `change` returns the new map, or None for no change; `compare()` adds
-    conditions to the transaction. Returns (the map now, whether it changed).
+    `change` returns the new map, or None (or the same map) for no change;
+    `compare()` adds conditions to the transaction. Returns (the map now,
+    whether it changed).
 
     Raises:
         RuntimeError: the map kept changing under 100 tries.
@@ -264,7 +265,7 @@ def update(
     for _ in range(100):
         current = ClusterMap.read(etcd, prefix)
         new = change(current)
-        if new is None:
+        if new is None or new.to_json() == current.to_json():
             return current, False
         conditions = [
             Compare.mod_revision(key, "=", current.revision)

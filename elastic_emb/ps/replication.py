@@ -190,9 +190,9 @@ class Replica:
         """A spare joins a group that lacks a replica (its state is empty: it was reset)."""
 
         def place(m: ClusterMap) -> ClusterMap | None:
-            if m.group_of(self.address) is not None or not m.lacking():
+            if m.group_of(self.address) is not None or self.address in m.draining:
                 return None
-            return m.place(self.address, self._replicas)
+            return m.place(self.address, self._replicas) if m.lacking() else None
 
         with self._cond:
             if self._stopped:
