@@ -23,8 +23,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from elastic_emb import sharding
 
 __all__ = [
@@ -141,13 +139,6 @@ class ClusterMap:
 
     def _count(self, g: Group) -> int:
         return len([a for a in g.replicas + g.joining if a not in self.draining])
-
-    def slot_owners(self) -> np.ndarray:
-        """Index into `groups` (sorted by slot) of each slot's group."""
-        owners = np.full(sharding.NUM_SLOTS, -1, np.int64)
-        for i, g in enumerate(self.by_slot()):
-            owners[g.slot_begin : g.slot_end] = i
-        return owners
 
     def by_slot(self) -> list[Group]:
         return sorted(self.groups, key=lambda g: g.slot_begin)
