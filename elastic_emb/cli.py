@@ -52,7 +52,12 @@ def _cluster_status(args: argparse.Namespace) -> int:
     print(f"coordinator {status['coordinator']}  replicas {status['replicas']}  "
           f"map revision {status['revision']}{'  sealed' if status['sealed'] else ''}")  # fmt: skip
     for g in status["groups"]:
-        print(f"group {g['id']}  slots [{g['slot_begin']}, {g['slot_end']})  epoch {g['epoch']}")
+        ranges = "  ".join(
+            f"{r['slots']}" + (f" -> group {r['moving_to']}" if r["moving_to"] is not None else "")
+            for r in g["ranges"]
+        )
+        retiring = "  (retiring)" if g["retiring"] else ""
+        print(f"group {g['id']}  epoch {g['epoch']}  slots {ranges or '(none)'}{retiring}")
         for address in [g["primary"], *g["members"], *g["joining"]]:
             s = status["servers"].get(address, {})
             what = s.get("error") or (

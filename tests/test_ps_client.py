@@ -153,7 +153,7 @@ def test_refused_requests_get_their_status_and_bugs_get_internal(monkeypatch, ca
     def broken(name: str) -> object:
         raise ValueError("a bug in the shard")
 
-    monkeypatch.setattr(servicer.shard, "table", broken)
+    monkeypatch.setattr(servicer.ranges.get(0), "table", broken)
     with caplog.at_level(logging.ERROR, logger="elastic_emb.server"):
         bug = _call(servicer, "ExportRows", ps_pb2.ExportRowsRequest(table="t"))
     assert bug.code == grpc.StatusCode.INTERNAL and "a bug in the shard" in bug.details

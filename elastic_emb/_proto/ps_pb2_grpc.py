@@ -94,6 +94,11 @@ class ParameterServerStub(object):
                 request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.SnapshotChunk.SerializeToString,
                 response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.InstallSnapshotResponse.FromString,
                 )
+        self.MoveIn = channel.unary_unary(
+                '/elastic_emb.ps.v1.ParameterServer/MoveIn',
+                request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.MoveInRequest.SerializeToString,
+                response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.MoveInResponse.FromString,
+                )
 
 
 class ParameterServerServicer(object):
@@ -204,6 +209,14 @@ class ParameterServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MoveIn(self, request, context):
+        """A slot range moving onto this group, sent by its source group's primary:
+        a snapshot of the range, then the range's changes made since.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -286,6 +299,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.InstallSnapshot,
                     request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.SnapshotChunk.FromString,
                     response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.InstallSnapshotResponse.SerializeToString,
+            ),
+            'MoveIn': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveIn,
+                    request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.MoveInRequest.FromString,
+                    response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.MoveInResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -566,5 +584,22 @@ class ParameterServer(object):
         return grpc.experimental.stream_unary(request_iterator, target, '/elastic_emb.ps.v1.ParameterServer/InstallSnapshot',
             elastic__emb_dot_ps_dot_v1_dot_ps__pb2.SnapshotChunk.SerializeToString,
             elastic__emb_dot_ps_dot_v1_dot_ps__pb2.InstallSnapshotResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def MoveIn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/elastic_emb.ps.v1.ParameterServer/MoveIn',
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.MoveInRequest.SerializeToString,
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.MoveInResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

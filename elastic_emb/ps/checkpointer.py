@@ -24,7 +24,7 @@ import grpc
 from elastic_emb import checkpoint
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol
-from elastic_emb.ps.shard import RequestError, Shard
+from elastic_emb.ps.shard import Ranges, RequestError
 
 if TYPE_CHECKING:
     from elastic_emb.ps.replication import Replica
@@ -38,18 +38,22 @@ _SAVE_TIMEOUT = 6 * 3600.0
 
 
 class _Primaries:
-    """The groups' primaries as `checkpoint.save_cluster` writes through them."""
+    """The slot ranges' primaries as `checkpoint.save_cluster` writes through them."""
 
     def __init__(self, replica: Replica, mode: str) -> None:
-        groups = replica.cluster_map().by_slot()
+        m = replica.cluster_map()
+        ranges = m.by_slot()
+        groups = [m.group(r.group) for r in ranges]
         self.mode = mode
-        self.num_shards = len(groups)
-        self._ranges = [(g.slot_begin, g.slot_end) for g in groups]
+        self.num_shards = len(ranges)
+        self._ranges = [r.slots for r in ranges]
+        self._ids = [r.id for r in ranges]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(replica.channel(g.primary)) for g in groups]
         health = [s.Health(ps_pb2.HealthRequest(), timeout=10) for s in self._stubs]
-        # What the groups hold: no change in it, no new checkpoint.
+        # What the ranges hold: no change in it, no new checkpoint.
         self.version = tuple(
-            (g.primary, g.epoch, h.sequence) for g, h in zip(groups, health, strict=True)
+            (r.id, r.slots, g.primary, g.epoch, h.sequence)
+            for r, g, h in zip(ranges, groups, health, strict=True)
         )
         self._furthest = max((h.step for h in health), default=0)
 
@@ -62,10 +66,11 @@ class _Primaries:
         # SYNC: after the furthest step applied; the others reach it by themselves.
         after = self._furthest if self.mode == "sync" else 0
         requests = [
-            protocol.save_request(d, names, incremental, max_deltas, after) for d in directories
+            protocol.save_request(d, names, incremental, max_deltas, after, slots)
+            for d, slots in zip(directories, self._ranges, strict=True)
         ]
-        for r in requests:
-            r.hold = True
+        for r, range_id in zip(requests, self._ids, strict=True):
+            r.hold, r.range = True, range_id
         with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
             calls = [
                 pool.submit(stub.Save, r, timeout=_SAVE_TIMEOUT)
@@ -78,7 +83,7 @@ class PeriodicCheckpoints:
     """Writes a checkpoint every `every` seconds in a background thread (`start`, `stop`).
 
     Args:
-        shard: this server's shard.
+        ranges: this server's shards (one without a coordinator).
         directory: where the checkpoints go (see the module docstring).
         every: seconds between two checkpoints.
         max_deltas: the most deltas a chain gets before a new base.
@@ -89,7 +94,7 @@ class PeriodicCheckpoints:
 
     def __init__(
         self,
-        shard: Shard,
+        ranges: Ranges,
         directory: str,
         every: float,
         max_deltas: int = checkpoint.DEFAULT_MAX_DELTAS,
@@ -98,7 +103,7 @@ class PeriodicCheckpoints:
     ) -> None:
         if every <= 0:
             raise ValueError(f"--checkpoint-every must be positive, not {every:g}")
-        self.shard = shard
+        self.ranges = ranges
         self.directory = Path(directory).absolute()
         self.every = every
         self.max_deltas = max_deltas
@@ -126,19 +131,21 @@ class PeriodicCheckpoints:
 
     def save_now(self) -> bool:
         """Writes one checkpoint if this server writes them and anything changed; whether it did."""
-        if not self.shard.tables():
+        if not self.ranges.tables():
             return False
         if self.replica is None:
             changes = self._changes()
             if changes == self._saved:
                 return False
-            self.shard.save(str(self.directory), [], incremental=True, max_deltas=self.max_deltas)
+            self.ranges.get(0).save(
+                str(self.directory), [], incremental=True, max_deltas=self.max_deltas
+            )
             self._saved = changes
             log.info("checkpoint written to %s", self.directory)
             return True
         if not self._leads():
             return False
-        mode = self.shard.mode_name() or "async"
+        mode = next((m for s in self.ranges.shards() if (m := s.mode_name())), "async")
         for attempt in range(HOLD_ATTEMPTS):
             primaries = _Primaries(self.replica, mode)
             if primaries.version == self._saved:
@@ -162,5 +169,7 @@ class PeriodicCheckpoints:
     def _leads(self) -> bool:
         """This server is the primary of the group that owns slot 0."""
         assert self.replica is not None
-        groups = self.replica.cluster_map().by_slot()
-        return bool(groups) and groups[0].primary == self.replica.address
+        m = self.replica.cluster_map()
+        ranges = m.by_slot()
+        group = m.find_group(ranges[0].group) if ranges else None
+        return group is not None and group.primary == self.replica.address

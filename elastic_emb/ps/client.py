@@ -21,7 +21,7 @@ import grpc
 
 from elastic_emb._proto import ps_pb2_grpc
 
-__all__ = ["GRPC_OPTIONS", "NotPrimary", "ShardClient", "ShardStats", "error_of"]
+__all__ = ["GRPC_OPTIONS", "NotPrimary", "RangeChanged", "ShardClient", "ShardStats", "error_of"]
 
 MAX_MESSAGE_BYTES = 1 << 30  # pushes carry every table of a step
 SERVICE = "elastic_emb.ps.v1.ParameterServer"
@@ -68,6 +68,10 @@ NO_RETRY_OPTIONS = [*GRPC_OPTIONS, ("grpc.enable_retries", 0), *_RECONNECT_OPTIO
 
 class NotPrimary(ConnectionError):
     """The server is not (or no longer) the primary of its group: re-route."""
+
+
+class RangeChanged(Exception):
+    """A slot range was split since the request was made: split it again and re-send."""
 
 
 @dataclasses.dataclass
@@ -122,13 +126,18 @@ class ShardClient:
             )
         return ps_pb2_grpc.ParameterServerStub(channel)
 
-    def set_address(self, shard: int, address: str) -> None:
-        """Sends `shard`'s later calls to `address` (its new primary)."""
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Sends later calls to these shards (the cluster's slot ranges changed)."""
         with self._lock:
-            self._stubs[shard] = self._stub(address)
-            self.addresses = [*self.addresses[:shard], address, *self.addresses[shard + 1 :]]
-        with self._stats_lock:  # the shard's traffic so far, under its current address
-            self._stats[shard].address = address
+            self._stubs = [self._stub(a) for a in addresses]
+            self.addresses = list(addresses)
+        with self._stats_lock:  # the traffic so far stays with the shard's position
+            old = self._stats
+            self._stats = [
+                old[i] if i < len(old) else ShardStats(a) for i, a in enumerate(addresses)
+            ]
+            for s, a in zip(self._stats, addresses, strict=True):
+                s.address = a
 
     @property
     def num_shards(self) -> int:
@@ -195,7 +204,10 @@ class ShardClient:
             raise error_of(address, method, e) from None
         elapsed = time.perf_counter() - start
         with self._stats_lock:
+            if shard >= len(self._stats):  # the shards changed meanwhile
+                return response
             s = self._stats[shard]
+            s.address = address
             s.rpcs += 1
             s.bytes_sent += request.ByteSize()
             s.bytes_received += response.ByteSize()
@@ -243,6 +255,8 @@ def error_of(address: str, method: str, e: grpc.RpcError) -> Exception:
     message = f"elastic_emb PS {address} {method}: {e.details()}"
     if code == grpc.StatusCode.ABORTED:
         return NotPrimary(message)
+    if code == grpc.StatusCode.OUT_OF_RANGE:
+        return RangeChanged(message)
     if code == grpc.StatusCode.UNAVAILABLE:
         return ConnectionError(f"{message} (parameter server {address} unreachable)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -23,7 +23,7 @@ import numpy as np
 from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps import protocol
-from elastic_emb.ps.client import NotPrimary, ShardClient
+from elastic_emb.ps.client import NotPrimary, RangeChanged, ShardClient
 
 if TYPE_CHECKING:
     from elastic_emb.ps.routing import Routing
@@ -41,6 +41,26 @@ CHECKPOINT_TIMEOUT = 6 * 3600.0
 WORKER_LEASE_SECONDS = 3
 # Pushes of a worker that may be in flight while it pulls again.
 _PUSHES_AHEAD = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The slot ranges a request was split by: shard i is range `ids[i]`, in slot order.
+
+    Without a coordinator every shard holds one range (id 0) of `even_ranges`.
+    """
+
+    ids: tuple[int, ...]
+    slots: tuple[tuple[int, int], ...]
+    version: int = 0  # the map's revision
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.array([begin for begin, _ in self.slots], np.int64)
+
+    def split(self, keys: np.ndarray) -> list[np.ndarray]:
+        """Positions into `keys` of each range's keys."""
+        return sharding.split_by_shard(keys, len(self.ids), self.starts)
 
 
 @dataclasses.dataclass
@@ -68,10 +88,12 @@ class Cluster:
     `collect`, `push` and `flush` block for the network; `submit` and
     `push_gradient` do not (a push is only queued).
 
-    With a `routing` (a coordinator), shard i is replica group i: a call
-    that finds its primary gone waits for the coordinator's new primary and
-    is sent again (pushes too: the shards apply a (worker, step) once), for
-    up to `failover_timeout` seconds.
+    With a `routing` (a coordinator), shard i is the i-th slot range of the
+    cluster map, served by its group's primary: a call that finds the
+    primary gone (or the range moved) waits for the coordinator's new
+    primary and is sent again (pushes too: a range applies a (worker, step)
+    once), for up to `failover_timeout` seconds. When ranges split, the
+    worker splits its requests again and re-sends them.
 
     Raises:
         ValueError: invalid arguments.
@@ -120,13 +142,17 @@ class Cluster:
             raise ValueError("`read_from_backups` needs a coordinator (replicated groups)")
         self.read_from_backups = read_from_backups
         self._reads = itertools.count()  # round robin over a group's replicas
-        if routing is not None:
-            addresses = routing.primaries()
+        self._layout_lock = threading.Lock()
+        if routing is None:
+            self._layout = _Layout(
+                (0,) * len(addresses), tuple(sharding.even_ranges(len(addresses)))
+            )
+        else:
+            self._layout = routing.layout()
+            addresses = [routing.primary_of(r) for r in self._layout.ids]
         self.shards = ShardClient(
             addresses, timeout=self.timeout + _RPC_MARGIN_SECONDS, retry=routing is None
         )
-        # Where each shard's slots begin (a coordinator's groups may own uneven ranges).
-        self._starts = np.array([begin for begin, _ in self.slot_ranges()], np.int64)
         # Pushes leave in order, one step at a time, off the training thread.
         self._pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ee-push")
         self._lock = threading.Lock()
@@ -149,7 +175,7 @@ class Cluster:
             join = protocol.join_request(
                 worker_index, num_workers, mode, staleness, elastic=routing is not None
             )
-            steps = {r.step for r in self._call_all("Join", [join] * self.num_shards)}
+            steps = {r.step for r in self._broadcast("Join", join)}
             if len(steps) != 1:
                 raise RuntimeError(f"PS shards {self.addresses} are at different steps {steps}")
         except BaseException:
@@ -163,7 +189,7 @@ class Cluster:
 
     @property
     def num_shards(self) -> int:
-        return self.shards.num_shards
+        return len(self.layout().ids)
 
     @property
     def step(self) -> int:
@@ -178,7 +204,7 @@ class Cluster:
             if self.routing is not None:
                 leave = ps_pb2.LeaveRequest(worker=self.worker_index)
                 try:
-                    self._call_all("Leave", [leave] * self.num_shards)
+                    self._broadcast("Leave", leave)
                 except ConnectionError as e:  # the servers see this worker's lease end instead
                     log.warning("could not tell the servers that worker %d left: %s",
                                 self.worker_index, e)  # fmt: skip
@@ -191,66 +217,113 @@ class Cluster:
         if self.routing is not None:
             self.routing.close()
 
-    def _call_all(
-        self, method: str, requests: list[Any], timeout: float | None = None
-    ) -> list[Any]:
-        """`ShardClient.call_all`, re-routed to new primaries with a coordinator."""
+    def layout(self) -> _Layout:
+        """The slot ranges as the coordinator's map has them now (fixed without one)."""
         if self.routing is None:
-            return self.shards.call_all(method, requests, timeout)
-        return self.shards.call_all(method, requests, timeout, call=self._call_group)
+            return self._layout
+        with self._layout_lock:
+            current = self.routing.layout()
+            if (current.ids, current.slots) != (self._layout.ids, self._layout.slots):
+                self.shards.set_addresses([self.routing.primary_of(r) for r in current.ids])
+                self._layout = current
+            return self._layout
 
-    def _call_group(self, group: int, method: str, request: Any, timeout: float | None) -> Any:
-        """One call to a group's primary, following failovers (a read: maybe to a backup)."""
+    def _per_range(
+        self,
+        method: str,
+        make: Any,
+        timeout: float | None = None,
+        again_if_changed: bool = True,
+    ) -> tuple[_Layout, list[Any]]:
+        """`make(layout)`'s requests (None: skip) to every range; (layout, responses).
+
+        With a coordinator: requests made for ranges that split meanwhile
+        are made again for the new ones and re-sent, and so are the whole
+        call's when the ranges changed while it ran (`again_if_changed`), so
+        that every range hears of it (pushes are de-duplicated by step).
+        """
+        while True:
+            layout = self.layout()
+            requests = make(layout)
+            if self.routing is None:
+                return layout, self.shards.call_all(method, requests, timeout)
+            seen: set[int] = set()
+            for i, request in enumerate(requests):
+                if request is None or "range" not in request.DESCRIPTOR.fields_by_name:
+                    continue
+                if id(request) in seen:  # one message for all: each range gets its own
+                    request = requests[i] = type(request).FromString(request.SerializeToString())
+                seen.add(id(request))
+                request.range = layout.ids[i]
+            try:
+                responses = self.shards.call_all(method, requests, timeout, call=self._call_range)
+            except RangeChanged:
+                self.routing.wait_for_change(layout.version, 1.0)
+                continue
+            if not again_if_changed or self.layout().ids == layout.ids:
+                return layout, responses
+
+    def _broadcast(self, method: str, request: Any, timeout: float | None = None) -> list[Any]:
+        """The same request to every range."""
+        return self._per_range(method, lambda layout: [request] * len(layout.ids), timeout)[1]
+
+    def _call_range(self, index: int, method: str, request: Any, timeout: float | None) -> Any:
+        """One call to a range's primary, following failovers and moves (a read: maybe to a
+        backup)."""
         routing = self.routing
         assert routing is not None
+        if "range" in request.DESCRIPTOR.fields_by_name:
+            range_id = request.range
+        else:
+            range_id = self._layout.ids[min(index, len(self._layout.ids) - 1)]
         if self.read_from_backups and method == "Pull" and not request.train:
-            replicas = routing.replicas(group)
-            address = replicas[next(self._reads) % len(replicas)]
-            try:
-                return self.shards.call(group, method, request, timeout, address=address)
-            except ConnectionError:  # that server is gone or no replica any more
-                pass  # the primary answers
+            replicas = routing.replicas_of(range_id)
+            if replicas:
+                address = replicas[next(self._reads) % len(replicas)]
+                try:
+                    return self.shards.call(index, method, request, timeout, address=address)
+                except ConnectionError:  # that server is gone or no replica any more
+                    pass  # the primary answers
         deadline = time.monotonic() + self.failover_timeout
 
         def abandon(address: str) -> bool:  # a stopped (not dead) primary was replaced
-            return routing.primaries()[group] != address
+            return routing.primary_of(range_id) != address
 
         while True:
             version = routing.version
+            address = routing.primary_of(range_id)
             try:
-                return self.shards.call(group, method, request, timeout, abandon)
+                return self.shards.call(index, method, request, timeout, abandon, address)
             except ConnectionError as e:  # NotPrimary too
                 left = deadline - time.monotonic()
-                lost = None if isinstance(e, NotPrimary) else routing.lost(group)
+                lost = None if isinstance(e, NotPrimary) else routing.lost(range_id)
                 if lost is not None:
                     raise ConnectionError(f"elastic_emb: {lost}") from None
                 if left <= 0:
                     raise ConnectionError(
-                        f"{e} (no primary of group {group} answered for "
+                        f"{e} (no primary of slot range {range_id} answered for "
                         f"{self.failover_timeout:g} s)"
                     ) from None
-                if (
-                    not isinstance(e, NotPrimary)
-                    or routing.primaries()[group] == (self.shards.addresses[group])
-                ):
-                    routing.wait_for_change(version, min(left, 0.25))
-            self.shards.set_address(group, routing.primaries()[group])
+                # The server may know less than this worker (a move it has not seen yet).
+                wait = 0.02 if isinstance(e, NotPrimary) else 0.25
+                if routing.primary_of(range_id) == address:
+                    routing.wait_for_change(version, min(left, wait))
 
     # Tables.
 
     def create_tables(self, configs: list[dict[str, Any]]) -> list[Any]:
         """Creates the tables on every shard (or checks they exist alike); their TableInfo."""
         request = protocol.create_tables_request(configs)
-        return list(self._call_all("CreateTables", [request] * self.num_shards)[0].tables)
+        return list(self._broadcast("CreateTables", request)[0].tables)
 
     def describe(self, name: str) -> list[Any]:
         """The table's TableInfo on each shard."""
         request = ps_pb2.DescribeTablesRequest(names=[name])
-        return [r.tables[0] for r in self._call_all("DescribeTables", [request] * self.num_shards)]
+        return [r.tables[0] for r in self._broadcast("DescribeTables", request)]
 
     def server_stats(self) -> list[Any]:
         """Each shard's StatsResponse."""
-        return self._call_all("Stats", [ps_pb2.StatsRequest()] * self.num_shards)
+        return self._broadcast("Stats", ps_pb2.StatsRequest())
 
     def save_tables(
         self,
@@ -265,35 +338,48 @@ class Cluster:
         step boundary everywhere. Returns each shard's SaveResponse.
         """
         after = self.step if self.mode == "sync" else 0
-        return self.per_shard(
-            "Save",
-            lambda i: protocol.save_request(directories[i], names, incremental, max_deltas, after),
-            timeout=CHECKPOINT_TIMEOUT,
-        )
+
+        def make(layout: _Layout) -> list[Any]:
+            if len(layout.ids) != len(directories):
+                raise RuntimeError("the cluster's slot ranges changed during the save: save again")
+            return [
+                protocol.save_request(d, names, incremental, max_deltas, after, slots)
+                for d, slots in zip(directories, layout.slots, strict=True)
+            ]
+
+        self.flush()
+        return self._per_range("Save", make, CHECKPOINT_TIMEOUT, again_if_changed=False)[1]
 
     def slot_ranges(self) -> list[tuple[int, int]]:
         """The slots [begin, end) each shard owns."""
-        if self.routing is not None:
-            return self.routing.slot_ranges()
-        return sharding.even_ranges(self.num_shards)
-
-    def split(self, keys: np.ndarray) -> list[np.ndarray]:
-        """Positions into `keys` of each shard's keys (`sharding.split_by_shard`)."""
-        return sharding.split_by_shard(keys, self.num_shards, self._starts)
+        return list(self.layout().slots)
 
     def restore_tables(self, directory: str, names: list[str]) -> None:
         """Each shard loads the rows it owns of the named tables from a checkpoint."""
-        ranges = self.slot_ranges()
-        self.per_shard(
+        self.flush()
+        self._per_range(
             "Restore",
-            lambda i: protocol.restore_request(directory, names, ranges[i]),
+            lambda layout: [protocol.restore_request(directory, names, s) for s in layout.slots],
             timeout=CHECKPOINT_TIMEOUT,
         )
 
     def per_shard(self, method: str, make: Any, timeout: float | None = None) -> list[Any]:
         """`make(i)`'s request to every shard i, after this worker's pushes have landed."""
         self.flush()
-        return self._call_all(method, [make(i) for i in range(self.num_shards)], timeout)
+        return self._per_range(method, lambda layout: [make(i) for i in range(len(layout.ids))],
+                               timeout)[1]  # fmt: skip
+
+    def by_range(self, method: str, keys: np.ndarray, make: Any) -> tuple[list[Any], list[Any]]:
+        """`make(positions)`'s request to every shard, for its keys at `positions` of `keys`;
+        (positions per shard, responses), after this worker's pushes have landed."""
+        self.flush()
+        split: list[Any] = []
+
+        def requests(layout: _Layout) -> list[Any]:
+            split[:] = layout.split(keys)
+            return [make(positions) for positions in split]
+
+        return split, self._per_range(method, requests)[1]
 
     def stats(self) -> list[dict[str, Any]]:
         """Client-side RPC count, bytes and latency per shard."""
@@ -307,24 +393,29 @@ class Cluster:
     def pull(self, tables: list[tuple[str, int, np.ndarray]], insert: bool) -> list[np.ndarray]:
         """Rows of many tables in one request per shard: [(name, dim, keys)] -> [rows]."""
         self._raise_push_errors()
-        split = [self.split(keys) for _, _, keys in tables]
         with self._lock:
             step = self._step + 1
-        requests = []
-        for shard in range(self.num_shards):
-            entries = [
-                (name, keys[split[i][shard]])
-                for i, (name, _, keys) in enumerate(tables)
-                if len(split[i][shard])
-            ]
-            requests.append(
-                protocol.pull_request(
-                    self.worker_index, step, insert, self._encoding, self.timeout, entries
+        split: list[list[np.ndarray]] = []
+
+        def make(layout: _Layout) -> list[Any]:
+            split[:] = [layout.split(keys) for _, _, keys in tables]
+            requests = []
+            for shard in range(len(layout.ids)):
+                entries = [
+                    (name, keys[split[i][shard]])
+                    for i, (name, _, keys) in enumerate(tables)
+                    if len(split[i][shard])
+                ]
+                requests.append(
+                    protocol.pull_request(
+                        self.worker_index, step, insert, self._encoding, self.timeout, entries
+                    )
+                    if entries
+                    else None
                 )
-                if entries
-                else None
-            )
-        responses = self._call_all("Pull", requests)
+            return requests
+
+        _, responses = self._per_range("Pull", make, again_if_changed=False)
         out = [np.empty((len(keys), dim), np.float32) for _, dim, keys in tables]
         for shard, response in enumerate(responses):
             if response is None:
@@ -361,20 +452,22 @@ class Cluster:
     def _push_step(self, step: int, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]) -> None:
         # Every shard hears of every table of the step (maybe with no keys),
         # so all shards advance their step and optimizer iterations together.
-        split = {n: self.split(k) for n, (_, k, _) in tables.items()}
-        requests = [
-            protocol.push_request(
-                self.worker_index,
-                step,
-                self._encoding,
-                [
-                    (name, keys[split[name][shard]], grads[split[name][shard]])
-                    for name, (_, keys, grads) in sorted(tables.items())
-                ],
-            )
-            for shard in range(self.num_shards)
-        ]
-        self._call_all("Push", requests)
+        def make(layout: _Layout) -> list[Any]:
+            split = {n: layout.split(k) for n, (_, k, _) in tables.items()}
+            return [
+                protocol.push_request(
+                    self.worker_index,
+                    step,
+                    self._encoding,
+                    [
+                        (name, keys[split[name][shard]], grads[split[name][shard]])
+                        for name, (_, keys, grads) in sorted(tables.items())
+                    ],
+                )
+                for shard in range(len(layout.ids))
+            ]
+
+        self._per_range("Push", make)
 
     def _raise_push_errors(self, wait_all: bool = False) -> None:
         """Surfaces failed background pushes; bounds (or drains) those in flight."""

@@ -159,7 +159,8 @@ class LocalCluster:
         process.wait()
 
     def primaries(self) -> list[str]:
-        return [g.primary for g in self.map().by_slot()]
+        """The primary of each group, by group id."""
+        return [g.primary for g in sorted(self.map().groups, key=lambda g: g.id)]
 
     def stop(self) -> None:
         for process in self.servers.values():
@@ -213,14 +214,18 @@ def cluster_status(coordinator: str, timeout: float = 2.0) -> dict[str, Any]:
             entry["error"] = f"{e.code().name}: {e.details()}"
         servers[address] = entry
     groups = []
-    for g in m.by_slot():
+    for g in sorted(m.groups, key=lambda g: g.id):
         primary_sequence = servers.get(g.primary, {}).get("sequence")
         lag = {
             a: primary_sequence - servers[a]["sequence"]
             for a in g.members
             if primary_sequence is not None and "sequence" in servers.get(a, {})
         }
-        groups.append({**g.__dict__, "lag": lag})
+        ranges = [
+            {"id": r.id, "slots": list(r.slots), "moving_to": r.moving_to}
+            for r in m.ranges_of(g.id)
+        ]
+        groups.append({**g.__dict__, "ranges": ranges, "lag": lag})
     spares = [a for a in addresses if m.group_of(a) is None]
     return {
         "coordinator": coordinator,

@@ -8,8 +8,12 @@ key is gone is dead. This module is the map's data model and its pure
 changes (placement, promotion, removal); `elastic_emb.ps.replication` and
 `elastic_emb.ps.routing` apply them through etcd.
 
-A group owns one contiguous range of virtual slots (`elastic_emb.sharding`).
-Its `primary` serves workers and sends every change to the `members`
+The slots (`elastic_emb.sharding`) are cut into ranges, and each range
+lives on one group; a group may hold several. A range is the unit of
+routing and of state: a worker sends each range its own requests, and a
+server keeps each range's rows and step bookkeeping apart, so a range can
+move to another group whole (`moving_to`, `elastic_emb.ps.replication`).
+A group's `primary` serves workers and sends every change to the `members`
 (backups) before acknowledging it; `joining` servers are receiving a copy of
 the primary's state and are not backups yet. `epoch` grows at every change
 of primary: a server refuses changes sent with any other epoch, so a
@@ -26,8 +30,8 @@ from typing import Any
 from elastic_emb import sharding
 
 __all__ = [
-    "DEFAULT_PREFIX", "ClusterMap", "Group", "map_key", "server_key", "servers_prefix", "update",
-    "worker_key", "workers_prefix",
+    "DEFAULT_PREFIX", "ClusterMap", "Group", "Range", "map_key", "server_key", "servers_prefix",
+    "update", "worker_key", "workers_prefix",
 ]  # fmt: skip
 
 DEFAULT_PREFIX = "/elastic_emb/default/"  # every key of a cluster starts with its prefix
@@ -56,15 +60,14 @@ def worker_key(prefix: str, worker: int) -> str:
 
 @dataclasses.dataclass
 class Group:
-    """One replica group: a slot range and the servers that hold it."""
+    """One replica group: the servers that hold the same ranges."""
 
     id: int
-    slot_begin: int
-    slot_end: int
     primary: str = ""
     members: list[str] = dataclasses.field(default_factory=list)  # backups, primary excluded
     joining: list[str] = dataclasses.field(default_factory=list)
     epoch: int = 0
+    retiring: bool = False  # its ranges move to the other groups, then it dissolves
 
     @property
     def replicas(self) -> list[str]:
@@ -76,19 +79,41 @@ class Group:
 
 
 @dataclasses.dataclass
+class Range:
+    """The slots [slot_begin, slot_end) of one range, and the group that holds it."""
+
+    id: int
+    slot_begin: int
+    slot_end: int
+    group: int
+    moving_to: int | None = None  # the group it is being moved to
+
+    @property
+    def slots(self) -> tuple[int, int]:
+        return self.slot_begin, self.slot_end
+
+    @property
+    def size(self) -> int:
+        return self.slot_end - self.slot_begin
+
+
+@dataclasses.dataclass
 class ClusterMap:
-    """Groups by id, the replication factor, and whether tables exist (`sealed`).
+    """Groups and ranges by id, the replication factor, and whether tables exist (`sealed`).
 
     Until a worker connects (seals the map), the slot ranges may be redrawn
-    freely: no server holds rows yet.
+    freely: no server holds rows yet. Afterwards ranges change only by a
+    split (in place) and a move (`elastic_emb.ps.replication`).
     """
 
     replicas: int = 1
     groups: list[Group] = dataclasses.field(default_factory=list)
+    ranges: list[Range] = dataclasses.field(default_factory=list)
     sealed: bool = False
     # Servers being retired (`elastic-emb cluster drain`): placed nowhere, and
     # not counted as replicas, so that a spare joins their group first.
     draining: list[str] = dataclasses.field(default_factory=list)
+    next_range: int = 0  # the id of the next range made by a split
     revision: int = 0  # the etcd mod_revision it was read at (not stored)
 
     @classmethod
@@ -102,15 +127,24 @@ class ClusterMap:
         if not raw:
             return cls(revision=revision)
         data = json.loads(raw)
-        groups = [Group(**g) for g in data["groups"]]
-        return cls(data["replicas"], groups, data["sealed"], data.get("draining", []), revision)
+        return cls(
+            data["replicas"],
+            [Group(**g) for g in data["groups"]],
+            [Range(**r) for r in data["ranges"]],
+            data["sealed"],
+            data["draining"],
+            data["next_range"],
+            revision,
+        )
 
     def to_json(self) -> bytes:
         data = {
             "replicas": self.replicas,
             "sealed": self.sealed,
             "draining": self.draining,
+            "next_range": self.next_range,
             "groups": [dataclasses.asdict(g) for g in self.groups],
+            "ranges": [dataclasses.asdict(r) for r in self.ranges],
         }
         return json.dumps(data, sort_keys=True).encode()
 
@@ -120,59 +154,84 @@ class ClusterMap:
     def group(self, group_id: int) -> Group:
         return next(g for g in self.groups if g.id == group_id)
 
+    def find_group(self, group_id: int) -> Group | None:
+        return next((g for g in self.groups if g.id == group_id), None)
+
     def group_of(self, address: str) -> Group | None:
         return next((g for g in self.groups if g.holds(address)), None)
 
+    def range(self, range_id: int) -> Range | None:
+        return next((r for r in self.ranges if r.id == range_id), None)
+
+    def ranges_of(self, group_id: int) -> list[Range]:
+        """The ranges group `group_id` holds, in slot order."""
+        return [r for r in self.by_slot() if r.group == group_id]
+
+    def slots_of(self, group_id: int) -> int:
+        return sum(r.size for r in self.ranges if r.group == group_id)
+
     def ready(self) -> bool:
-        """Every slot is in a group with a primary."""
-        covered = sorted((g.slot_begin, g.slot_end) for g in self.groups if g.primary)
+        """Every slot is in a range whose group has a primary."""
         end = 0
-        for begin, stop in covered:
-            if begin != end:
+        for r in self.by_slot():
+            g = self.find_group(r.group)
+            if r.slot_begin != end or g is None or not g.primary:
                 return False
-            end = stop
+            end = r.slot_end
         return end == sharding.NUM_SLOTS
 
     def lacking(self) -> list[Group]:
-        """The groups with fewer than `replicas` replicas (joining ones counted, draining not)."""
-        return [g for g in self.groups if self._count(g) < self.replicas]
+        """The groups with fewer than `replicas` replicas (joining ones counted, draining
+        not), retiring ones excepted."""
+        return [g for g in self.groups if self._count(g) < self.replicas and not g.retiring]
 
     def _count(self, g: Group) -> int:
         return len([a for a in g.replicas + g.joining if a not in self.draining])
 
-    def by_slot(self) -> list[Group]:
-        return sorted(self.groups, key=lambda g: g.slot_begin)
+    def complete(self, g: Group) -> bool:
+        """`replicas` replicas, none joining: ready to take ranges."""
+        return bool(g.primary) and not g.joining and len(g.replicas) >= self.replicas
+
+    def by_slot(self) -> list[Range]:
+        return sorted(self.ranges, key=lambda r: r.slot_begin)
 
     # Changes: each returns the new map (or None when there is nothing to do).
 
-    def place(self, address: str, replicas: int) -> ClusterMap:
+    def place(self, address: str, replicas: int, spares: int = 0) -> ClusterMap:
         """A new (or restarted, hence empty) server `address` takes its place.
 
         It leaves any group it was in (a restarted server holds nothing).
         Then: a group without any replica takes it as primary (its rows are
         lost); a group below `replicas` takes it as a joining backup; before
         any table exists it makes a new group and the slot ranges are
-        redrawn evenly; otherwise it stays a spare. A draining server gets no
-        place, and draining servers do not count toward a group's replicas.
+        redrawn evenly; afterwards, with `spares` other spare servers, enough
+        for a group of `replicas`, it makes a new empty group, which `plan`
+        then gives slots (scale-out); otherwise it stays a spare. A draining
+        server gets no place, and draining servers do not count toward a
+        group's replicas.
         """
         new = self.without(address)
         new.replicas = max(new.replicas, replicas)
         if address in new.draining:
             return new
         for g in new.groups:
-            if not g.primary:
+            if not g.primary and not g.retiring:
                 g.primary, g.epoch = address, g.epoch + 1
                 return new
         for g in sorted(new.groups, key=lambda g: (new._count(g), g.id)):
-            if new._count(g) < new.replicas:
+            if new._count(g) < new.replicas and not g.retiring:
                 g.joining.append(address)
                 return new
+        if new.sealed and spares + 1 < new.replicas:
+            return new
+        next_id = max((g.id for g in new.groups), default=-1) + 1
+        new.groups.append(Group(next_id, primary=address, epoch=1))
         if not new.sealed:
-            next_id = max((g.id for g in new.groups), default=-1) + 1
-            new.groups.append(Group(next_id, 0, 0, primary=address, epoch=1))
             ranges = sharding.even_ranges(len(new.groups))
-            for g, (begin, end) in zip(sorted(new.groups, key=lambda g: g.id), ranges, strict=True):
-                g.slot_begin, g.slot_end = begin, end
+            new.ranges = [
+                Range(g.id, b, e, g.id) for g, (b, e) in zip(new.groups, ranges, strict=True)
+            ]
+            new.next_range = len(new.groups)
         return new
 
     def without(self, address: str) -> ClusterMap:
@@ -228,6 +287,61 @@ class ClusterMap:
             return True
         others = [a for a in g.replicas if a != address and a not in self.draining]
         return len(others) >= self.replicas
+
+    def retire(self, group_id: int) -> ClusterMap:
+        """Group `group_id` gives its ranges to the others, then dissolves (scale-in)."""
+        new = self.copy()
+        new.group(group_id).retiring = True
+        return new
+
+    def plan(self) -> ClusterMap | None:
+        """The next moves of ranges between groups, or None while there is none to plan.
+
+        Scale-in: each range of a retiring group moves to the complete
+        group holding the fewest slots. Scale-out: an empty complete group
+        takes the upper half of the largest range (split off as a new range,
+        which then moves). One move is planned at a time.
+        """
+        if any(r.moving_to is not None for r in self.ranges) or not self.sealed:
+            return None
+        takers = [g for g in self.groups if not g.retiring and self.complete(g)]
+        for g in self.groups:
+            ranges = self.ranges_of(g.id)
+            if not g.retiring or not ranges:
+                continue
+            others = [t for t in takers if t.id != g.id]
+            if not others:
+                return None
+            new = self.copy()
+            target = min(others, key=lambda t: (self.slots_of(t.id), t.id))
+            new.range(ranges[0].id).moving_to = target.id  # type: ignore[union-attr]
+            return new
+        empty = [g for g in takers if not self.ranges_of(g.id)]
+        largest = max(self.ranges, key=lambda r: (r.size, -r.slot_begin), default=None)
+        if not empty or largest is None or largest.size < 2:
+            return None
+        new = self.copy()
+        middle = (largest.slot_begin + largest.slot_end) // 2
+        new.range(largest.id).slot_end = middle  # type: ignore[union-attr]
+        new.ranges.append(
+            Range(new.next_range, middle, largest.slot_end, largest.group, moving_to=empty[0].id)
+        )
+        new.next_range += 1
+        return new
+
+    def moved(self, range_id: int) -> ClusterMap:
+        """Range `range_id` now lives on the group it was moving to."""
+        new = self.copy()
+        r = new.range(range_id)
+        assert r is not None and r.moving_to is not None
+        r.group, r.moving_to = r.moving_to, None
+        return new
+
+    def dissolve(self, group_id: int) -> ClusterMap:
+        """A retiring group that gave away every range leaves the map; its servers are spares."""
+        new = self.copy()
+        new.groups = [g for g in new.groups if g.id != group_id]
+        return new
 
     def describe(self) -> dict[str, Any]:
         data = json.loads(self.to_json())

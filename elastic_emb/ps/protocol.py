@@ -398,6 +398,7 @@ def save_request(
     incremental: bool = False,
     max_deltas: int = 0,
     after_step: int = 0,
+    slots: tuple[int, int] = (0, 0),
 ) -> ps_pb2.SaveRequest:
     return ps_pb2.SaveRequest(
         directory=directory,
@@ -405,6 +406,8 @@ def save_request(
         incremental=incremental,
         max_deltas=max_deltas,
         after_step=after_step,
+        slot_begin=slots[0],
+        slot_end=slots[1],
     )
 
 

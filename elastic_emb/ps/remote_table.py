@@ -60,16 +60,13 @@ class RemoteTable(Table):
 
     def _by_shard(self, method: str, keys: np.ndarray, make: Any) -> tuple[list[Any], list[Any]]:
         """Calls `method` on every shard with `make(its keys)`; (positions, responses)."""
-        split = self.cluster.split(keys)
-        return split, self.cluster.per_shard(method, lambda i: make(keys[split[i]]))
+        return self.cluster.by_range(method, keys, lambda positions: make(keys[positions]))
 
     def import_rows(self, keys: Any, values: Any) -> None:
         k = check_keys(keys)
         v = check_rows(values, "values", k.shape[0], self.dim)
-        split = self.cluster.split(k)
-        self.cluster.per_shard(
-            "ImportRows",
-            lambda i: protocol.import_rows_request(self.name, k[split[i]], v[split[i]]),
+        self.cluster.by_range(
+            "ImportRows", k, lambda at: protocol.import_rows_request(self.name, k[at], v[at])
         )
 
     def erase(self, keys: Any) -> int:
@@ -116,12 +113,11 @@ class RemoteTable(Table):
 
     def load_state(self, state: TableState) -> None:
         s = state.checked(self.dim, self.num_slots)
-        split = self.cluster.split(s.keys)
-        self.cluster.per_shard(
+        self.cluster.by_range(
             "ImportRows",
-            lambda i: protocol.write_state(
-                ps_pb2.ImportRowsRequest(table=self.name, replace=True),
-                s.select(split[i]),
+            s.keys,
+            lambda at: protocol.write_state(
+                ps_pb2.ImportRowsRequest(table=self.name, replace=True), s.select(at)
             ),
         )
 

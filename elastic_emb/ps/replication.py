@@ -23,11 +23,21 @@ which de-duplicates them by (worker, step) (`Shard.push`).
 A joining server gets a snapshot of the primary's state (taken between two
 changes), then the changes made since; once it has applied all of them the
 primary admits it as a backup.
+
+Slot ranges move between groups the same way (`move`): the primary of the
+source group sends the target group a snapshot of the range, then the
+range's changes made since (MoveIn, which the target replicates to its
+backups like any change); between two changes it sends the last ones and
+commits the range's new group in the map, and then drops the range. A
+range's state (rows, optimizer slots, who pushed which step) moves whole, so
+a step a worker sends again to the range's new group is applied once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import itertools
 import json
 import logging
 import threading
@@ -38,14 +48,15 @@ from typing import Any
 import grpc
 import numpy as np
 
+from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.local import LocalTable
 from elastic_emb.ps import membership, protocol
 from elastic_emb.ps.client import GRPC_OPTIONS
 from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, LeaseLost
-from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group
-from elastic_emb.ps.shard import RequestError, Shard
-from elastic_emb.table import TableConfig
+from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group, Range
+from elastic_emb.ps.shard import Ranges, RequestError, Shard
+from elastic_emb.table import TableConfig, TableState
 
 __all__ = ["REPLICATED_METHODS", "Replica"]
 
@@ -54,12 +65,16 @@ log = logging.getLogger("elastic_emb.server")
 # The requests that change a shard's state: every replica applies them, in order.
 REPLICATED_METHODS = (
     "CreateTables", "Join", "Leave", "Push", "ImportRows", "EraseRows", "Restore",
+    "SplitRange", "DropRange", "MoveIn",
 )  # fmt: skip
+# The changes a worker sends (the others: servers moving ranges).
+WORKER_CHANGES = REPLICATED_METHODS[:7]
 PING_SECONDS = 0.1  # a backup asks its primary this often...
 PING_FAILURES = 3  # ...and takes over after this many failures in a row
 FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
 GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
 SNAPSHOT_ROWS = 1 << 18  # rows per snapshot message
+MOVE_RETRY_SECONDS = 1.0  # a move that failed is tried again after this long
 
 _CHANNEL_OPTIONS = [
     *GRPC_OPTIONS,
@@ -81,8 +96,8 @@ class Replica:
     Lock order: `_order` before `_cond`.
 
     Args:
-        shard: the server's shard (its state is replaced on a snapshot or a reset).
-        apply: applies a change request to the shard: apply(method, request).
+        ranges: the server's shards (replaced on a snapshot or a reset).
+        apply: applies a change request: apply(method, request).
         etcd: the coordinator.
         address: "host:port" the other servers and workers reach this one at.
         replicas: replicas per group (R), for the placement of this server.
@@ -92,7 +107,7 @@ class Replica:
 
     def __init__(
         self,
-        shard: Shard,
+        ranges: Ranges,
         apply: Callable[[str, Any], Any],
         etcd: Etcd,
         address: str,
@@ -100,7 +115,7 @@ class Replica:
         lease_seconds: int = 2,
         prefix: str = DEFAULT_PREFIX,
     ) -> None:
-        self.shard = shard
+        self.ranges = ranges
         self._apply = apply
         self._etcd = etcd
         self.address = address
@@ -117,6 +132,11 @@ class Replica:
         self._applied_epoch = 0
         # Joining servers being copied to -> the changes made since their snapshot.
         self._copying: dict[str, list[ps_pb2.ReplicateRequest]] = {}
+        # Ranges being moved away -> their changes made since their snapshot.
+        self._moving: dict[int, list[ps_pb2.ReplicateRequest]] = {}
+        # Ranges moving in -> (source epoch, last MoveIn index, snapshot parts until installed).
+        self._incoming: dict[int, _Incoming] = {}
+        self._rebalance_due = False
         self._stopped = False
         self._channels: dict[str, grpc.Channel] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="ee-replicate")
@@ -131,7 +151,7 @@ class Replica:
         """Registers with the coordinator, takes a place, and starts the background work."""
         self._register(fresh=True)
         self._watch = self._etcd.watch(self._prefix, self._on_events, self._map.revision + 1)
-        for target in (self._keep_alive, self._monitor):
+        for target in (self._keep_alive, self._monitor, self._mover):
             thread = threading.Thread(target=target, daemon=True, name=f"ee-{target.__name__}")
             thread.start()
             self._threads.append(thread)
@@ -202,9 +222,9 @@ class Replica:
             log.info("%s left the spares: %s", self.address, self.role)
 
     def _reset_state(self) -> None:
-        empty = Shard()
-        self.shard.install([], *empty.export_steps())
         with self._cond:
+            self.ranges.replace({})
+            self._incoming.clear()
             self._applied, self._applied_epoch = None, 0
 
     # The map.
@@ -278,9 +298,9 @@ class Replica:
             return
         registered, _ = self._etcd.get_prefix(membership.workers_prefix(self._prefix))
         alive = {int(kv.key.rsplit("/", 1)[1]) for kv in registered}
-        for worker in self.shard.export_steps()[0]["live"]:
-            if worker not in alive:
-                self.worker_gone(worker)
+        live = {w for shard in self.ranges.shards() for w in shard.export_steps()[0]["live"]}
+        for worker in sorted(live - alive):
+            self.worker_gone(worker)
 
     def _set_map(self, new: ClusterMap) -> None:
         """Adopts a newer map and acts on what it says of this server."""
@@ -290,6 +310,8 @@ class Replica:
             old_group = self._map.group_of(self.address)
             self._map = new
             group = new.group_of(self.address)
+            self._follow_ranges(new, group)
+            self._rebalance_due = True
             self._cond.notify_all()
         if old_group is not None and group is None:
             log.warning("%s was removed from group %d: rejoining", self.address, old_group.id)
@@ -430,8 +452,8 @@ class Replica:
 
     # Serving.
 
-    def check_primary(self, backup_too: bool = False) -> None:
-        """Raises `aborted` unless this server may serve workers now.
+    def check_primary(self, range_id: int | None = None, backup_too: bool = False) -> None:
+        """Raises `aborted` unless this server may serve workers now (range `range_id`).
 
         `backup_too`: a backup may serve too (reads: it applied every
         acknowledged change).
@@ -439,43 +461,72 @@ class Replica:
         with self._cond:
             group = self._map.group_of(self.address)
             alive = time.monotonic() - self._last_keepalive < self._lease_seconds
+            where = self._map.range(range_id) if range_id is not None else None
+            sealed = self._map.sealed
+        if (
+            range_id is not None
+            and group is not None
+            and (where is None or where.group != group.id)
+        ):
+            raise aborted(
+                f"slot range {range_id} is not on {self.address}'s group {group.id}"
+                + (f" but on group {where.group}" if where else "")
+            )
+        if range_id is not None and not sealed:
+            raise aborted(f"{self.address} has not seen the sealed cluster map yet")
         serves = group is not None and (
             group.primary == self.address or (backup_too and self.address in group.members)
         )
         if not serves:
-            where = f"group {group.id}'s primary is {group.primary}" if group else "it is a spare"
-            raise aborted(f"{self.address} is not a primary ({where})")
+            why = f"group {group.id}'s primary is {group.primary}" if group else "it is a spare"
+            raise aborted(f"{self.address} is not a primary ({why})")
         if not alive:
             raise aborted(f"{self.address} cannot reach the coordinator to renew its lease")
 
     def replicate(self, method: str, request: Any, apply: Callable[[], Any]) -> Any:
         """The primary's path of a change: apply, send to every backup, wait for them."""
         with self._order:
-            self.check_primary()
-            result = apply()
-            with self._cond:
-                group = self._map.group_of(self.address)
-                assert group is not None and self._applied is not None
-                self._applied += 1
-                self._applied_epoch = group.epoch
-                forward = ps_pb2.ReplicateRequest(
-                    group=group.id,
-                    epoch=group.epoch,
-                    sequence=self._applied,
-                    method=method,
-                    request=request.SerializeToString(),
-                    primary=self.address,
-                )
-                backups = list(group.members)
-                for buffered in self._copying.values():
-                    buffered.append(forward)
-            sent = {b: self._pool.submit(self._forward, b, forward) for b in backups}
+            result, forward, sent = self._apply_and_send(method, request, apply)
+        self._wait_for_backups(forward, sent)
+        return result
+
+    def _apply_and_send(
+        self, method: str, request: Any, apply: Callable[[], Any]
+    ) -> tuple[Any, ps_pb2.ReplicateRequest, dict[str, Any]]:
+        """Applies a change and starts sending it to the backups (caller holds `_order`)."""
+        self.check_primary(request.range if method in WORKER_CHANGES else None)
+        result = apply()
+        with self._cond:
+            group = self._map.group_of(self.address)
+            assert group is not None and self._applied is not None
+            self._applied += 1
+            self._applied_epoch = group.epoch
+            forward = ps_pb2.ReplicateRequest(
+                group=group.id,
+                epoch=group.epoch,
+                sequence=self._applied,
+                method=method,
+                request=request.SerializeToString(),
+                primary=self.address,
+            )
+            backups = list(group.members)
+            for buffered in self._copying.values():
+                buffered.append(forward)
+            if method in WORKER_CHANGES and request.range in self._moving:
+                self._moving[request.range].append(forward)
+        sent = {b: self._pool.submit(self._forward, b, forward) for b in backups}
+        return result, forward, sent
+
+    def _replicate_own(self, method: str, request: Any) -> Any:
+        """A change this primary makes itself (not a worker's), replicated like any."""
+        return self.replicate(method, request, lambda: self._apply(method, request))
+
+    def _wait_for_backups(self, forward: ps_pb2.ReplicateRequest, sent: dict[str, Any]) -> None:
         for backup, future in sent.items():
             try:
                 future.result()
             except Exception as e:
                 self._drop(backup, f"it did not apply change {forward.sequence}: {e}")
-        return result
 
     def _forward(self, address: str, request: ps_pb2.ReplicateRequest) -> None:
         stub = ps_pb2_grpc.ParameterServerStub(self._channel(address))
@@ -571,42 +622,24 @@ class Replica:
             )
 
     def install_snapshot(self, chunks: Iterator[ps_pb2.SnapshotChunk]) -> int:
-        """A joining server loads the primary's state; returns its rows."""
-        parts: dict[str, tuple[dict[str, Any], list[Any]]] = {}
-        steps: dict[str, Any] | None = None
-        pending: list[tuple[int, int, list[Any]]] = []
-        first: ps_pb2.SnapshotChunk | None = None
+        """A joining server loads the primary's state (every range); returns its rows."""
         try:
             received = list(chunks)
         except grpc.RpcError as e:  # the sender died or gave up
             raise aborted(f"the snapshot stream broke: {e}") from None
-        for chunk in received:
-            if first is None:
-                first = chunk
-                with self._cond:
-                    self._check_sender(chunk.group, chunk.epoch, chunk.primary)
-            if chunk.table_config_json:
-                config = json.loads(chunk.table_config_json)
-                parts.setdefault(config["name"], (config, []))[1].append(chunk.rows)
-            if chunk.steps_json:
-                steps = json.loads(chunk.steps_json)
-                for push in chunk.pending:
-                    gradients = protocol.pushed_gradients(push, lambda n: parts[n][0]["dim"])
-                    pending.append((push.worker, push.step, list(gradients)))
-        if first is None or steps is None:
-            raise RequestError("INVALID_ARGUMENT", "a snapshot needs its last (steps) chunk")
-        tables = []
-        for config, messages in parts.values():
-            table = LocalTable(TableConfig.from_dict(config))
-            states = [protocol.read_state(m, table.dim, table.num_slots) for m in messages]
-            table.load_state(type(states[0]).concatenate(states))
-            tables.append(table)
+        if not received:
+            raise RequestError("INVALID_ARGUMENT", "an empty snapshot")
+        first = received[0]
         with self._cond:
             self._check_sender(first.group, first.epoch, first.primary)
-            self.shard.install(tables, steps, pending)
+        shards = _Snapshot.read(received)
+        with self._cond:
+            self._check_sender(first.group, first.epoch, first.primary)
+            self.ranges.replace(shards)
+            self._follow_ranges(self._map, self._map.group_of(self.address))
             self._applied, self._applied_epoch = first.sequence, first.epoch
             self._cond.notify_all()
-        return sum(len(t) for t in tables)
+        return sum(len(t) for shard in shards.values() for t in shard.tables())
 
     # The primary copies its state to a joining server.
 
@@ -624,25 +657,13 @@ class Replica:
                     sequence=self._applied or 0,
                     primary=self.address,
                 )
-            tables = [(t.config(), t.export_state()) for t in self.shard.tables()]
-            steps, pending = self.shard.export_steps()
-        log.info("copying group %d (%d tables) to %s", group.id, len(tables), address)
+            snapshot = [_Snapshot.take(rid, shard) for rid, shard in self.ranges.items()]
+        log.info("copying group %d (%d ranges) to %s", group.id, len(snapshot), address)
 
         def chunks() -> Iterator[ps_pb2.SnapshotChunk]:
-            for config, state in tables:
-                for begin in range(0, max(len(state.keys), 1), SNAPSHOT_ROWS):
-                    part = state.select(
-                        np.arange(begin, min(begin + SNAPSHOT_ROWS, len(state.keys)))
-                    )
-                    rows = protocol.write_state(ps_pb2.ExportRowsResponse(), part)
-                    yield ps_pb2.SnapshotChunk(
-                        **header, table_config_json=json.dumps(config), rows=rows
-                    )
-            yield ps_pb2.SnapshotChunk(
-                **header,
-                steps_json=json.dumps(steps),
-                pending=[protocol.push_request(w, s, ps_pb2.FLOAT32, p) for w, s, p in pending],
-            )
+            yield ps_pb2.SnapshotChunk(**header)  # (a group may hold no range)
+            for part in snapshot:
+                yield from part.chunks(header)
 
         try:
             stub = ps_pb2_grpc.ParameterServerStub(self._channel(address))
@@ -668,7 +689,291 @@ class Replica:
                 self._copying.pop(address, None)
             self._drop(address, f"copying to it failed: {e}")
 
+    # Slot ranges: following the map, and moving ranges between groups.
+
+    def _follow_ranges(self, new: ClusterMap, group: Group | None) -> None:
+        """Adopts the map's ranges of this server's group while it holds no state yet
+        (before any table or worker); forgets moves in that finished or were given up.
+        Caller holds `_cond`."""
+        for rid in list(self._incoming):
+            r = new.range(rid)
+            if group is not None and r is not None and r.group == group.id:
+                del self._incoming[rid]  # moved in
+            elif group is None or r is None or r.moving_to != group.id:
+                del self._incoming[rid]  # given up
+                self.ranges.pop(rid)
+        wanted = {r.id: r.slots for r in new.ranges_of(group.id)} if group else {}
+        held = {rid: shard for rid, shard in self.ranges.items() if rid not in self._incoming}
+        if {rid: shard.slots for rid, shard in held.items()} == wanted:
+            return
+        if all(shard.mode_name() is None and not shard.tables() for shard in held.values()):
+            for rid in held:
+                self.ranges.pop(rid)
+            for rid, slots in wanted.items():
+                self.ranges.put(rid, Shard(slots))
+
+    def _mover(self) -> None:
+        """A primary moves its ranges as the map plans (and retries a move that failed)."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._rebalance_due or self._stopped, MOVE_RETRY_SECONDS
+                )
+                if self._stopped:
+                    return
+                self._rebalance_due = False
+            try:
+                self._rebalance()
+            except Exception as e:
+                log.warning("moving slot ranges: %s (trying again)", e)
+                time.sleep(MOVE_RETRY_SECONDS)
+
+    def _rebalance(self) -> None:
+        with self._cond:
+            m, applied = self._map.copy(), self._applied
+        group = m.group_of(self.address)
+        if not m.sealed or group is None or group.primary != self.address or applied is None:
+            return
+        self._reconcile(m, group)
+        if m.plan() is not None:
+            m = self._change_map(lambda current: current.plan(), as_primary=False)
+            group = m.group_of(self.address)
+            if group is None:
+                return
+        ranges = m.ranges_of(group.id)
+        for r in ranges:
+            if r.moving_to is not None:
+                self._move(r, m)
+                return
+        if group.retiring and not ranges:
+            gid = group.id
+
+            def dissolve(current: ClusterMap) -> ClusterMap | None:
+                g = current.find_group(gid)
+                if g is None or not g.retiring or current.ranges_of(gid):
+                    return None
+                return current.dissolve(gid)
+
+            self._change_map(dissolve, as_primary=True)
+            log.warning("group %d gave away every range and dissolved", gid)
+
+    def _reconcile(self, m: ClusterMap, group: Group) -> None:
+        """Applies the map's splits of this group's ranges, and drops the ranges it moved away."""
+        with self._cond:
+            incoming = set(self._incoming)
+        held = {rid: shard for rid, shard in self.ranges.items() if rid not in incoming}
+        for r in m.ranges_of(group.id):
+            if r.id in held:
+                continue
+            parent = next(
+                (
+                    rid
+                    for rid, shard in held.items()
+                    if shard.slots and shard.slots[0] < r.slot_begin < shard.slots[1] == r.slot_end
+                ),
+                None,
+            )
+            if parent is None:
+                log.error("slot range %d %s is in no range of this group", r.id, r.slots)
+                continue
+            split = ps_pb2.SplitRangeRequest(range=parent, new_range=r.id, slot=r.slot_begin)
+            self._replicate_own("SplitRange", split)
+            log.info("split slot range %d at slot %d: range %d", parent, r.slot_begin, r.id)
+        for rid in held:
+            now = m.range(rid)
+            if now is None or now.group != group.id:
+                drop = ps_pb2.DropRangeRequest(range=rid)
+                self._replicate_own("DropRange", drop)
+
+    def _move(self, r: Range, m: ClusterMap) -> None:
+        """Moves range `r` to its `moving_to` group: snapshot, changes since, cutover."""
+        assert r.moving_to is not None
+        target, group = m.find_group(r.moving_to), m.group(r.group)
+        if target is None or not target.primary:
+            log.warning("slot range %d cannot move to group %s: it has no primary",
+                        r.id, r.moving_to)  # fmt: skip
+            time.sleep(MOVE_RETRY_SECONDS)
+            return
+        started = time.monotonic()
+        with self._order:
+            self.check_primary(r.id)
+            snapshot = _Snapshot.take(r.id, self.ranges.get(r.id))
+            with self._cond:
+                self._moving[r.id] = []
+        stub = ps_pb2_grpc.ParameterServerStub(self._channel(target.primary))
+        index = itertools.count()
+
+        def send(**what: Any) -> None:
+            request = ps_pb2.MoveInRequest(
+                range=r.id,
+                source_group=group.id,
+                source_epoch=group.epoch,
+                index=next(index),
+                **what,
+            )
+            stub.MoveIn(request, timeout=FORWARD_TIMEOUT)
+
+        log.info("moving slot range %d %s (%d rows) to group %d at %s",
+                 r.id, r.slots, snapshot.rows, target.id, target.primary)  # fmt: skip
+        try:
+            for chunk in snapshot.chunks(dict(group=group.id, epoch=group.epoch)):
+                send(chunk=chunk)
+            while True:  # the range's changes made meanwhile, until few are left
+                with self._cond:
+                    changes, self._moving[r.id] = self._moving[r.id], []
+                for change in changes:
+                    send(change=change)
+                if len(changes) < 16:
+                    break
+            with self._order:  # the last ones, and the cutover, between two changes
+                with self._cond:
+                    changes = self._moving.pop(r.id)
+                for change in changes:
+                    send(change=change)
+
+                def cutover(current: ClusterMap) -> ClusterMap | None:
+                    now, to = current.range(r.id), current.find_group(target.id)
+                    if now is None or now.group != group.id or now.moving_to != target.id:
+                        return None
+                    if to is None or to.primary != target.primary or to.epoch != target.epoch:
+                        return None
+                    return current.moved(r.id)
+
+                moved = self._change_map(cutover, as_primary=True).range(r.id)
+                if moved is None or moved.group != target.id:
+                    raise aborted(f"group {target.id} changed its primary during the move")
+            drop = ps_pb2.DropRangeRequest(range=r.id)
+            self._replicate_own("DropRange", drop)
+            seconds = time.monotonic() - started
+            log.warning("moved slot range %d %s (%d rows) to group %d in %.2f s",
+                        r.id, r.slots, snapshot.rows, target.id, seconds)  # fmt: skip
+        except Exception as e:
+            with self._cond:
+                self._moving.pop(r.id, None)
+            log.warning("moving slot range %d to group %d failed (%s); trying again",
+                        r.id, target.id, e)  # fmt: skip
+            time.sleep(MOVE_RETRY_SECONDS)
+
+    def move_in(self, request: ps_pb2.MoveInRequest) -> int:
+        """Applies one MoveIn (on every replica of the target group); the range's rows.
+
+        Raises `aborted`, changing nothing, for a message out of order or
+        from a deposed source primary.
+        """
+        rid = request.range
+        with self._cond:
+            incoming = self._incoming.get(rid)
+            if request.index == 0:
+                if incoming is not None and request.source_epoch < incoming.epoch:
+                    raise aborted(f"a newer move of slot range {rid} is under way")
+                if incoming is None and self.ranges.find(rid) is not None:
+                    raise aborted(f"slot range {rid} is already on {self.address}'s group")
+                incoming = self._incoming[rid] = _Incoming(request.source_epoch)
+                self.ranges.pop(rid)
+            elif (
+                incoming is None
+                or request.source_epoch != incoming.epoch
+                or request.index != incoming.index + 1
+            ):
+                raise aborted(f"MoveIn {request.index} of slot range {rid} is out of order")
+        if request.HasField("chunk"):
+            incoming.chunks.append(request.chunk)
+            if request.chunk.steps_json:
+                self.ranges.put(rid, _Snapshot.read(incoming.chunks)[rid])
+                incoming.chunks = []
+        elif request.HasField("change"):
+            change = request.change
+            if change.method not in WORKER_CHANGES or self.ranges.find(rid) is None:
+                raise aborted(f"MoveIn {request.index}: {change.method} before the snapshot")
+            message = getattr(ps_pb2, f"{change.method}Request")()
+            message.ParseFromString(change.request)
+            if message.range != rid:
+                raise RequestError("INVALID_ARGUMENT", f"a change of range {message.range}")
+            self._apply(change.method, message)
+        incoming.index = request.index
+        shard = self.ranges.find(rid)
+        return sum(len(t) for t in shard.tables()) if shard is not None else 0
+
     def _send_all(self, address: str, changes: list[ps_pb2.ReplicateRequest]) -> None:
         """Sends changes concurrently (the receiver applies them in order)."""
         for future in [self._pool.submit(self._forward, address, c) for c in changes]:
             future.result()
+
+
+@dataclasses.dataclass
+class _Incoming:
+    """A range moving into this group: its source's epoch, the last MoveIn, the snapshot."""
+
+    epoch: int
+    index: int = 0
+    chunks: list[ps_pb2.SnapshotChunk] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """One range's state, taken between two changes of its group."""
+
+    range_id: int
+    slots: tuple[int, int]
+    tables: list[tuple[dict[str, Any], TableState]]
+    steps: dict[str, Any]
+    pending: list[tuple[int, int, list[Any]]]
+
+    @classmethod
+    def take(cls, range_id: int, shard: Shard) -> _Snapshot:
+        """(The caller makes sure no change is being applied: the order lock.)"""
+        tables = [(t.config(), t.export_state()) for t in shard.tables()]
+        steps, pending = shard.export_steps()
+        return cls(range_id, shard.slots or (0, sharding.NUM_SLOTS), tables, steps, pending)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(state.keys) for _, state in self.tables)
+
+    def chunks(self, header: dict[str, Any]) -> Iterator[ps_pb2.SnapshotChunk]:
+        """The tables' rows in parts, then the step state (the range's last chunk)."""
+        where = dict(header, range=self.range_id, slot_begin=self.slots[0], slot_end=self.slots[1])
+        for config, state in self.tables:
+            for begin in range(0, max(len(state.keys), 1), SNAPSHOT_ROWS):
+                part = state.select(np.arange(begin, min(begin + SNAPSHOT_ROWS, len(state.keys))))
+                rows = protocol.write_state(ps_pb2.ExportRowsResponse(), part)
+                yield ps_pb2.SnapshotChunk(**where, table_config_json=json.dumps(config), rows=rows)
+        yield ps_pb2.SnapshotChunk(
+            **where,
+            steps_json=json.dumps(self.steps),
+            pending=[protocol.push_request(w, s, ps_pb2.FLOAT32, p) for w, s, p in self.pending],
+        )
+
+    @staticmethod
+    def read(chunks: list[ps_pb2.SnapshotChunk]) -> dict[int, Shard]:
+        """The shards, by range id, that snapshot chunks describe."""
+        shards: dict[int, Shard] = {}
+        parts: dict[str, tuple[dict[str, Any], list[Any]]] = {}
+        for chunk in chunks:
+            if chunk.table_config_json:
+                config = json.loads(chunk.table_config_json)
+                parts.setdefault(config["name"], (config, []))[1].append(chunk.rows)
+            if not chunk.steps_json:
+                continue
+            dims = {name: config["dim"] for name, (config, _) in parts.items()}
+            pending = [
+                (
+                    push.worker,
+                    push.step,
+                    protocol.pushed_gradients(push, dims.__getitem__),
+                )
+                for push in chunk.pending
+            ]
+            tables = []
+            for config, messages in parts.values():
+                table = LocalTable(TableConfig.from_dict(config))
+                states = [protocol.read_state(m, table.dim, table.num_slots) for m in messages]
+                table.load_state(type(states[0]).concatenate(states))
+                tables.append(table)
+            shard = Shard((chunk.slot_begin, chunk.slot_end))
+            shard.install(tables, json.loads(chunk.steps_json), pending)
+            shards[chunk.range] = shard
+            parts = {}
+        if parts:
+            raise RequestError("INVALID_ARGUMENT", "a snapshot ends without its step state")
+        return shards

@@ -1,4 +1,4 @@
-"""`Routing`: which server a worker sends each group's requests to, kept current from etcd.
+"""`Routing`: which server a worker sends each slot range's requests to, kept current from etcd.
 
 Created by `ee.init(coordinator="etcd://host:port")`. It waits until the
 cluster map (`elastic_emb.ps.membership`) covers every slot with a primary,
@@ -15,7 +15,7 @@ from typing import Any
 
 from elastic_emb.ps import membership
 from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, Op
-from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
+from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group
 
 __all__ = ["Routing"]
 
@@ -23,7 +23,7 @@ log = logging.getLogger("elastic_emb")
 
 
 class Routing:
-    """The primaries of the groups, in slot order. Thread-safe.
+    """The slot ranges and the primaries of their groups. Thread-safe.
 
     Raises:
         ConnectionError: no complete cluster within `connect_timeout`.
@@ -38,7 +38,6 @@ class Routing:
         self._key = membership.map_key(prefix)
         self._cond = threading.Condition()
         self._map = self._sealed_map(connect_timeout)  # guarded by _cond
-        self.num_groups = len(self._map.groups)
         self._keep_alive: Any = None  # this worker's lease (`register_worker`)
         self._worker_lease = 0
         self._watch = self._etcd.watch(self._key, self._on_events, self._map.revision + 1)
@@ -89,36 +88,38 @@ class Routing:
         with self._cond:
             return self._map.revision
 
-    def primaries(self) -> list[str]:
-        """The primary of each group, in slot order."""
-        with self._cond:
-            groups = self._map.by_slot()
-        if len(groups) != self.num_groups:
-            raise RuntimeError(
-                f"the cluster at {self.coordinator} changed from {self.num_groups} to "
-                f"{len(groups)} groups while this worker was connected"
-            )
-        return [g.primary for g in groups]
+    def layout(self) -> Any:
+        """The slot ranges, in slot order (`elastic_emb.ps.cluster._Layout`)."""
+        from elastic_emb.ps.cluster import _Layout
 
-    def replicas(self, group: int) -> list[str]:
-        """The primary and the backups of group `group` (in slot order)."""
         with self._cond:
-            return self._map.by_slot()[group].replicas
+            ranges, version = self._map.by_slot(), self._map.revision
+        return _Layout(tuple(r.id for r in ranges), tuple(r.slots for r in ranges), version)
 
-    def slot_ranges(self) -> list[tuple[int, int]]:
+    def _group_of_range(self, range_id: int) -> Group | None:
         with self._cond:
-            return [(g.slot_begin, g.slot_end) for g in self._map.by_slot()]
+            r = self._map.range(range_id)
+            return None if r is None else self._map.find_group(r.group)
 
-    def lost(self, group: int) -> str | None:
-        """Why group `group` (in slot order) lost every replica, or None while it may recover.
+    def primary_of(self, range_id: int) -> str:
+        """The primary of the group that holds range `range_id` ("" while there is none)."""
+        group = self._group_of_range(range_id)
+        return group.primary if group else ""
+
+    def replicas_of(self, range_id: int) -> list[str]:
+        """The primary and the backups of the group that holds range `range_id`."""
+        group = self._group_of_range(range_id)
+        return group.replicas if group else []
+
+    def lost(self, range_id: int) -> str | None:
+        """Why range `range_id`'s group lost every replica, or None while it may recover.
 
         A primary whose lease ended and that has no backup cannot come back
         with its rows: a server that restarts (or wakes after its lease
         expired) joins again empty.
         """
-        with self._cond:
-            g = self._map.by_slot()[group]
-        if g.members:
+        g = self._group_of_range(range_id)
+        if g is None or g.members:
             return None
         try:
             alive = self._etcd.get(membership.server_key(self._prefix, g.primary)) is not None
@@ -127,7 +128,7 @@ class Routing:
         if alive:
             return None
         return (
-            f"group {g.id} (slots {g.slot_begin}-{g.slot_end}) lost every replica: its primary "
+            f"group {g.id} (slot range {range_id}) lost every replica: its primary "
             f"{g.primary or '(none)'} is gone and it has no backup"
             + (f" ({', '.join(g.joining)} was still copying)" if g.joining else "")
             + "; its rows since the last checkpoint are lost. Restart the cluster and restore "

@@ -80,7 +80,7 @@ def serve(
 
         address = advertise or f"{'127.0.0.1' if host == '0.0.0.0' else host}:{bound}"
         replica = Replica(
-            servicer.shard, servicer.apply_change, Etcd(coordinator), address, replicas,
+            servicer.ranges, servicer.apply_change, Etcd(coordinator), address, replicas,
             lease_seconds,
         )  # fmt: skip
         servicer.replica = replica
@@ -99,7 +99,7 @@ def serve(
             server.stop(0)
             return 1
         periodic = PeriodicCheckpoints(
-            servicer.shard, checkpoint_dir, checkpoint_every, max_deltas, replica,
+            servicer.ranges, checkpoint_dir, checkpoint_every, max_deltas, replica,
             changes=lambda: servicer.changes,
         )  # fmt: skip
         periodic.start()
@@ -124,6 +124,6 @@ def serve(
         if periodic is not None:
             periodic.save_now()
         else:
-            checkpoint.save(checkpoint_dir, servicer.shard.tables())
+            checkpoint.save(checkpoint_dir, servicer.ranges.tables())
         log.info("saved every table to %s", checkpoint_dir)
     return 0

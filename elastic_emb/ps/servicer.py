@@ -23,7 +23,7 @@ import grpc
 from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol
-from elastic_emb.ps.shard import RequestError, Shard, invalid
+from elastic_emb.ps.shard import Ranges, RequestError, Shard, invalid
 
 if TYPE_CHECKING:
     from elastic_emb.ps.replication import Replica
@@ -66,17 +66,18 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Servicer(ps_pb2_grpc.ParameterServerServicer):
-    """The ParameterServer service over one `Shard`. Thread-safe.
+    """The ParameterServer service over a server's `Ranges` (one `Shard` each). Thread-safe.
 
-    With a `replica` (a server started with a coordinator), only the
-    group's primary serves pulls, pushes and saves, and it replicates every
-    change (the requests of `replication.REPLICATED_METHODS`) to its
+    A request names its slot range (`range`, 0 without a coordinator). With
+    a `replica` (a server started with a coordinator), only the primary of
+    the range's group serves pulls, pushes and saves, and it replicates
+    every change (the requests of `replication.REPLICATED_METHODS`) to its
     backups. Any replica answers the reads of DescribeTables, ExportRows and
     Metadata (a backup's answer may miss the changes still in flight).
     """
 
-    def __init__(self, shard: Shard | None = None) -> None:
-        self.shard = Shard() if shard is None else shard
+    def __init__(self) -> None:
+        self.ranges = Ranges()
         self.replica: Replica | None = None  # set once, before the server starts
         self.changes = 0  # change requests applied (guarded by _stats_lock)
         self._stats_lock = threading.Lock()
@@ -99,21 +100,26 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.TablesResponse(tables=[protocol.table_info(t) for t in tables])
 
     def _change(self, method: str, request: Any) -> Any:
-        """A request that changes the shard: applied here, and by every backup."""
+        """A request that changes a range: applied here, and by every backup."""
         if self.replica is None:
             return self.apply_change(method, request)
         return self.replica.replicate(method, request, lambda: self.apply_change(method, request))
 
     def apply_change(self, method: str, request: Any) -> Any:
-        """Applies a change request to the shard; its response."""
+        """Applies a change request; its response."""
         with self._stats_lock:
             self.changes += 1
         return getattr(self, f"_{method}")(request)
 
-    def _serving(self, read_only: bool = False) -> None:
-        """With a coordinator, only a primary answers workers (a backup too: `read_only`)."""
-        if self.replica is not None:
-            self.replica.check_primary(backup_too=read_only)
+    def _shard(self, request: Any, serving: bool = False, read_only: bool = False) -> Shard:
+        """The shard of the request's range; `serving`: only if this server serves it now.
+
+        With a coordinator, only the primary of the range's group serves
+        workers (a backup too, for `read_only` requests).
+        """
+        if serving and self.replica is not None:
+            self.replica.check_primary(request.range, backup_too=read_only)
+        return self.ranges.get(request.range)
 
     # Tables.
 
@@ -122,11 +128,11 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         return self._change("CreateTables", request)
 
     def _CreateTables(self, request: ps_pb2.CreateTablesRequest) -> ps_pb2.TablesResponse:
-        return self._tables_response(self.shard.create(protocol.table_configs(request)))
+        return self._tables_response(self._shard(request).create(protocol.table_configs(request)))
 
     @_rpc
     def DescribeTables(self, request: ps_pb2.DescribeTablesRequest) -> ps_pb2.TablesResponse:
-        return self._tables_response(self.shard.tables(list(request.names)))
+        return self._tables_response(self._shard(request).tables(list(request.names)))
 
     # Training.
 
@@ -135,7 +141,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         return self._change("Join", request)
 
     def _Join(self, request: ps_pb2.JoinRequest) -> ps_pb2.JoinResponse:
-        step = self.shard.join(
+        step = self._shard(request).join(
             request.worker, request.num_workers, request.mode, request.staleness, request.elastic
         )
         return ps_pb2.JoinResponse(step=step)
@@ -145,22 +151,24 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         return self._change("Leave", request)
 
     def _Leave(self, request: ps_pb2.LeaveRequest) -> ps_pb2.JoinResponse:
-        return ps_pb2.JoinResponse(step=self.shard.leave(request.worker))
+        return ps_pb2.JoinResponse(step=self._shard(request).leave(request.worker))
 
     def worker_gone(self, worker: int) -> None:
         """A worker's lease ended (the primary hears it from the coordinator)."""
-        try:
-            self._change("Leave", ps_pb2.LeaveRequest(worker=worker))
-        except RequestError as e:
-            log.info("worker %d left; not recorded here: %s", worker, e)
+        for range_id, _ in self.ranges.items():
+            try:
+                self._change("Leave", ps_pb2.LeaveRequest(worker=worker, range=range_id))
+            except RequestError as e:
+                log.info("worker %d left; not recorded in range %d: %s", worker, range_id, e)
 
     @_rpc
     def Pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
-        self._serving(read_only=not request.train)  # train=False inserts nothing
+        # train=False inserts nothing: a backup may answer it.
+        shard = self._shard(request, serving=True, read_only=not request.train)
         if request.encoding not in protocol.ENCODINGS.values():
             raise invalid(f"Unknown encoding {request.encoding}")
         timeout = request.timeout_ms / 1000 if request.timeout_ms > 0 else 3600.0
-        rows = self.shard.pull(
+        rows = shard.pull(
             request.worker, request.step, request.train, timeout, protocol.pulled_keys(request)
         )
         return protocol.pull_response(request.encoding, rows)
@@ -170,8 +178,9 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         return self._change("Push", request)
 
     def _Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
-        gradients = protocol.pushed_gradients(request, lambda name: self.shard.table(name).dim)
-        return ps_pb2.PushResponse(step=self.shard.push(request.worker, request.step, gradients))
+        shard = self._shard(request)
+        gradients = protocol.pushed_gradients(request, lambda name: shard.table(name).dim)
+        return ps_pb2.PushResponse(step=shard.push(request.worker, request.step, gradients))
 
     # Row access.
 
@@ -180,16 +189,19 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         return self._change("ImportRows", request)
 
     def _ImportRows(self, request: ps_pb2.ImportRowsRequest) -> ps_pb2.ImportRowsResponse:
-        table = self.shard.table(request.table)
+        shard = self._shard(request)
+        table = shard.table(request.table)
         if request.replace:
             table.load_state(protocol.read_state(request, table.dim, table.num_slots))
         else:
-            table.import_rows(*protocol.imported_rows(request, table.dim))
+            keys, values = protocol.imported_rows(request, table.dim)
+            shard.check_keys([keys])
+            table.import_rows(keys, values)
         return ps_pb2.ImportRowsResponse(rows=len(table))
 
     @_rpc
     def ExportRows(self, request: ps_pb2.ExportRowsRequest) -> ps_pb2.ExportRowsResponse:
-        state = self.shard.table(request.table).export_state()
+        state = self._shard(request).table(request.table).export_state()
         return protocol.write_state(ps_pb2.ExportRowsResponse(), state, request.with_state)
 
     @_rpc
@@ -197,20 +209,21 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         return self._change("EraseRows", request)
 
     def _EraseRows(self, request: ps_pb2.EraseRowsRequest) -> ps_pb2.EraseRowsResponse:
-        table = self.shard.table(request.table)
+        table = self._shard(request).table(request.table)
         return ps_pb2.EraseRowsResponse(erased=table.erase(protocol.decode_keys(request.keys)))
 
     @_rpc
     def Metadata(self, request: ps_pb2.MetadataRequest) -> ps_pb2.MetadataResponse:
-        table = self.shard.table(request.table)
+        table = self._shard(request).table(request.table)
         return protocol.metadata_response(*table.metadata(protocol.decode_keys(request.keys)))
 
     # Checkpoints.
 
     @_rpc
     def Save(self, request: ps_pb2.SaveRequest) -> ps_pb2.SaveResponse:
-        self._serving()
-        rows, step, worker_steps = self.shard.save(
+        shard = self._shard(request, serving=True)
+        shard.check_slots((request.slot_begin, request.slot_end))
+        rows, step, worker_steps = shard.save(
             request.directory,
             list(request.tables),
             incremental=request.incremental,
@@ -226,7 +239,9 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _Restore(self, request: ps_pb2.RestoreRequest) -> ps_pb2.TablesResponse:
         slots = (request.slot_begin, request.slot_end)
-        restored = self.shard.restore(
+        shard = self._shard(request)
+        shard.check_slots(slots)
+        restored = shard.restore(
             list(request.directories),
             list(request.tables),
             request.num_shards,
@@ -253,17 +268,18 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
                 )
                 for name, m in sorted(self._stats.items())
             ]
-        tables = [protocol.table_info(t) for t in self.shard.tables()]
-        return ps_pb2.StatsResponse(methods=methods, tables=tables, step=self.shard.step())
+        tables = [protocol.table_info(t) for t in self.ranges.tables()]
+        return ps_pb2.StatsResponse(methods=methods, tables=tables, step=self.ranges.step())
 
     @_rpc
     def Health(self, request: ps_pb2.HealthRequest) -> ps_pb2.HealthResponse:
-        tables = self.shard.tables()
+        tables = self.ranges.tables()
         response = ps_pb2.HealthResponse(
             serving=True,
-            step=self.shard.step(),
+            step=self.ranges.step(),
             num_tables=len(tables),
             rows=sum(len(t) for t in tables),
+            ranges=[range_id for range_id, _ in self.ranges.items()],
         )
         if self.replica is not None:
             role, group, epoch, sequence = self.replica.status()
@@ -287,3 +303,34 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc
     def InstallSnapshot(self, request: Any) -> ps_pb2.InstallSnapshotResponse:
         return ps_pb2.InstallSnapshotResponse(rows=self._replica().install_snapshot(request))
+
+    # Moving slot ranges between groups (`elastic_emb.ps.replication`).
+
+    @_rpc
+    def MoveIn(self, request: ps_pb2.MoveInRequest) -> ps_pb2.MoveInResponse:
+        return self._replica().replicate(
+            "MoveIn", request, lambda: self.apply_change("MoveIn", request)
+        )
+
+    def _MoveIn(self, request: ps_pb2.MoveInRequest) -> ps_pb2.MoveInResponse:
+        return ps_pb2.MoveInResponse(rows=self._replica().move_in(request))
+
+    def _SplitRange(self, request: ps_pb2.SplitRangeRequest) -> ps_pb2.TablesResponse:
+        """The slots [slot, end) of a range become range `new_range` (idempotent)."""
+        if self.ranges.find(request.new_range) is not None:
+            return ps_pb2.TablesResponse()
+        shard = self.ranges.get(request.range)
+        assert shard.slots is not None
+        begin, end = shard.slots
+        if not begin < request.slot < end:
+            raise invalid(f"cannot split range {request.range} [{begin}, {end}) at {request.slot}")
+        self.ranges.put(request.new_range, shard.split((request.slot, end)))
+        shard.keep_only((begin, request.slot))
+        return ps_pb2.TablesResponse()
+
+    def _DropRange(self, request: ps_pb2.DropRangeRequest) -> ps_pb2.TablesResponse:
+        """A range that moved away is dropped (idempotent)."""
+        shard = self.ranges.pop(request.range)
+        if shard is not None:
+            shard.retire(f"slot range {request.range} moved to another group")
+        return ps_pb2.TablesResponse()

@@ -22,7 +22,7 @@ from elastic_emb import checkpoint, sharding
 from elastic_emb.local import LocalTable
 from elastic_emb.table import TableConfig, TableState, check_finite_gradients
 
-__all__ = ["MAX_PUSHES_IN_FLIGHT", "RequestError", "Shard"]
+__all__ = ["MAX_PUSHES_IN_FLIGHT", "Ranges", "RequestError", "Shard"]
 
 log = logging.getLogger("elastic_emb.server")
 
@@ -67,6 +67,7 @@ class _Steps:
         # SYNC: step -> worker -> its pushed [(table, keys, grads)], applied
         # in worker order once every worker pushed (the same sums everywhere).
         self.pending: dict[int, dict[int, list[tuple[str, np.ndarray, np.ndarray]]]] = {}
+        self.gone: str | None = None  # why this shard serves no more (its range moved away)
 
     def step(self) -> int:
         if self.mode == SYNC:
@@ -82,6 +83,8 @@ class _Steps:
         """
         deadline = time.monotonic() + timeout
         while True:
+            if self.gone is not None:
+                raise RequestError("ABORTED", self.gone)
             blocked, late, what = self._late(worker, step)
             if not blocked:
                 return
@@ -139,10 +142,32 @@ class Shard:
     once created, stays).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, slots: tuple[int, int] | None = None) -> None:
         self._tables: dict[str, LocalTable] = {}
         self._tables_lock = threading.Lock()
         self._steps = _Steps()
+        # The slots [begin, end) whose keys this shard takes (None: every key).
+        self.slots = slots
+
+    def check_keys(self, keys: list[np.ndarray]) -> None:
+        """Refuses (OUT_OF_RANGE) keys outside `slots`: the sender split by an older map."""
+        if self.slots is None:
+            return
+        begin, end = self.slots
+        for k in keys:
+            slot = sharding.slot_of(k)
+            if len(k) and (slot.min() < begin or slot.max() >= end):
+                raise RequestError(
+                    "OUT_OF_RANGE",
+                    f"keys outside this range's slots [{begin}, {end}): the range was split "
+                    "or moved; read the cluster map again",
+                )
+
+    def retire(self, why: str) -> None:
+        """This shard's range moved away: waiting and later requests are refused (ABORTED)."""
+        with self._steps.cond:
+            self._steps.gone = why
+            self._steps.cond.notify_all()
 
     # Tables.
 
@@ -253,6 +278,8 @@ class Shard:
 
     def _check_worker(self, worker: int, step: int) -> None:
         s = self._steps
+        if s.gone is not None:
+            raise RequestError("ABORTED", s.gone)
         if s.elastic and worker not in s.live:
             raise RequestError(
                 "FAILED_PRECONDITION",
@@ -274,6 +301,7 @@ class Shard:
     ) -> list[tuple[str, np.ndarray]]:
         """(name, rows) per (name, keys), once the mode lets `worker` read `step`."""
         self._check_worker(worker, step)
+        self.check_keys([k for _, k in keys])
         s = self._steps
         with s.cond:
             last = s.pushed.get(worker, 0)
@@ -290,6 +318,7 @@ class Shard:
     def push(self, worker: int, step: int, gradients: list[tuple[str, Any, Any]]) -> int:
         """Applies (SYNC: queues until every worker pushed) one step; the shard's step."""
         self._check_worker(worker, step)
+        self.check_keys([k for _, k, _ in gradients])
         work = [(self.table(name), keys, grads) for name, keys, grads in gradients]
         try:  # every table of the push before any is applied
             finite = [check_finite_gradients(t.name, k, g, t.nonfinite) for t, k, g in work]
@@ -409,6 +438,63 @@ class Shard:
                 s.pending.setdefault(step, {})[worker] = parts
             s.applying = set()
             s.cond.notify_all()
+
+    def split(self, slots: tuple[int, int]) -> Shard:
+        """A new shard holding this one's rows and pending sync pushes of `slots` [begin, end).
+
+        The new shard gets a copy of the step state (who pushed which step,
+        steps applied, live workers), so a worker's step is applied once
+        across the two: a step this shard saw, the new one saw too. The
+        caller makes sure no change is being applied (the replication order
+        lock) and then removes those slots from this shard (`keep_only`).
+        """
+        begin, end = slots
+
+        def mine(keys: np.ndarray) -> np.ndarray:
+            slot = sharding.slot_of(keys)
+            return (slot >= begin) & (slot < end)
+
+        tables = []
+        for table in self.tables():
+            part = LocalTable(TableConfig.from_dict(table.config()))
+            state = table.export_state()
+            part.load_state(state.select(mine(state.keys)))
+            tables.append(part)
+        steps, pending = self.export_steps()
+        pending = [
+            (worker, step, [(n, k[mine(k)], g[mine(k)]) for n, k, g in parts])
+            for worker, step, parts in pending
+        ]
+        new = Shard(slots)
+        new.install(tables, steps, pending)
+        return new
+
+    def keep_only(self, slots: tuple[int, int]) -> None:
+        """Drops the rows and pending sync pushes outside `slots` [begin, end)."""
+        begin, end = slots
+        s = self._steps
+        with s.cond:
+            self.slots = slots
+            for table in self.tables():
+                keys = table.export_state().keys
+                slot = sharding.slot_of(keys)
+                table.erase(keys[(slot < begin) | (slot >= end)])
+            for workers in s.pending.values():
+                for worker, parts in workers.items():
+                    kept = []
+                    for name, keys, grads in parts:
+                        slot = sharding.slot_of(keys)
+                        inside = (slot >= begin) & (slot < end)
+                        kept.append((name, keys[inside], grads[inside]))
+                    workers[worker] = kept
+
+    def check_slots(self, slots: tuple[int, int]) -> None:
+        """Refuses (OUT_OF_RANGE) a request made for other slots than this range's now."""
+        if self.slots is not None and slots != (0, 0) and slots != self.slots:
+            raise RequestError(
+                "OUT_OF_RANGE",
+                f"this range holds slots {list(self.slots)}, not {list(slots)}: it was split",
+            )
 
     # Checkpoints.
 
@@ -535,3 +621,58 @@ class Shard:
             table.load_state(state)
             restored.append(table)
         return restored
+
+
+class Ranges:
+    """A server's shards by slot-range id: without a coordinator, one (id 0, every key).
+
+    Thread-safe. With a coordinator a group holds several ranges
+    (`elastic_emb.ps.membership`), each its own `Shard`, so that one can
+    move to another group whole.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shards: dict[int, Shard] = {0: Shard()}  # guarded by _lock
+
+    def get(self, range_id: int) -> Shard:
+        with self._lock:
+            shard = self._shards.get(range_id)
+        if shard is None:
+            raise RequestError(
+                "ABORTED",
+                f"slot range {range_id} is not on this server (it moved; read the cluster map "
+                "again)",
+            )
+        return shard
+
+    def find(self, range_id: int) -> Shard | None:
+        with self._lock:
+            return self._shards.get(range_id)
+
+    def items(self) -> list[tuple[int, Shard]]:
+        """(range id, shard), by id."""
+        with self._lock:
+            return sorted(self._shards.items())
+
+    def shards(self) -> list[Shard]:
+        return [shard for _, shard in self.items()]
+
+    def tables(self) -> list[LocalTable]:
+        """Every table of every range."""
+        return [t for shard in self.shards() for t in shard.tables()]
+
+    def step(self) -> int:
+        return max((shard.step() for shard in self.shards()), default=0)
+
+    def put(self, range_id: int, shard: Shard) -> None:
+        with self._lock:
+            self._shards[range_id] = shard
+
+    def pop(self, range_id: int) -> Shard | None:
+        with self._lock:
+            return self._shards.pop(range_id, None)
+
+    def replace(self, shards: dict[int, Shard]) -> None:
+        with self._lock:
+            self._shards = dict(shards)
