@@ -8,11 +8,12 @@ keeps the keys whose slots it owns now.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
 
-__all__ = ["NUM_SLOTS", "even_ranges", "shard_of", "slot_of", "split_by_shard"]
+__all__ = ["NUM_SLOTS", "RangeLayout", "even_ranges", "shard_of", "slot_of", "split_by_shard"]
 
 NUM_SLOTS = 4096
 
@@ -70,3 +71,25 @@ def split_by_shard(
     shard = shard[np.argsort(shard, kind="stable")]
     bounds = np.searchsorted(shard, np.arange(num_shards + 1))
     return [order[bounds[i] : bounds[i + 1]] for i in range(num_shards)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeLayout:
+    """Slot ranges in slot order, as a worker splits its requests: shard i is range `ids[i]`.
+
+    Static shards: one range (id 0) each, of `even_ranges`. With a
+    coordinator: the cluster map's ranges at map revision `version`.
+    """
+
+    ids: tuple[int, ...]
+    slots: tuple[tuple[int, int], ...]
+    version: int = 0
+
+    @classmethod
+    def even(cls, num_shards: int) -> RangeLayout:
+        return cls((0,) * num_shards, tuple(even_ranges(num_shards)))
+
+    def split(self, keys: np.ndarray) -> list[np.ndarray]:
+        """Positions into `keys` of each range's keys (`split_by_shard`)."""
+        starts = np.array([begin for begin, _ in self.slots], np.int64)
+        return split_by_shard(keys, len(self.ids), starts)

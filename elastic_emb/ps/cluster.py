@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps import protocol
 from elastic_emb.ps.client import NotPrimary, RangeChanged, ShardClient
+from elastic_emb.sharding import RangeLayout
 
 if TYPE_CHECKING:
     from elastic_emb.ps.routing import Routing
@@ -41,26 +41,6 @@ CHECKPOINT_TIMEOUT = 6 * 3600.0
 WORKER_LEASE_SECONDS = 3
 # Pushes of a worker that may be in flight while it pulls again.
 _PUSHES_AHEAD = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """The slot ranges a request was split by: shard i is range `ids[i]`, in slot order.
-
-    Without a coordinator every shard holds one range (id 0) of `even_ranges`.
-    """
-
-    ids: tuple[int, ...]
-    slots: tuple[tuple[int, int], ...]
-    version: int = 0  # the map's revision
-
-    @property
-    def starts(self) -> np.ndarray:
-        return np.array([begin for begin, _ in self.slots], np.int64)
-
-    def split(self, keys: np.ndarray) -> list[np.ndarray]:
-        """Positions into `keys` of each range's keys."""
-        return sharding.split_by_shard(keys, len(self.ids), self.starts)
 
 
 @dataclasses.dataclass
@@ -144,9 +124,7 @@ class Cluster:
         self._reads = itertools.count()  # round robin over a group's replicas
         self._layout_lock = threading.Lock()
         if routing is None:
-            self._layout = _Layout(
-                (0,) * len(addresses), tuple(sharding.even_ranges(len(addresses)))
-            )
+            self._layout = RangeLayout.even(len(addresses))
         else:
             self._layout = routing.layout()
             addresses = [routing.primary_of(r) for r in self._layout.ids]
@@ -217,7 +195,7 @@ class Cluster:
         if self.routing is not None:
             self.routing.close()
 
-    def layout(self) -> _Layout:
+    def layout(self) -> RangeLayout:
         """The slot ranges as the coordinator's map has them now (fixed without one)."""
         if self.routing is None:
             return self._layout
@@ -234,7 +212,7 @@ class Cluster:
         make: Any,
         timeout: float | None = None,
         again_if_changed: bool = True,
-    ) -> tuple[_Layout, list[Any]]:
+    ) -> tuple[RangeLayout, list[Any]]:
         """`make(layout)`'s requests (None: skip) to every range; (layout, responses).
 
         With a coordinator: requests made for ranges that split meanwhile
@@ -339,7 +317,7 @@ class Cluster:
         """
         after = self.step if self.mode == "sync" else 0
 
-        def make(layout: _Layout) -> list[Any]:
+        def make(layout: RangeLayout) -> list[Any]:
             if len(layout.ids) != len(directories):
                 raise RuntimeError("the cluster's slot ranges changed during the save: save again")
             return [
@@ -375,7 +353,7 @@ class Cluster:
         self.flush()
         split: list[Any] = []
 
-        def requests(layout: _Layout) -> list[Any]:
+        def requests(layout: RangeLayout) -> list[Any]:
             split[:] = layout.split(keys)
             return [make(positions) for positions in split]
 
@@ -397,7 +375,7 @@ class Cluster:
             step = self._step + 1
         split: list[list[np.ndarray]] = []
 
-        def make(layout: _Layout) -> list[Any]:
+        def make(layout: RangeLayout) -> list[Any]:
             split[:] = [layout.split(keys) for _, _, keys in tables]
             requests = []
             for shard in range(len(layout.ids)):
@@ -452,7 +430,7 @@ class Cluster:
     def _push_step(self, step: int, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]) -> None:
         # Every shard hears of every table of the step (maybe with no keys),
         # so all shards advance their step and optimizer iterations together.
-        def make(layout: _Layout) -> list[Any]:
+        def make(layout: RangeLayout) -> list[Any]:
             split = {n: layout.split(k) for n, (_, k, _) in tables.items()}
             return [
                 protocol.push_request(

@@ -24,7 +24,7 @@ A joining server gets a snapshot of the primary's state (taken between two
 changes), then the changes made since; once it has applied all of them the
 primary admits it as a backup.
 
-Slot ranges move between groups the same way (`move`): the primary of the
+Slot ranges move between groups the same way (`_move`): the primary of the
 source group sends the target group a snapshot of the range, then the
 range's changes made since (MoveIn, which the target replicates to its
 backups like any change); between two changes it sends the last ones and
@@ -89,11 +89,12 @@ def aborted(message: str) -> RequestError:
 
 
 class Replica:
-    """This server's role in its replica group; replicates the shard's changes.
+    """This server's role in its replica group; replicates its ranges' changes, moves ranges.
 
     Thread-safe. `replicate` serializes the changes of a primary (`_order`);
-    the role, the map and the applied sequence are guarded by `_cond`.
-    Lock order: `_order` before `_cond`.
+    the role, the map, the applied sequence and the moves under way are
+    guarded by `_cond`. Lock order: `_order` before `_cond`. A primary's
+    `_mover` thread applies the map's splits and moves its ranges.
 
     Args:
         ranges: the server's shards (replaced on a snapshot or a reset).
@@ -493,47 +494,37 @@ class Replica:
     def replicate(self, method: str, request: Any, apply: Callable[[], Any]) -> Any:
         """The primary's path of a change: apply, send to every backup, wait for them."""
         with self._order:
-            result, forward, sent = self._apply_and_send(method, request, apply)
-        self._wait_for_backups(forward, sent)
-        return result
-
-    def _apply_and_send(
-        self, method: str, request: Any, apply: Callable[[], Any]
-    ) -> tuple[Any, ps_pb2.ReplicateRequest, dict[str, Any]]:
-        """Applies a change and starts sending it to the backups (caller holds `_order`)."""
-        self.check_primary(request.range if method in WORKER_CHANGES else None)
-        result = apply()
-        with self._cond:
-            group = self._map.group_of(self.address)
-            assert group is not None and self._applied is not None
-            self._applied += 1
-            self._applied_epoch = group.epoch
-            forward = ps_pb2.ReplicateRequest(
-                group=group.id,
-                epoch=group.epoch,
-                sequence=self._applied,
-                method=method,
-                request=request.SerializeToString(),
-                primary=self.address,
-            )
-            backups = list(group.members)
-            for buffered in self._copying.values():
-                buffered.append(forward)
-            if method in WORKER_CHANGES and request.range in self._moving:
-                self._moving[request.range].append(forward)
-        sent = {b: self._pool.submit(self._forward, b, forward) for b in backups}
-        return result, forward, sent
-
-    def _replicate_own(self, method: str, request: Any) -> Any:
-        """A change this primary makes itself (not a worker's), replicated like any."""
-        return self.replicate(method, request, lambda: self._apply(method, request))
-
-    def _wait_for_backups(self, forward: ps_pb2.ReplicateRequest, sent: dict[str, Any]) -> None:
+            self.check_primary(request.range if method in WORKER_CHANGES else None)
+            result = apply()
+            with self._cond:
+                group = self._map.group_of(self.address)
+                assert group is not None and self._applied is not None
+                self._applied += 1
+                self._applied_epoch = group.epoch
+                forward = ps_pb2.ReplicateRequest(
+                    group=group.id,
+                    epoch=group.epoch,
+                    sequence=self._applied,
+                    method=method,
+                    request=request.SerializeToString(),
+                    primary=self.address,
+                )
+                backups = list(group.members)
+                for buffered in self._copying.values():
+                    buffered.append(forward)
+                if method in WORKER_CHANGES and request.range in self._moving:
+                    self._moving[request.range].append(forward)
+            sent = {b: self._pool.submit(self._forward, b, forward) for b in backups}
         for backup, future in sent.items():
             try:
                 future.result()
             except Exception as e:
                 self._drop(backup, f"it did not apply change {forward.sequence}: {e}")
+        return result
+
+    def _replicate_own(self, method: str, request: Any) -> Any:
+        """A change this primary makes itself (not a worker's), replicated like any."""
+        return self.replicate(method, request, lambda: self._apply(method, request))
 
     def _forward(self, address: str, request: ps_pb2.ReplicateRequest) -> None:
         stub = ps_pb2_grpc.ParameterServerStub(self._channel(address))

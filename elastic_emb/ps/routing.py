@@ -16,6 +16,7 @@ from typing import Any
 from elastic_emb.ps import membership
 from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, Op
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group
+from elastic_emb.sharding import RangeLayout
 
 __all__ = ["Routing"]
 
@@ -88,13 +89,11 @@ class Routing:
         with self._cond:
             return self._map.revision
 
-    def layout(self) -> Any:
-        """The slot ranges, in slot order (`elastic_emb.ps.cluster._Layout`)."""
-        from elastic_emb.ps.cluster import _Layout
-
+    def layout(self) -> RangeLayout:
+        """The slot ranges, in slot order."""
         with self._cond:
             ranges, version = self._map.by_slot(), self._map.revision
-        return _Layout(tuple(r.id for r in ranges), tuple(r.slots for r in ranges), version)
+        return RangeLayout(tuple(r.id for r in ranges), tuple(r.slots for r in ranges), version)
 
     def _group_of_range(self, range_id: int) -> Group | None:
         with self._cond:
