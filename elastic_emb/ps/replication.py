@@ -195,8 +195,7 @@ class Replica:
                 pass
         self._reset_state()
 
-        registered, _ = self._etcd.get_prefix(membership.servers_prefix(self._prefix))
-        others = {kv.key.rsplit("/", 1)[1] for kv in registered} - {self.address}
+        others = self._live_spares()
 
         def place(m: ClusterMap) -> ClusterMap:
             if fresh:
@@ -206,6 +205,23 @@ class Replica:
 
         self._take_place(place)
         log.info("registered as %s: %s", self.address, self.role)
+
+    def _live_spares(self) -> list[str]:
+        """The other servers that answer as spares now (a dead one's key outlives it a while)."""
+        registered, _ = self._etcd.get_prefix(membership.servers_prefix(self._prefix))
+        m = self._read_map()
+        spares = []
+        for kv in registered:
+            address = kv.key.rsplit("/", 1)[1]
+            if address == self.address or m.group_of(address) is not None:
+                continue
+            try:
+                stub = ps_pb2_grpc.ParameterServerStub(self._channel(address))
+                if stub.Health(ps_pb2.HealthRequest(), timeout=1.0).role == "spare":
+                    spares.append(address)
+            except grpc.RpcError:
+                pass
+        return spares
 
     def _take_place(self, change: Callable[[ClusterMap], ClusterMap | None]) -> None:
         placed = self._change_map(change, as_primary=False)
