@@ -180,21 +180,18 @@ def copy(rows: int) -> None:
 
 def _watch_move(cluster: LocalCluster) -> tuple[tuple[int, int], float, float]:
     """Waits for the next planned move and its cutover: (slots, planned at, cut over at)."""
-    while True:
-        moving = [r for r in cluster.map().ranges if r.moving_to is not None]
-        if moving:
-            break
+    while (m := cluster.map()).move is None:
         time.sleep(0.005)
-    planned = time.monotonic()
-    (r,) = moving
-    while cluster.map().range(r.id).moving_to is not None:  # type: ignore[union-attr]
+    planned, move = time.monotonic(), m.move
+    end = m.range(move.range).slot_end  # type: ignore[union-attr]
+    while cluster.map().move == move:
         time.sleep(0.005)
-    return r.slots, planned, time.monotonic()
+    return (move.slot, end), planned, time.monotonic()
 
 
-def move(rows: int) -> None:
+def move(rows: int, directory: str | None = None) -> None:
     print(f"\n## Slot moves while a worker trains: {rows:,} rows (dim {DIM}, Adagrad, sync, R=1)\n")
-    with LocalCluster(1, 1) as cluster:
+    with LocalCluster(1, 1, directory) as cluster:
         ee.init(coordinator=cluster.coordinator, mode="sync")
         try:
             table = ee.Table(DIM, optimizer=ee.optimizers.Adagrad(0.05), name="m")
@@ -249,6 +246,7 @@ def main() -> None:
     parser.add_argument("--sections", default="throughput,failover,copy,move")
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--cluster-dir", help="move: keep etcd's data and the servers' logs here")
     args = parser.parse_args()
     print(f"# Replication benchmark\n\nMachine: {machine()}")
     sections = args.sections.split(",")
@@ -259,7 +257,7 @@ def main() -> None:
     if "copy" in sections:
         copy(200_000 if args.quick else args.rows)
     if "move" in sections:
-        move(200_000 if args.quick else args.rows)
+        move(200_000 if args.quick else args.rows, args.cluster_dir)
 
 
 if __name__ == "__main__":

@@ -253,6 +253,31 @@ void BindChangeTracking(py::class_<elastic_emb::Table>& cls) {
       "(int64 (e,)), and the number of the change set.");
 }
 
+// Slot ranges of the CPU table (a parameter server moving a range between groups).
+void BindSlotRanges(py::class_<elastic_emb::Table>& cls) {
+  cls.def(
+         "export_slots",
+         [](elastic_emb::Table& t, int64_t num_slots, int64_t begin, int64_t end) {
+           elastic_emb::ExportedRows rows;
+           {
+             py::gil_scoped_release release;
+             rows = t.ExportSlots(num_slots, begin, end);
+           }
+           const auto m = static_cast<py::ssize_t>(rows.keys.size());
+           const py::ssize_t dim = t.dim(), slot_width = t.num_slots() * t.dim();
+           return py::make_tuple(ToNumpy(std::move(rows.keys), {m}),
+                                 ToNumpy(std::move(rows.values), {m, dim}),
+                                 ToNumpy(std::move(rows.slots), {m, slot_width}),
+                                 ToNumpy(std::move(rows.last_step), {m}),
+                                 ToNumpy(std::move(rows.update_count), {m}));
+         },
+         py::arg("num_slots"), py::arg("begin"), py::arg("end"),
+         "export_rows, of the keys whose virtual slot is in [begin, end).")
+      .def("erase_slots", &elastic_emb::Table::EraseSlots, py::arg("num_slots"), py::arg("begin"),
+           py::arg("end"), py::call_guard<py::gil_scoped_release>(),
+           "Erases the keys whose virtual slot is in [begin, end); returns how many.");
+}
+
 #if EE_WITH_CUDA
 // DLPack (https://dmlc.github.io/dlpack): the C ABI of a tensor handed
 // between frameworks in a PyCapsule named "dltensor".
@@ -430,6 +455,7 @@ PYBIND11_MODULE(_core, m) {
   table.def(py::init<const elastic_emb::TableOptions&>(), py::arg("options"));
   BindTableMethods(table);
   BindChangeTracking(table);
+  BindSlotRanges(table);
 
 #if EE_WITH_CUDA
   BindDevice(m);

@@ -309,6 +309,41 @@ ExportedRows Table::Export() const {
   return out;
 }
 
+ExportedRows Table::ExportSlots(int64_t num_slots, int64_t begin, int64_t end) const {
+  const auto inside = [&](int64_t key) {
+    const int64_t slot = VirtualSlot(key, num_slots);
+    return slot >= begin && slot < end;
+  };
+  std::vector<std::unique_lock<std::mutex>> locks;
+  locks.reserve(shards_.size());
+  int64_t total = 0;
+  for (const auto& s : shards_) {
+    locks.emplace_back(s->mu);
+    s->index.ForEach([&](int64_t key, uint32_t) { total += inside(key); });
+  }
+  ExportedRows out;
+  ResizeRows(out, total);
+  int64_t i = 0;
+  for (const auto& s : shards_) {
+    s->index.ForEach([&](int64_t key, uint32_t row) {
+      if (inside(key)) CopyRow(*s, key, row, out, i++);
+    });
+  }
+  return out;
+}
+
+int64_t Table::EraseSlots(int64_t num_slots, int64_t begin, int64_t end) {
+  std::vector<int64_t> keys;
+  for (const auto& s : shards_) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->index.ForEach([&](int64_t key, uint32_t) {
+      const int64_t slot = VirtualSlot(key, num_slots);
+      if (slot >= begin && slot < end) keys.push_back(key);
+    });
+  }
+  return Erase(static_cast<int64_t>(keys.size()), keys.data());
+}
+
 ExportedChanges Table::ExportChanges(bool all) {
   std::vector<std::unique_lock<std::mutex>> locks;
   locks.reserve(shards_.size());

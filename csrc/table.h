@@ -68,6 +68,18 @@ struct ExportedChanges {
   uint64_t change_set = 0;
 };
 
+// A key's virtual slot, as elastic_emb.sharding.slot_of computes it
+// (MurmurHash3's 64-bit finalizer, modulo num_slots).
+inline int64_t VirtualSlot(int64_t key, int64_t num_slots) {
+  uint64_t h = static_cast<uint64_t>(key);
+  h ^= h >> 33;
+  h *= 0xFF51AFD7ED558CCDULL;
+  h ^= h >> 33;
+  h *= 0xC4CEB9FE1A85EC53ULL;
+  h ^= h >> 33;
+  return static_cast<int64_t>(h % static_cast<uint64_t>(num_slots));
+}
+
 class Table {
  public:
   explicit Table(const TableOptions& options);
@@ -98,6 +110,12 @@ class Table {
 
   // A consistent copy of every row (all shards locked while copying).
   ExportedRows Export() const;
+
+  // Slot ranges (elastic_emb.sharding: a key's virtual slot is
+  // VirtualSlot(key, num_slots)). A consistent copy of the rows whose slot
+  // is in [begin, end); and their removal, which returns how many went.
+  ExportedRows ExportSlots(int64_t num_slots, int64_t begin, int64_t end) const;
+  int64_t EraseSlots(int64_t num_slots, int64_t begin, int64_t end);
 
   // Closes the current change set and opens the next one: copies the rows
   // inserted, pushed or imported since the previous call (every row with

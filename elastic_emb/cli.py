@@ -53,10 +53,7 @@ def _cluster_status(args: argparse.Namespace) -> int:
     print(f"coordinator {status['coordinator']}  replicas {status['replicas']}  "
           f"map revision {status['revision']}{'  sealed' if status['sealed'] else ''}")  # fmt: skip
     for g in status["groups"]:
-        ranges = "  ".join(
-            f"{r['slots']}" + (f" -> group {r['moving_to']}" if r["moving_to"] is not None else "")
-            for r in g["ranges"]
-        )
+        ranges = "  ".join(str(r["slots"]) for r in g["ranges"])
         retiring = "  (retiring)" if g["retiring"] else ""
         print(f"group {g['id']}  epoch {g['epoch']}  slots {ranges or '(none)'}{retiring}")
         for address in [g["primary"], *g["members"], *g["joining"]]:
@@ -67,6 +64,10 @@ def _cluster_status(args: argparse.Namespace) -> int:
             )
             draining = "  (draining)" if address in status["draining"] else ""
             print(f"  {address:21} {what}{draining}")
+    if status["move"]:
+        move = status["move"]
+        print(f"moving: slots from {move['slot']} of range {move['range']} to group "
+              f"{move['to']}")  # fmt: skip
     for address in status["spares"]:
         print(f"spare {address}{'  (drained)' if address in status['draining'] else ''}")
     return 0

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from elastic_emb import _core
+from elastic_emb import _core, sharding
 from elastic_emb.table import (
     StepFusion,
     Table,
@@ -132,11 +132,31 @@ class LocalTable(Table):
             keys, values, slots, last_step, update_count = self._core.export_rows()
             return TableState(keys, values, slots, last_step, update_count, self._iterations)
 
+    def export_slots(self, slots: tuple[int, int]) -> TableState:
+        """The state of the rows whose virtual slot (`elastic_emb.sharding`) is in [begin, end)."""
+        with self._step_lock:
+            keys, values, slots_, last_step, update_count = self._core.export_slots(
+                sharding.NUM_SLOTS, *slots
+            )
+            return TableState(keys, values, slots_, last_step, update_count, self._iterations)
+
+    def erase_slots(self, slots: tuple[int, int]) -> int:
+        """Erases the rows whose virtual slot is in [begin, end); returns how many."""
+        return int(self._core.erase_slots(sharding.NUM_SLOTS, *slots))
+
     def load_state(self, state: TableState) -> None:
         s = state.checked(self.dim, self.num_slots)
         with self._step_lock:
             current, *_ = self._core.export_rows()
             self._core.erase(current)
+            self._core.import_rows(s.keys, s.values, s.slots, s.last_step, s.update_count)
+            self._iterations = s.iterations
+
+    def add_state(self, state: TableState) -> None:
+        """Adds rows with their optimizer slots and metadata (the other rows stay), and
+        takes the state's step count: a table received in parts."""
+        s = state.checked(self.dim, self.num_slots)
+        with self._step_lock:
             self._core.import_rows(s.keys, s.values, s.slots, s.last_step, s.update_count)
             self._iterations = s.iterations
 

@@ -1,4 +1,4 @@
-"""Splitting a shard's slot range (work in progress toward live resharding).
+"""Moving a part of a shard's slot range (`Shard.export_range`, `Shard.shrink`, a scale-out).
 
 The right answer: a shard that never split, fed the same pushes; the two
 halves' rows together must equal its rows, bit for bit, and a step re-sent to
@@ -8,9 +8,13 @@ both halves after the split is applied once.
 from __future__ import annotations
 
 import numpy as np
+from _states import assert_same_state, sorted_state
 
 import elastic_emb as ee
 from elastic_emb import sharding
+from elastic_emb._proto import ps_pb2
+from elastic_emb.ps import protocol
+from elastic_emb.ps.replication import _Snapshot
 from elastic_emb.ps.shard import SYNC, Shard
 from elastic_emb.table import TableConfig
 
@@ -25,10 +29,13 @@ def _shard() -> Shard:
     return shard
 
 
-def _push(shard: Shard, worker: int, step: int, keys: np.ndarray) -> None:
+def _grads(worker: int, step: int) -> np.ndarray:
     """Key k's gradient depends on (worker, step, k) only, however the keys are split."""
-    grads = np.random.default_rng(100 * step + worker).normal(size=(400, 4))
-    shard.push(worker, step, [("t", keys, grads[keys].astype(np.float32))])
+    return np.random.default_rng(100 * step + worker).normal(size=(400, 4)).astype(np.float32)
+
+
+def _push(shard: Shard, worker: int, step: int, keys: np.ndarray) -> None:
+    shard.push(worker, step, [("t", keys, _grads(worker, step)[keys])])
 
 
 def _rows(shards: list[Shard]) -> dict[int, np.ndarray]:
@@ -39,19 +46,34 @@ def _rows(shards: list[Shard]) -> dict[int, np.ndarray]:
     return out
 
 
-def test_a_split_mid_step_applies_every_push_once_as_an_unsplit_shard_does():
+def test_moving_part_of_a_range_mid_step_applies_every_push_once():
+    """As a move does it: the snapshot of slots [1000, end) of a shard in the middle of a
+    sync step, a change forwarded (cut to those slots), the shrink at the cutover, and the
+    step sent again after it. The two shards must equal one that never split, bit for bit."""
+    n = sharding.NUM_SLOTS
     keys = np.arange(400, dtype=np.int64)
     whole, left = _shard(), _shard()
+    left.slots = (0, n)
     for shard in (whole, left):
         for step in (1, 2):
             _push(shard, 0, step, keys)
             _push(shard, 1, step, keys)
         _push(shard, 0, 3, keys)  # worker 1's push of step 3 has not arrived
-    right = left.split((1000, sharding.NUM_SLOTS))
-    left.keep_only((0, 1000))
+    tables, steps, pending = left.export_range((1000, n))
+    right = Shard((1000, n))
+    for config, state in tables:  # (the move sends these in parts)
+        right.create([config])[0].add_state(state)
+    right.install(right.tables(), steps, pending)
+    # Worker 1's step 3 reaches the source during the move, and its part is forwarded.
+    push = protocol.push_request(1, 3, ps_pb2.FLOAT32, [("t", keys, _grads(1, 3)[keys])])
+    left.push(1, 3, protocol.pushed_gradients(push, lambda name: 4))
+    part = protocol.restricted("Push", push, (1000, n), right.table)
+    right.push(1, 3, protocol.pushed_gradients(part, lambda name: 4))
+    left.shrink(1000)
+    assert (left.slots, right.slots) == ((0, 1000), (1000, n))
     slots = sharding.slot_of(keys)
     for shard, inside in ((left, slots < 1000), (right, slots >= 1000)):
-        _push(shard, 0, 3, keys[inside])  # re-sent after the split: applied once already
+        _push(shard, 0, 3, keys[inside])  # sent again after the cutover: applied once already
         _push(shard, 1, 3, keys[inside])
     _push(whole, 1, 3, keys)
     assert left.step() == right.step() == whole.step() == 3
@@ -60,3 +82,29 @@ def test_a_split_mid_step_applies_every_push_once_as_an_unsplit_shard_does():
     for k in unsplit:
         np.testing.assert_array_equal(split[k], unsplit[k])
     assert all(sharding.slot_of(np.array(list(_rows([right])))) >= 1000)
+    assert all(sharding.slot_of(np.array(list(_rows([left])))) < 1000)
+    assert left.table("t").iterations == right.table("t").iterations == whole.table("t").iterations
+
+
+def test_a_range_snapshot_in_parts_reads_back_exactly():
+    """Several tables, each in several parts (as MoveIn and InstallSnapshot send them)."""
+    shard = _shard()
+    other = TableConfig.make(dim=3, optimizer=ee.optimizers.Adagrad(0.1), name="u", seed=5)
+    shard.create([other.to_dict()])
+    keys = np.arange(400, dtype=np.int64)
+    shard.table("t").pull(keys)  # rows to copy
+    _push(shard, 0, 1, keys)  # worker 1 has not pushed: step 1 is pending
+    shard.table("u").push(keys[:50], np.ones((50, 3), np.float32))
+    snapshot = _Snapshot.take(7, shard, (0, 2000))
+    chunks = list(snapshot.chunks({"group": 0, "epoch": 1}, per_part=16))
+    assert len(chunks) > 10
+    (read,) = _Snapshot.read(chunks).items()
+    assert read[0] == 7 and read[1].slots == (0, 2000)
+    inside = sharding.slot_of(keys) < 2000
+    for name in ("t", "u"):
+        got = sorted_state(read[1].table(name).export_state())
+        want = shard.table(name).export_state()
+        assert_same_state(got, sorted_state(want.select(sharding.slot_of(want.keys) < 2000)))
+    assert read[1].export_steps()[0] == shard.export_steps()[0]
+    ((worker, step, parts),) = read[1].export_steps()[1]
+    assert (worker, step) == (0, 1) and np.array_equal(parts[0][1], keys[inside])

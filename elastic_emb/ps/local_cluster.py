@@ -9,6 +9,7 @@ every server; `kill` ends a server with SIGKILL.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -225,10 +226,7 @@ def cluster_status(coordinator: str, timeout: float = 2.0) -> dict[str, Any]:
             for a in g.members
             if primary_sequence is not None and "sequence" in servers.get(a, {})
         }
-        ranges = [
-            {"id": r.id, "slots": list(r.slots), "moving_to": r.moving_to}
-            for r in m.ranges_of(g.id)
-        ]
+        ranges = [{"id": r.id, "slots": list(r.slots)} for r in m.ranges_of(g.id)]
         groups.append({**g.__dict__, "ranges": ranges, "lag": lag})
     spares = [a for a in addresses if m.group_of(a) is None]
     return {
@@ -239,6 +237,7 @@ def cluster_status(coordinator: str, timeout: float = 2.0) -> dict[str, Any]:
         "groups": groups,
         "spares": spares,
         "draining": m.draining,
+        "move": dataclasses.asdict(m.move) if m.move else None,
         "servers": servers,
     }
 

@@ -12,7 +12,7 @@ The slots (`elastic_emb.sharding`) are cut into ranges, and each range
 lives on one group; a group may hold several. A range is the unit of
 routing and of state: a worker sends each range its own requests, and a
 server keeps each range's rows and step bookkeeping apart, so a range can
-move to another group whole (`moving_to`, `elastic_emb.ps.replication`).
+move to another group (`move`: all of it, or its upper part as a new range).
 A group's `primary` serves workers and sends every change to the `members`
 (backups) before acknowledging it; `joining` servers are receiving a copy of
 the primary's state and are not backups yet. `epoch` grows at every change
@@ -30,8 +30,8 @@ from typing import Any
 from elastic_emb import sharding
 
 __all__ = [
-    "DEFAULT_PREFIX", "ClusterMap", "Group", "Range", "map_key", "server_key", "servers_prefix",
-    "update", "worker_key", "workers_prefix",
+    "DEFAULT_PREFIX", "ClusterMap", "Group", "Move", "Range", "map_key", "server_key",
+    "servers_prefix", "update", "worker_key", "workers_prefix",
 ]  # fmt: skip
 
 DEFAULT_PREFIX = "/elastic_emb/default/"  # every key of a cluster starts with its prefix
@@ -86,7 +86,6 @@ class Range:
     slot_begin: int
     slot_end: int
     group: int
-    moving_to: int | None = None  # the group it is being moved to
 
     @property
     def slots(self) -> tuple[int, int]:
@@ -95,6 +94,20 @@ class Range:
     @property
     def size(self) -> int:
         return self.slot_end - self.slot_begin
+
+
+@dataclasses.dataclass
+class Move:
+    """The move under way: range `range`'s slots [slot, its end) go to group `to`.
+
+    All of the range (`slot` == its begin) keeps its id; a part becomes
+    range `new_range`.
+    """
+
+    range: int
+    slot: int
+    to: int
+    new_range: int
 
 
 @dataclasses.dataclass
@@ -114,6 +127,7 @@ class ClusterMap:
     # not counted as replicas, so that a spare joins their group first.
     draining: list[str] = dataclasses.field(default_factory=list)
     next_range: int = 0  # the id of the next range made by a split
+    move: Move | None = None  # one at a time
     revision: int = 0  # the etcd mod_revision it was read at (not stored)
 
     @classmethod
@@ -134,6 +148,7 @@ class ClusterMap:
             data["sealed"],
             data["draining"],
             data["next_range"],
+            Move(**data["move"]) if data["move"] else None,
             revision,
         )
 
@@ -143,6 +158,7 @@ class ClusterMap:
             "sealed": self.sealed,
             "draining": self.draining,
             "next_range": self.next_range,
+            "move": dataclasses.asdict(self.move) if self.move else None,
             "groups": [dataclasses.asdict(g) for g in self.groups],
             "ranges": [dataclasses.asdict(r) for r in self.ranges],
         }
@@ -295,14 +311,14 @@ class ClusterMap:
         return new
 
     def plan(self) -> ClusterMap | None:
-        """The next moves of ranges between groups, or None while there is none to plan.
+        """The next move of slots between groups, or None while there is none to plan.
 
-        Scale-in: each range of a retiring group moves to the complete
+        Scale-in: each range of a retiring group moves whole to the complete
         group holding the fewest slots. Scale-out: an empty complete group
-        takes the upper half of the largest range (split off as a new range,
-        which then moves). One move is planned at a time.
+        takes the upper half of the largest range (a new range). One move at
+        a time.
         """
-        if any(r.moving_to is not None for r in self.ranges) or not self.sealed:
+        if self.move is not None or not self.sealed:
             return None
         takers = [g for g in self.groups if not g.retiring and self.complete(g)]
         for g in self.groups:
@@ -314,7 +330,7 @@ class ClusterMap:
                 return None
             new = self.copy()
             target = min(others, key=lambda t: (self.slots_of(t.id), t.id))
-            new.range(ranges[0].id).moving_to = target.id  # type: ignore[union-attr]
+            new.move = Move(ranges[0].id, ranges[0].slot_begin, target.id, ranges[0].id)
             return new
         empty = [g for g in takers if not self.ranges_of(g.id)]
         largest = max(self.ranges, key=lambda r: (r.size, -r.slot_begin), default=None)
@@ -322,19 +338,22 @@ class ClusterMap:
             return None
         new = self.copy()
         middle = (largest.slot_begin + largest.slot_end) // 2
-        new.range(largest.id).slot_end = middle  # type: ignore[union-attr]
-        new.ranges.append(
-            Range(new.next_range, middle, largest.slot_end, largest.group, moving_to=empty[0].id)
-        )
+        new.move = Move(largest.id, middle, empty[0].id, new.next_range)
         new.next_range += 1
         return new
 
-    def moved(self, range_id: int) -> ClusterMap:
-        """Range `range_id` now lives on the group it was moving to."""
+    def moved(self) -> ClusterMap:
+        """The move under way is done: its slots live on its target group."""
         new = self.copy()
-        r = new.range(range_id)
-        assert r is not None and r.moving_to is not None
-        r.group, r.moving_to = r.moving_to, None
+        move = new.move
+        r = new.range(move.range) if move else None
+        assert move is not None and r is not None
+        if move.slot == r.slot_begin:
+            r.group = move.to
+        else:
+            new.ranges.append(Range(move.new_range, move.slot, r.slot_end, move.to))
+            r.slot_end = move.slot
+        new.move = None
         return new
 
     def dissolve(self, group_id: int) -> ClusterMap:

@@ -17,6 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2
 from elastic_emb.table import Table, TableState
 
@@ -418,3 +419,42 @@ def restore_request(
     return ps_pb2.RestoreRequest(
         directories=[directory], tables=list(tables), slot_begin=slots[0], slot_end=slots[1]
     )
+
+
+# A change of a range, cut to a part of its slots (the part moving to another group).
+
+
+def restricted(method: str, request: Any, slots: tuple[int, int], table: Any) -> Any:
+    """A copy of a change request holding only the keys whose slot is in `slots`.
+
+    Gradients travel as the float32 values the request decodes to (exact);
+    `table(name)` gives a table's `dim` and `num_slots`. Requests without
+    keys (CreateTables, Join, Leave) are copied; a Restore reads `slots`.
+    """
+
+    def inside(keys: np.ndarray) -> np.ndarray:
+        slot = sharding.slot_of(keys)
+        return (slot >= slots[0]) & (slot < slots[1])
+
+    if method == "Push":
+        parts = [
+            (name, keys[mask], grads[mask])
+            for name, keys, grads in pushed_gradients(request, lambda n: table(n).dim)
+            for mask in [inside(keys)]
+        ]
+        return push_request(request.worker, request.step, ps_pb2.FLOAT32, parts)
+    if method == "ImportRows":
+        t = table(request.table)
+        if request.replace:
+            state = read_state(request, t.dim, t.num_slots)
+            message = ps_pb2.ImportRowsRequest(table=request.table, replace=True)
+            return write_state(message, state.select(inside(state.keys)))
+        keys, values = imported_rows(request, t.dim)
+        return import_rows_request(request.table, keys[inside(keys)], values[inside(keys)])
+    if method == "EraseRows":
+        keys = decode_keys(request.keys)
+        return keys_request(ps_pb2.EraseRowsRequest, request.table, keys[inside(keys)])
+    copy = type(request).FromString(request.SerializeToString())
+    if method == "Restore":
+        copy.slot_begin, copy.slot_end = slots
+    return copy

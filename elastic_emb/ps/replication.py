@@ -54,7 +54,7 @@ from elastic_emb.local import LocalTable
 from elastic_emb.ps import membership, protocol
 from elastic_emb.ps.client import GRPC_OPTIONS
 from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, LeaseLost
-from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group, Range
+from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group, Move
 from elastic_emb.ps.shard import Ranges, RequestError, Shard
 from elastic_emb.table import TableConfig, TableState
 
@@ -65,7 +65,7 @@ log = logging.getLogger("elastic_emb.server")
 # The requests that change a shard's state: every replica applies them, in order.
 REPLICATED_METHODS = (
     "CreateTables", "Join", "Leave", "Push", "ImportRows", "EraseRows", "Restore",
-    "SplitRange", "DropRange", "MoveIn",
+    "ShrinkRange", "DropRange", "MoveIn",
 )  # fmt: skip
 # The changes a worker sends (the others: servers moving ranges).
 WORKER_CHANGES = REPLICATED_METHODS[:7]
@@ -74,6 +74,8 @@ PING_FAILURES = 3  # ...and takes over after this many failures in a row
 FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
 GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
 SNAPSHOT_ROWS = 1 << 18  # rows per snapshot message
+# Rows per MoveIn part: the target applies each as one change, which its ranges wait for.
+MOVE_ROWS = 1 << 16
 MOVE_RETRY_SECONDS = 1.0  # a move that failed is tried again after this long
 
 _CHANNEL_OPTIONS = [
@@ -138,7 +140,7 @@ class Replica:
         self._copying: dict[str, list[ps_pb2.ReplicateRequest]] = {}
         # Ranges being moved away -> their changes made since their snapshot.
         self._moving: dict[int, list[ps_pb2.ReplicateRequest]] = {}
-        # Ranges moving in -> (source epoch, last MoveIn index, snapshot parts until installed).
+        # Ranges moving in -> their source epoch, last MoveIn, and snapshot state.
         self._incoming: dict[int, _Incoming] = {}
         self._rebalance_due = False
         self._stopped = False
@@ -510,33 +512,45 @@ class Replica:
     def replicate(self, method: str, request: Any, apply: Callable[[], Any]) -> Any:
         """The primary's path of a change: apply, send to every backup, wait for them."""
         with self._order:
-            self.check_primary(request.range if method in WORKER_CHANGES else None)
-            result = apply()
-            with self._cond:
-                group = self._map.group_of(self.address)
-                assert group is not None and self._applied is not None
-                self._applied += 1
-                self._applied_epoch = group.epoch
-                forward = ps_pb2.ReplicateRequest(
-                    group=group.id,
-                    epoch=group.epoch,
-                    sequence=self._applied,
-                    method=method,
-                    request=request.SerializeToString(),
-                    primary=self.address,
-                )
-                backups = list(group.members)
-                for buffered in self._copying.values():
-                    buffered.append(forward)
-                if method in WORKER_CHANGES and request.range in self._moving:
-                    self._moving[request.range].append(forward)
-            sent = {b: self._pool.submit(self._forward, b, forward) for b in backups}
-        for backup, future in sent.items():
+            result, sent = self._replicate_in_order(method, request, apply)
+        self._wait_for_backups(sent)
+        return result
+
+    def _replicate_in_order(
+        self, method: str, request: Any, apply: Callable[[], Any]
+    ) -> tuple[Any, tuple[int, dict[str, Any]]]:
+        """Applies a change and sends it to the backups (caller holds `_order`); the result,
+        and what `_wait_for_backups` waits for."""
+        self.check_primary(request.range if method in WORKER_CHANGES else None)
+        result = apply()
+        with self._cond:
+            group = self._map.group_of(self.address)
+            assert group is not None and self._applied is not None
+            self._applied += 1
+            self._applied_epoch = group.epoch
+            forward = ps_pb2.ReplicateRequest(
+                group=group.id,
+                epoch=group.epoch,
+                sequence=self._applied,
+                method=method,
+                request=request.SerializeToString(),
+                primary=self.address,
+            )
+            backups = list(group.members)
+            for buffered in self._copying.values():
+                buffered.append(forward)
+            if method in WORKER_CHANGES and request.range in self._moving:
+                self._moving[request.range].append(forward)
+        sent = {b: self._pool.submit(self._forward, b, forward) for b in backups}
+        return result, (forward.sequence, sent)
+
+    def _wait_for_backups(self, sent: tuple[int, dict[str, Any]]) -> None:
+        sequence, futures = sent
+        for backup, future in futures.items():
             try:
                 future.result()
             except Exception as e:
-                self._drop(backup, f"it did not apply change {forward.sequence}: {e}")
-        return result
+                self._drop(backup, f"it did not apply change {sequence}: {e}")
 
     def _replicate_own(self, method: str, request: Any) -> Any:
         """A change this primary makes itself (not a worker's), replicated like any."""
@@ -710,10 +724,10 @@ class Replica:
         (before any table or worker); forgets moves in that finished or were given up.
         Caller holds `_cond`."""
         for rid in list(self._incoming):
-            r = new.range(rid)
+            r, move = new.range(rid), new.move
             if group is not None and r is not None and r.group == group.id:
                 del self._incoming[rid]  # moved in
-            elif group is None or r is None or r.moving_to != group.id:
+            elif group is None or move is None or (move.new_range, move.to) != (rid, group.id):
                 del self._incoming[rid]  # given up
                 self.ranges.pop(rid)
         wanted = {r.id: r.slots for r in new.ranges_of(group.id)} if group else {}
@@ -748,19 +762,17 @@ class Replica:
         group = m.group_of(self.address)
         if not m.sealed or group is None or group.primary != self.address or applied is None:
             return
-        self._reconcile(m, group)
+        self._drop_moved(m, group)
         if m.plan() is not None:
             m = self._change_map(lambda current: current.plan(), as_primary=False)
             group = m.group_of(self.address)
             if group is None or group.primary != self.address:
                 return
-            self._reconcile(m, group)  # a split it planned
-        ranges = m.ranges_of(group.id)
-        for r in ranges:
-            if r.moving_to is not None:
-                self._move(r, m)
-                return
-        if group.retiring and not ranges:
+        source = m.range(m.move.range) if m.move else None
+        if m.move is not None and source is not None and source.group == group.id:
+            self._move(m.move, m)
+            return
+        if group.retiring and not m.ranges_of(group.id):
             gid = group.id
 
             def dissolve(current: ClusterMap) -> ClusterMap | None:
@@ -772,55 +784,44 @@ class Replica:
             self._change_map(dissolve, as_primary=True)
             log.warning("group %d gave away every range and dissolved", gid)
 
-    def _reconcile(self, m: ClusterMap, group: Group) -> None:
-        """Applies the map's splits of this group's ranges, and drops the ranges it moved away."""
+    def _drop_moved(self, m: ClusterMap, group: Group) -> None:
+        """Drops the ranges this group holds that the map gives to another group (a move
+        whose source primary died before its DropRange)."""
         with self._cond:
             incoming = set(self._incoming)
-        held = {rid: shard for rid, shard in self.ranges.items() if rid not in incoming}
-        for r in m.ranges_of(group.id):
-            if r.id in held:
-                continue
-            parent = next(
-                (
-                    rid
-                    for rid, shard in held.items()
-                    if shard.slots and shard.slots[0] < r.slot_begin < shard.slots[1] == r.slot_end
-                ),
-                None,
-            )
-            if parent is None:
-                log.error("slot range %d %s is in no range of this group", r.id, r.slots)
-                continue
-            split = ps_pb2.SplitRangeRequest(range=parent, new_range=r.id, slot=r.slot_begin)
-            self._replicate_own("SplitRange", split)
-            log.info("split slot range %d at slot %d: range %d", parent, r.slot_begin, r.id)
-        for rid in held:
+        for rid, _ in self.ranges.items():
             now = m.range(rid)
-            if now is None or now.group != group.id:
-                drop = ps_pb2.DropRangeRequest(range=rid)
-                self._replicate_own("DropRange", drop)
+            if rid not in incoming and (now is None or now.group != group.id):
+                self._replicate_own("DropRange", ps_pb2.DropRangeRequest(range=rid))
 
-    def _move(self, r: Range, m: ClusterMap) -> None:
-        """Moves range `r` to its `moving_to` group: snapshot, changes since, cutover."""
-        assert r.moving_to is not None
-        target, group = m.find_group(r.moving_to), m.group(r.group)
+    def _move(self, move: Move, m: ClusterMap) -> None:
+        """Moves range `move.range`'s slots [move.slot, end) to group `move.to`: a snapshot,
+        the range's changes since, and the cutover between two changes."""
+        source, target = m.range(move.range), m.find_group(move.to)
+        assert source is not None
+        group = m.group(source.group)
         if target is None or not target.primary:
-            log.warning("slot range %d cannot move to group %s: it has no primary",
-                        r.id, r.moving_to)  # fmt: skip
+            log.warning(
+                "slot range %d cannot move to group %d: it has no primary", move.range, move.to
+            )
             time.sleep(MOVE_RETRY_SECONDS)
             return
+        slots = (move.slot, source.slot_end)
+        whole = move.slot == source.slot_begin
         started = time.monotonic()
         with self._order:
-            self.check_primary(r.id)
-            snapshot = _Snapshot.take(r.id, self.ranges.get(r.id))
+            self.check_primary(source.id)
+            snapshot = _Snapshot.take(move.new_range, self.ranges.get(source.id), slots)
             with self._cond:
-                self._moving[r.id] = []
+                self._moving[source.id] = []
+        held = [time.monotonic() - started]  # how long the group's changes waited
         stub = ps_pb2_grpc.ParameterServerStub(self._channel(target.primary))
         index = itertools.count()
 
         def send(**what: Any) -> None:
             request = ps_pb2.MoveInRequest(
-                range=r.id,
+                range=move.new_range,
+                source_range=source.id,
                 source_group=group.id,
                 source_epoch=group.epoch,
                 index=next(index),
@@ -828,54 +829,67 @@ class Replica:
             )
             stub.MoveIn(request, timeout=FORWARD_TIMEOUT)
 
-        log.info("moving slot range %d %s (%d rows) to group %d at %s",
-                 r.id, r.slots, snapshot.rows, target.id, target.primary)  # fmt: skip
+        log.info("moving slots %s of range %d (%d rows) to group %d at %s",
+                 slots, source.id, snapshot.rows, target.id, target.primary)  # fmt: skip
         try:
-            for chunk in snapshot.chunks(dict(group=group.id, epoch=group.epoch)):
+            for chunk in snapshot.chunks(dict(group=group.id, epoch=group.epoch), MOVE_ROWS):
                 send(chunk=chunk)
             time.sleep(self._move_pause)
             while True:  # the range's changes made meanwhile, until few are left
                 with self._cond:
-                    changes, self._moving[r.id] = self._moving[r.id], []
+                    changes, self._moving[source.id] = self._moving[source.id], []
                 for change in changes:
                     send(change=change)
                 if len(changes) < 16:
                     break
             with self._order:  # the last ones, and the cutover, between two changes
+                cutover_began = time.monotonic()
                 with self._cond:
-                    changes = self._moving.pop(r.id)
+                    changes = self._moving.pop(source.id)
                 for change in changes:
                     send(change=change)
 
                 def cutover(current: ClusterMap) -> ClusterMap | None:
-                    now, to = current.range(r.id), current.find_group(target.id)
-                    if now is None or now.group != group.id or now.moving_to != target.id:
+                    to = current.find_group(target.id)
+                    if current.move != move or current.range(source.id) != source:
                         return None
                     if to is None or to.primary != target.primary or to.epoch != target.epoch:
                         return None
-                    return current.moved(r.id)
+                    return current.moved()
 
-                moved = self._change_map(cutover, as_primary=True).range(r.id)
-                if moved is None or moved.group != target.id:
+                if self._change_map(cutover, as_primary=True).move == move:
                     raise aborted(f"group {target.id} changed its primary during the move")
-            drop = ps_pb2.DropRangeRequest(range=r.id)
-            self._replicate_own("DropRange", drop)
+                shrunk = None
+                if not whole:  # before any later change: the keys of `slots` are gone
+                    shrink = ps_pb2.ShrinkRangeRequest(range=source.id, slot=move.slot)
+                    _, shrunk = self._replicate_in_order(
+                        "ShrinkRange", shrink, lambda: self._apply("ShrinkRange", shrink)
+                    )
+                held.append(time.monotonic() - cutover_began)
+            if shrunk is not None:
+                self._wait_for_backups(shrunk)
+            else:
+                self._replicate_own("DropRange", ps_pb2.DropRangeRequest(range=source.id))
             seconds = time.monotonic() - started
-            log.warning("moved slot range %d %s (%d rows) to group %d in %.2f s",
-                        r.id, r.slots, snapshot.rows, target.id, seconds)  # fmt: skip
+            log.warning("moved slots %s of range %d (%d rows) to group %d in %.2f s (changes "
+                        "waited %.3f s for the snapshot, %.3f s for the cutover)",
+                        slots, source.id, snapshot.rows, target.id, seconds, *held)  # fmt: skip
         except Exception as e:
             with self._cond:
-                self._moving.pop(r.id, None)
+                self._moving.pop(source.id, None)
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
-            log.warning("moving slot range %d to group %d failed (%s); trying again",
-                        r.id, target.id, why)  # fmt: skip
+            log.warning("moving slots %s of range %d to group %d failed (%s); trying again",
+                        slots, source.id, target.id, why)  # fmt: skip
             time.sleep(MOVE_RETRY_SECONDS)
 
     def move_in(self, request: ps_pb2.MoveInRequest) -> int:
         """Applies one MoveIn (on every replica of the target group); the range's rows.
 
-        Raises `aborted`, changing nothing, for a message out of order or
-        from a deposed source primary.
+        The snapshot's parts build the incoming range a part at a time (each
+        part one change, so the group's other ranges wait for little), its
+        last part installs the step state, and the changes follow. Raises
+        `aborted`, changing nothing, for a message out of order or from a
+        deposed source primary.
         """
         rid = request.range
         with self._cond:
@@ -886,30 +900,40 @@ class Replica:
                 if incoming is None and self.ranges.find(rid) is not None:
                     raise aborted(f"slot range {rid} is already on {self.address}'s group")
                 incoming = self._incoming[rid] = _Incoming(request.source_epoch)
-                self.ranges.pop(rid)
+                self.ranges.put(rid, Shard((request.chunk.slot_begin, request.chunk.slot_end)))
             elif (
                 incoming is None
                 or request.source_epoch != incoming.epoch
                 or request.index != incoming.index + 1
             ):
                 raise aborted(f"MoveIn {request.index} of slot range {rid} is out of order")
+        shard = self.ranges.get(rid)
         if request.HasField("chunk"):
-            incoming.chunks.append(request.chunk)
-            if request.chunk.steps_json:
-                self.ranges.put(rid, _Snapshot.read(incoming.chunks)[rid])
-                incoming.chunks = []
+            chunk = request.chunk
+            if chunk.table_config_json:
+                (table,) = shard.create([json.loads(chunk.table_config_json)])
+                table.add_state(protocol.read_state(chunk.rows, table.dim, table.num_slots))
+            if chunk.steps_json:
+                pending = [
+                    (p.worker, p.step, protocol.pushed_gradients(p, lambda n: shard.table(n).dim))
+                    for p in chunk.pending
+                ]
+                shard.install(shard.tables(), json.loads(chunk.steps_json), pending)
+                incoming.installed = True
         elif request.HasField("change"):
             change = request.change
-            if change.method not in WORKER_CHANGES or self.ranges.find(rid) is None:
+            if change.method not in WORKER_CHANGES or not incoming.installed:
                 raise aborted(f"MoveIn {request.index}: {change.method} before the snapshot")
             message = getattr(ps_pb2, f"{change.method}Request")()
             message.ParseFromString(change.request)
-            if message.range != rid:
+            if message.range != request.source_range:
                 raise RequestError("INVALID_ARGUMENT", f"a change of range {message.range}")
-            self._apply(change.method, message)
+            assert shard.slots is not None
+            part = protocol.restricted(change.method, message, shard.slots, shard.table)
+            part.range = rid
+            self._apply(change.method, part)
         incoming.index = request.index
-        shard = self.ranges.find(rid)
-        return sum(len(t) for t in shard.tables()) if shard is not None else 0
+        return sum(len(t) for t in shard.tables())
 
     def _send_all(self, address: str, changes: list[ps_pb2.ReplicateRequest]) -> None:
         """Sends changes concurrently (the receiver applies them in order)."""
@@ -919,11 +943,12 @@ class Replica:
 
 @dataclasses.dataclass
 class _Incoming:
-    """A range moving into this group: its source's epoch, the last MoveIn, the snapshot."""
+    """A range moving into this group: its source's epoch, the last MoveIn, and whether
+    its step state is installed (the snapshot's last part)."""
 
     epoch: int
     index: int = 0
-    chunks: list[ps_pb2.SnapshotChunk] = dataclasses.field(default_factory=list)
+    installed: bool = False
 
 
 @dataclasses.dataclass
@@ -937,22 +962,27 @@ class _Snapshot:
     pending: list[tuple[int, int, list[Any]]]
 
     @classmethod
-    def take(cls, range_id: int, shard: Shard) -> _Snapshot:
-        """(The caller makes sure no change is being applied: the order lock.)"""
-        tables = [(t.config(), t.export_state()) for t in shard.tables()]
-        steps, pending = shard.export_steps()
-        return cls(range_id, shard.slots or (0, sharding.NUM_SLOTS), tables, steps, pending)
+    def take(cls, range_id: int, shard: Shard, slots: tuple[int, int] | None = None) -> _Snapshot:
+        """The shard's state (of `slots` only, as range `range_id`).
+
+        (The caller makes sure no change is being applied: the order lock.)
+        """
+        slots = slots or shard.slots or (0, sharding.NUM_SLOTS)
+        tables, steps, pending = shard.export_range(slots)
+        return cls(range_id, slots, tables, steps, pending)
 
     @property
     def rows(self) -> int:
         return sum(len(state.keys) for _, state in self.tables)
 
-    def chunks(self, header: dict[str, Any]) -> Iterator[ps_pb2.SnapshotChunk]:
-        """The tables' rows in parts, then the step state (the range's last chunk)."""
+    def chunks(
+        self, header: dict[str, Any], per_part: int = SNAPSHOT_ROWS
+    ) -> Iterator[ps_pb2.SnapshotChunk]:
+        """The tables' rows in parts of `per_part` rows, then the step state (the range's last chunk)."""
         where = dict(header, range=self.range_id, slot_begin=self.slots[0], slot_end=self.slots[1])
         for config, state in self.tables:
-            for begin in range(0, max(len(state.keys), 1), SNAPSHOT_ROWS):
-                part = state.select(np.arange(begin, min(begin + SNAPSHOT_ROWS, len(state.keys))))
+            for begin in range(0, max(len(state.keys), 1), per_part):
+                part = state.select(np.arange(begin, min(begin + per_part, len(state.keys))))
                 rows = protocol.write_state(ps_pb2.ExportRowsResponse(), part)
                 yield ps_pb2.SnapshotChunk(**where, table_config_json=json.dumps(config), rows=rows)
         yield ps_pb2.SnapshotChunk(

@@ -315,17 +315,14 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     def _MoveIn(self, request: ps_pb2.MoveInRequest) -> ps_pb2.MoveInResponse:
         return ps_pb2.MoveInResponse(rows=self._replica().move_in(request))
 
-    def _SplitRange(self, request: ps_pb2.SplitRangeRequest) -> ps_pb2.TablesResponse:
-        """The slots [slot, end) of a range become range `new_range` (idempotent)."""
-        if self.ranges.find(request.new_range) is not None:
-            return ps_pb2.TablesResponse()
+    def _ShrinkRange(self, request: ps_pb2.ShrinkRangeRequest) -> ps_pb2.TablesResponse:
+        """The slots [slot, end) of a range moved to another group."""
         shard = self.ranges.get(request.range)
-        assert shard.slots is not None
-        begin, end = shard.slots
-        if not begin < request.slot < end:
-            raise invalid(f"cannot split range {request.range} [{begin}, {end}) at {request.slot}")
-        self.ranges.put(request.new_range, shard.split((request.slot, end)))
-        shard.keep_only((begin, request.slot))
+        if shard.slots is None or not shard.slots[0] < request.slot < shard.slots[1]:
+            raise invalid(
+                f"cannot shrink range {request.range} {shard.slots} to end at {request.slot}"
+            )
+        shard.shrink(request.slot)
         return ps_pb2.TablesResponse()
 
     def _DropRange(self, request: ps_pb2.DropRangeRequest) -> ps_pb2.TablesResponse:

@@ -439,54 +439,40 @@ class Shard:
             s.applying = set()
             s.cond.notify_all()
 
-    def split(self, slots: tuple[int, int]) -> Shard:
-        """A new shard holding this one's rows and pending sync pushes of `slots` [begin, end).
+    def export_range(
+        self, slots: tuple[int, int]
+    ) -> tuple[list[tuple[dict[str, Any], TableState]], dict[str, Any], list[Any]]:
+        """The state of this shard's slots [begin, end): each table's config and rows, the
+        step state, and the pending sync pushes' parts within those slots.
 
-        The new shard gets a copy of the step state (who pushed which step,
-        steps applied, live workers), so a worker's step is applied once
-        across the two: a step this shard saw, the new one saw too. The
+        With the step state copied, a shard built from it applies a worker's
+        step once, like this one: a step this shard saw, it saw too. The
         caller makes sure no change is being applied (the replication order
-        lock) and then removes those slots from this shard (`keep_only`).
+        lock).
         """
-        begin, end = slots
-
-        def mine(keys: np.ndarray) -> np.ndarray:
-            slot = sharding.slot_of(keys)
-            return (slot >= begin) & (slot < end)
-
-        tables = []
-        for table in self.tables():
-            part = LocalTable(TableConfig.from_dict(table.config()))
-            state = table.export_state()
-            part.load_state(state.select(mine(state.keys)))
-            tables.append(part)
+        tables = [(t.config(), t.export_slots(slots)) for t in self.tables()]
         steps, pending = self.export_steps()
+        inside = _slot_filter(slots)
         pending = [
-            (worker, step, [(n, k[mine(k)], g[mine(k)]) for n, k, g in parts])
-            for worker, step, parts in pending
+            (w, step, [(n, k[inside(k)], g[inside(k)]) for n, k, g in parts])
+            for w, step, parts in pending
         ]
-        new = Shard(slots)
-        new.install(tables, steps, pending)
-        return new
+        return tables, steps, pending
 
-    def keep_only(self, slots: tuple[int, int]) -> None:
-        """Drops the rows and pending sync pushes outside `slots` [begin, end)."""
-        begin, end = slots
+    def shrink(self, at: int) -> None:
+        """Slots [at, end) moved away: their rows and pending sync pushes go, and this
+        shard takes keys of [begin, at) only."""
+        assert self.slots is not None and self.slots[0] < at < self.slots[1]
+        begin, end = self.slots
+        kept = _slot_filter((begin, at))
         s = self._steps
         with s.cond:
-            self.slots = slots
+            self.slots = (begin, at)
             for table in self.tables():
-                keys = table.export_state().keys
-                slot = sharding.slot_of(keys)
-                table.erase(keys[(slot < begin) | (slot >= end)])
+                table.erase_slots((at, end))
             for workers in s.pending.values():
                 for worker, parts in workers.items():
-                    kept = []
-                    for name, keys, grads in parts:
-                        slot = sharding.slot_of(keys)
-                        inside = (slot >= begin) & (slot < end)
-                        kept.append((name, keys[inside], grads[inside]))
-                    workers[worker] = kept
+                    workers[worker] = [(n, k[kept(k)], g[kept(k)]) for n, k, g in parts]
 
     def check_slots(self, slots: tuple[int, int]) -> None:
         """Refuses (OUT_OF_RANGE) a request made for other slots than this range's now."""
@@ -621,6 +607,16 @@ class Shard:
             table.load_state(state)
             restored.append(table)
         return restored
+
+
+def _slot_filter(slots: tuple[int, int]) -> Any:
+    """keys -> the mask of those whose slot is in [begin, end)."""
+
+    def inside(keys: np.ndarray) -> np.ndarray:
+        slot = sharding.slot_of(keys)
+        return (slot >= slots[0]) & (slot < slots[1])
+
+    return inside
 
 
 class Ranges:
