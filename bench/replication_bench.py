@@ -156,16 +156,22 @@ def failover(kills: int) -> None:
     print("\nAll (ms): " + ", ".join(f"{t:.0f}" for t in ms))
 
 
+def fill(table: ee.Table, rows: int) -> np.ndarray:
+    """Rows 0..rows-1, each pushed once; their keys."""
+    keys = np.arange(rows, dtype=np.int64)
+    for begin in range(0, rows, 1 << 18):
+        part = keys[begin : begin + (1 << 18)]
+        table.push(part, np.full((len(part), DIM), 0.01, np.float32))
+    return keys
+
+
 def copy(rows: int) -> None:
     print(f"\n## Copy to a new backup: a group holding {rows:,} rows (dim {DIM}, Adagrad)\n")
     with LocalCluster(1, 1) as cluster:
         ee.init(coordinator=cluster.coordinator, mode="sync")
         try:
             table = ee.Table(DIM, optimizer=ee.optimizers.Adagrad(0.05), name="c")
-            keys = np.arange(rows, dtype=np.int64)
-            for begin in range(0, rows, 1 << 18):
-                part = keys[begin : begin + (1 << 18)]
-                table.push(part, np.full((len(part), DIM), 0.01, np.float32))
+            fill(table, rows)
             cluster.replicas = 2
             start = time.monotonic()
             address = cluster.start_server()
@@ -195,10 +201,7 @@ def move(rows: int, directory: str | None = None) -> None:
         ee.init(coordinator=cluster.coordinator, mode="sync")
         try:
             table = ee.Table(DIM, optimizer=ee.optimizers.Adagrad(0.05), name="m")
-            keys = np.arange(rows, dtype=np.int64)
-            for begin in range(0, rows, 1 << 18):
-                part = keys[begin : begin + (1 << 18)]
-                table.push(part, np.full((len(part), DIM), 0.01, np.float32))
+            keys = fill(table, rows)
             slots = sharding.slot_of(keys)
             steps: list[tuple[float, float]] = []  # (end, seconds) of each step
             stop = threading.Event()

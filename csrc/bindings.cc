@@ -124,6 +124,17 @@ void PushFromHost(elastic_emb::DeviceTable& t, int64_t n, const int64_t* k, cons
 #endif
 
 // The methods Table and DeviceTable share, with the same Python signatures.
+// (keys, values, slots, last_step, update_count) as NumPy arrays; takes the rows' buffers.
+template <typename T>
+py::tuple RowsTuple(const T& t, elastic_emb::ExportedRows& rows) {
+  const auto m = static_cast<py::ssize_t>(rows.keys.size());
+  const py::ssize_t dim = t.dim(), slot_width = t.num_slots() * t.dim();
+  return py::make_tuple(
+      ToNumpy(std::move(rows.keys), {m}), ToNumpy(std::move(rows.values), {m, dim}),
+      ToNumpy(std::move(rows.slots), {m, slot_width}), ToNumpy(std::move(rows.last_step), {m}),
+      ToNumpy(std::move(rows.update_count), {m}));
+}
+
 template <typename T>
 void BindTableMethods(py::class_<T>& cls) {
   cls.def_property_readonly("dim", &T::dim)
@@ -190,13 +201,7 @@ void BindTableMethods(py::class_<T>& cls) {
                py::gil_scoped_release release;
                rows = t.Export();
              }
-             const auto m = static_cast<py::ssize_t>(rows.keys.size());
-             const py::ssize_t dim = t.dim(), slot_width = t.num_slots() * t.dim();
-             return py::make_tuple(ToNumpy(std::move(rows.keys), {m}),
-                                   ToNumpy(std::move(rows.values), {m, dim}),
-                                   ToNumpy(std::move(rows.slots), {m, slot_width}),
-                                   ToNumpy(std::move(rows.last_step), {m}),
-                                   ToNumpy(std::move(rows.update_count), {m}));
+             return RowsTuple(t, rows);
            })
       .def(
           "erase",
@@ -237,15 +242,10 @@ void BindChangeTracking(py::class_<elastic_emb::Table>& cls) {
           py::gil_scoped_release release;
           changes = t.ExportChanges(all);
         }
-        elastic_emb::ExportedRows& rows = changes.rows;
-        const auto m = static_cast<py::ssize_t>(rows.keys.size());
         const auto e = static_cast<py::ssize_t>(changes.erased.size());
-        const py::ssize_t dim = t.dim(), slot_width = t.num_slots() * t.dim();
-        return py::make_tuple(
-            ToNumpy(std::move(rows.keys), {m}), ToNumpy(std::move(rows.values), {m, dim}),
-            ToNumpy(std::move(rows.slots), {m, slot_width}),
-            ToNumpy(std::move(rows.last_step), {m}), ToNumpy(std::move(rows.update_count), {m}),
-            ToNumpy(std::move(changes.erased), {e}), changes.change_set);
+        return py::tuple(
+            RowsTuple(t, changes.rows) +
+            py::make_tuple(ToNumpy(std::move(changes.erased), {e}), changes.change_set));
       },
       py::arg("all"),
       "Closes the change set: (keys, values, slots, last_step, update_count) of the rows "
@@ -263,13 +263,7 @@ void BindSlotRanges(py::class_<elastic_emb::Table>& cls) {
              py::gil_scoped_release release;
              rows = t.ExportSlots(num_slots, begin, end);
            }
-           const auto m = static_cast<py::ssize_t>(rows.keys.size());
-           const py::ssize_t dim = t.dim(), slot_width = t.num_slots() * t.dim();
-           return py::make_tuple(ToNumpy(std::move(rows.keys), {m}),
-                                 ToNumpy(std::move(rows.values), {m, dim}),
-                                 ToNumpy(std::move(rows.slots), {m, slot_width}),
-                                 ToNumpy(std::move(rows.last_step), {m}),
-                                 ToNumpy(std::move(rows.update_count), {m}));
+           return RowsTuple(t, rows);
          },
          py::arg("num_slots"), py::arg("begin"), py::arg("end"),
          "export_rows, of the keys whose virtual slot is in [begin, end).")

@@ -13,6 +13,7 @@ from _states import assert_same_state, sorted_state
 import elastic_emb as ee
 from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2
+from elastic_emb.local import LocalTable
 from elastic_emb.ps import protocol
 from elastic_emb.ps.replication import _Snapshot
 from elastic_emb.ps.shard import SYNC, Shard
@@ -108,3 +109,19 @@ def test_a_range_snapshot_in_parts_reads_back_exactly():
     assert read[1].export_steps()[0] == shard.export_steps()[0]
     ((worker, step, parts),) = read[1].export_steps()[1]
     assert (worker, step) == (0, 1) and np.array_equal(parts[0][1], keys[inside])
+
+
+def test_the_core_exports_and_erases_a_slot_range_as_slot_of_says():
+    """C++ `export_slots` / `erase_slots` against NumPy `sharding.slot_of` (negative keys too)."""
+    table = LocalTable(TableConfig.make(dim=4, optimizer=ee.optimizers.Adagrad(0.1), name="s"))
+    keys = np.arange(-3000, 3000, dtype=np.int64) * 7919
+    table.push(keys, np.ones((len(keys), 4), np.float32))
+    full = table.export_state()
+    slots = sharding.slot_of(full.keys)
+    inside = (slots >= 1000) & (slots < 3000)
+    assert 0 < inside.sum() < len(keys)
+    assert_same_state(
+        sorted_state(table.export_slots((1000, 3000))), sorted_state(full.select(inside))
+    )
+    assert table.erase_slots((1000, 3000)) == inside.sum()
+    assert_same_state(sorted_state(table.export_state()), sorted_state(full.select(~inside)))

@@ -978,7 +978,7 @@ class _Snapshot:
     def chunks(
         self, header: dict[str, Any], per_part: int = SNAPSHOT_ROWS
     ) -> Iterator[ps_pb2.SnapshotChunk]:
-        """The tables' rows in parts of `per_part` rows, then the step state (the range's last chunk)."""
+        """The tables' rows in parts of `per_part` rows, then the step state (the last part)."""
         where = dict(header, range=self.range_id, slot_begin=self.slots[0], slot_end=self.slots[1])
         for config, state in self.tables:
             for begin in range(0, max(len(state.keys), 1), per_part):
