@@ -1,45 +1,103 @@
-"""The per-step cost of `ee.Embedding` layers over the dense network alone (issue 11's ceiling).
+"""What `ee.Embedding` costs per training step over the dense network alone (issue 11).
 
-Two models in one process, trained with `model.fit` in interleaved rounds:
-`--tables` features of Zipf ids (100,000 per feature) through `ee.Embedding`
-(dim 16, Adagrad), and the same model whose embeddings are a gather from a
-small frozen matrix (no table, no optimizer, no transfer: the ceiling of any
-embedding layer). Both have 13 dense features and the MLP 512-256-1. Prints,
-per round, the ratio of their seconds per step, as wall time and as this
-process's CPU time (steadier on a shared machine), and the medians.
+The model: 26 categorical features (Zipf ids, 100,000 per feature, dim 16)
+and 13 dense ones, concatenated into the MLP 512-256-1, trained with
+`model.fit` (Adagrad). Variants, each in its own process, taking turns
+window by window:
 
-    python bench/step_overhead.py [--tables 26] [--batch 4096] [--rounds 6]
+- `ceiling`: the embeddings are a gather from a small frozen matrix (no
+  table, no optimizer, no transfer): the issue's dense-only ceiling.
+- `gradient ceiling`: the same, times one trainable scalar. The backward
+  pass then computes the gradient of the loss with respect to the embedding
+  outputs (a `(batch, 416) x (416, 512)` matmul the ceiling skips), which
+  every trained embedding needs: the least any trainable embedding costs.
+- `ee in-process`: `ee.Embedding` tables in the training process.
+- `ee 2 PS sync`: the same tables on 2 `elastic-emb serve` shards on
+  127.0.0.1 (`ee.init(ps=..., mode="sync")`), sharing the machine's cores.
+
+Cases: batch 4096 and 512, and 26 tables (one layer per feature) against 1
+table (one layer looks up all 26 features, ids offset per feature). Figures
+are median step times; ratios are medians over rounds of each variant's step
+time over the ceiling's in the same round (wall time), and the same with CPU
+time (all processes of the variant, PS shards included: steadier on a shared
+machine). Prints Markdown tables.
+
+    python bench/step_overhead.py [--rounds 5] [--steps 20] [--cases 4096x26,512x26,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
+import sys
 import time
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras
+import _common as c
 import numpy as np
+from remote_bench import Child, children, cpu_seconds, log, ps_shards
 
-import elastic_emb as ee
+VOCAB, DIM, FROZEN_ROWS, NUM_FEATURES, NUM_DENSE = 100_000, 16, 1000, 26, 13
+VARIANTS = ("ceiling", "gradient ceiling", "ee in-process", "ee 2 PS sync")
+TARGETS = {"ee in-process": 1.15, "ee 2 PS sync": 1.35}  # x the ceiling, from issue 11
 
-VOCAB, DIM, FROZEN_ROWS, STEPS = 100_000, 16, 1000, 20
+
+def parse_case(text: str) -> tuple[int, int]:
+    """ "4096x26" -> (batch 4096, 26 tables)."""
+    batch, tables = text.split("x")
+    if int(tables) not in (1, NUM_FEATURES):
+        raise SystemExit(f"tables must be 1 or {NUM_FEATURES}. Received: {text}")
+    return int(batch), int(tables)
 
 
-def build(kind: str, tables: int) -> keras.Model:
-    ids = [keras.Input((1,), dtype="int64") for _ in range(tables)]
-    dense = keras.Input((13,))
-    features = []
-    for i, x in enumerate(ids):
-        if kind == "ee":
-            layer = ee.Embedding(DIM, ee.optimizers.Adagrad(0.05), name=f"e{i}")
+def make_data(batch: int, steps: int, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    n = batch * steps
+    ids = [np.minimum(rng.zipf(1.2, (n, 1)) - 1, VOCAB - 1) for _ in range(NUM_FEATURES)]
+    dense = rng.normal(size=(n, NUM_DENSE)).astype(np.float32)
+    return [*ids, dense], rng.integers(0, 2, (n, 1)).astype(np.float32)
+
+
+def build(variant: str, tables: int) -> Any:
+    """The compiled model of `variant` with 1 or 26 tables."""
+    import keras
+
+    import elastic_emb as ee
+
+    class Scale(keras.layers.Layer):
+        """x times a trainable scalar (1.0): makes the backward pass reach x."""
+
+        def build(self, shape: Any) -> None:
+            self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+        def call(self, x: Any) -> Any:
+            return x * self.scale
+
+    ids = [keras.Input((1,), dtype="int64") for _ in range(NUM_FEATURES)]
+    dense = keras.Input((NUM_DENSE,))
+
+    def embed(name: str, keys: Any) -> Any:
+        if variant.startswith("ee"):
+            layer = ee.Embedding(DIM, ee.optimizers.Adagrad(0.05), name=name)
         else:
-            layer = keras.layers.Embedding(FROZEN_ROWS, DIM, name=f"e{i}", trainable=False)
-            x = keras.ops.mod(x, FROZEN_ROWS)
-        features.append(keras.layers.Flatten()(layer(x)))
-    h = keras.layers.Concatenate()([*features, dense])
+            layer = keras.layers.Embedding(FROZEN_ROWS, DIM, name=name, trainable=False)
+            keys = keras.ops.mod(keys, FROZEN_ROWS)
+        return keras.layers.Flatten()(layer(keys))
+
+    if tables == 1:  # one lookup of every feature's ids, offset to keep them apart
+        features = [
+            embed("shared", keras.layers.Concatenate()([x + i * VOCAB for i, x in enumerate(ids)]))
+        ]
+    else:
+        features = [embed(f"e{i}", x) for i, x in enumerate(ids)]
+    h = keras.layers.Concatenate()(features)
+    if variant == "gradient ceiling":
+        h = Scale()(h)
+    h = keras.layers.Concatenate()([h, dense])
     for units in (512, 256):
         h = keras.layers.Dense(units, activation="relu")(h)
     model = keras.Model([*ids, dense], keras.layers.Dense(1, activation="sigmoid")(h))
@@ -47,40 +105,128 @@ def build(kind: str, tables: int) -> keras.Model:
     return model
 
 
+def variant_worker(conn: Any, variant: str, ps: list[str] | None, cases: list, steps: int) -> None:
+    """Child: one model per case; each message `(case, steps)` trains one window of it.
+
+    Reply: (wall seconds per step, CPU seconds per step of this process).
+    """
+    import elastic_emb as ee
+
+    if ps:
+        ee.init(ps=ps, mode="sync")
+    data = {case: make_data(case[0], steps) for case in cases}
+    models = {case: build(variant, case[1]) for case in cases}
+    conn.send(("ready", None))
+    while (msg := conn.recv()) is not None:
+        case, n = msg
+        (x, y), model = data[case], models[case]
+        wall, cpu = time.perf_counter(), time.process_time()
+        model.fit(x, y, batch_size=case[0], epochs=1, steps_per_epoch=n, verbose=0)
+        conn.send(("window", ((time.perf_counter() - wall) / n, (time.process_time() - cpu) / n)))
+    if ps:
+        ee.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tables", type=int, default=26)
-    parser.add_argument("--batch", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="batches per window")
+    parser.add_argument("--cases", default="4096x26,4096x1,512x26,512x1", help="BATCHxTABLES,...")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    n = args.batch * STEPS
-    ids = [np.minimum(rng.zipf(1.2, (n, 1)) - 1, VOCAB - 1) for _ in range(args.tables)]
-    x = [*ids, rng.normal(size=(n, 13)).astype(np.float32)]
-    y = rng.integers(0, 2, (n, 1)).astype(np.float32)
-    models = {kind: build(kind, args.tables) for kind in ("ceiling", "ee")}
+    cases = [parse_case(t) for t in args.cases.split(",")]
+    variants = args.variants.split(",")
+    if not set(variants) <= set(VARIANTS):
+        raise SystemExit(f"--variants: choose from {VARIANTS}")
+    ctx = multiprocessing.get_context("spawn")
+    shard_count = 2 if "ee 2 PS sync" in variants else 0
+    with ps_shards(shard_count) as shards:
+        pids = {"ee 2 PS sync": [s.process.pid for s in shards]}
 
-    def step_seconds(model: keras.Model) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.process_time()
-        model.fit(x, y, batch_size=args.batch, epochs=1, verbose=0)
-        return (time.perf_counter() - wall) / STEPS, (time.process_time() - cpu) / STEPS
+        def make() -> dict[str, Child]:
+            ps = [s.address for s in shards]
+            return {
+                v: Child(ctx, v, variant_worker, ps if "PS" in v else None, cases, args.steps)
+                for v in variants
+            }
 
-    for model in models.values():
-        step_seconds(model)  # trace and warm up
-    print(f"{args.tables} tables, batch {args.batch}: ee.Embedding / ceiling, per step\n")
-    print("| round | ceiling ms (wall) | ee ms (wall) | wall ratio | cpu ratio |")
-    print("| --- | --- | --- | --- | --- |")
-    wall_ratios, cpu_ratios = [], []
-    for r in range(args.rounds):
-        (cw, cc), (ew, ec) = step_seconds(models["ceiling"]), step_seconds(models["ee"])
-        wall_ratios.append(ew / cw)
-        cpu_ratios.append(ec / cc)
-        print(f"| {r + 1} | {1e3 * cw:.1f} | {1e3 * ew:.1f} | {ew / cw:.2f} | {ec / cc:.2f} |")
+        with children(make) as workers:
+            for w in workers.values():
+                w.recv()
+            log(f"{len(workers)} variants ready")
+
+            def window(v: str, case: tuple[int, int], steps: int) -> tuple[float, float]:
+                servers = pids.get(v, [])
+                before = sum(cpu_seconds(p) for p in servers)
+                wall, cpu = workers[v].request((case, steps))
+                return wall, cpu + (sum(cpu_seconds(p) for p in servers) - before) / steps
+
+            rows = []
+            for case in cases:
+                for v in variants:
+                    window(v, case, 3)  # trace and warm up
+                times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+                for r in range(args.rounds):
+                    for v in variants if r % 2 == 0 else variants[::-1]:
+                        times[v].append(window(v, case, args.steps))
+                    log(
+                        f"batch {case[0]}, {case[1]} tables, round {r + 1}: "
+                        + ", ".join(f"{v} {1e3 * times[v][-1][0]:.0f} ms" for v in variants)
+                    )
+                rows += case_rows(case, variants, times)
+    print(f"\n`{c.command_line()}`; {args.rounds} rounds of {args.steps} steps per variant\n")
     print(
-        f"\nMedian ratio: wall {statistics.median(wall_ratios):.2f}, "
-        f"CPU {statistics.median(cpu_ratios):.2f} (issue 11's target: <= 1.15)"
+        c.markdown_table(
+            [
+                "batch",
+                "tables",
+                "variant",
+                "ms/step (wall)",
+                "× ceiling (wall)",
+                "× ceiling (CPU)",
+                "× gradient ceiling (wall)",
+                "target",
+                "machine",
+            ],
+            rows,
+        )
     )
 
 
+def case_rows(case: tuple[int, int], variants: list[str], times: dict) -> list[list[str]]:
+    """Table rows of one case: medians of per-round ratios to the two ceilings."""
+
+    def ratio(v: str, base: str, kind: int) -> str:
+        if base not in times:
+            return "-"
+        return c.fmt_ratio(
+            statistics.median(a[kind] / b[kind] for a, b in zip(times[v], times[base], strict=True))
+        )
+
+    rows = []
+    for v in variants:
+        target = TARGETS.get(v)
+        met = ""
+        if target is not None and "ceiling" in times:
+            value = statistics.median(
+                a[0] / b[0] for a, b in zip(times[v], times["ceiling"], strict=True)
+            )
+            met = f"≤ {target}× ({'met' if value <= target else 'missed'})"
+        rows.append(
+            [
+                case[0],
+                case[1],
+                v,
+                f"{1e3 * statistics.median(t[0] for t in times[v]):.1f}",
+                ratio(v, "ceiling", 0),
+                ratio(v, "ceiling", 1),
+                ratio(v, "gradient ceiling", 0),
+                met,
+                c.machine(),
+            ]
+        )
+    return rows
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

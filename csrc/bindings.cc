@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "batch_keys.h"
 #include "check.h"
 #include "table.h"
 #include "thread_pool.h"
@@ -425,6 +426,48 @@ void BindDevice(py::module_& m) {
 }
 #endif
 
+void BindBatchKeys(py::module_& m) {
+  m.def(
+      "unique_keys",
+      [](const py::array& keys_in) {
+        auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
+        const py::ssize_t n = keys.shape(0);
+        py::array_t<int64_t> index(n);
+        std::vector<int64_t> unique;
+        const int64_t* k = keys.data();
+        int64_t* i = index.mutable_data();
+        {
+          py::gil_scoped_release release;
+          elastic_emb::UniqueKeys(n, k, unique, i);
+        }
+        const auto u = static_cast<py::ssize_t>(unique.size());
+        return py::make_tuple(ToNumpy(std::move(unique), {u}), index);
+      },
+      py::arg("keys"),
+      "(distinct keys in order of first occurrence, position of each key among them).");
+  m.def(
+      "sum_by_key",
+      [](const py::array& keys_in, const py::array& grads_in) {
+        auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
+        const py::ssize_t n = keys.shape(0);
+        EE_CHECK(grads_in.ndim() == 2, "`grads` must have 2 dimension(s), got " << grads_in.ndim());
+        auto grads = CheckArray<float>(grads_in, "grads", {n, -1});
+        const auto dim = static_cast<int>(grads.shape(1));
+        std::vector<int64_t> unique;
+        std::vector<float> sums;
+        const int64_t* k = keys.data();
+        const float* g = grads.data();
+        {
+          py::gil_scoped_release release;
+          elastic_emb::SumByKey(n, k, g, dim, unique, sums);
+        }
+        const auto u = static_cast<py::ssize_t>(unique.size());
+        return py::make_tuple(ToNumpy(std::move(unique), {u}), ToNumpy(std::move(sums), {u, dim}));
+      },
+      py::arg("keys"), py::arg("grads"),
+      "(distinct keys, their rows of grads summed in input order from +0.0).");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -445,6 +488,7 @@ PYBIND11_MODULE(_core, m) {
   });
 
   BindOptions(m);
+  BindBatchKeys(m);
   py::class_<elastic_emb::Table> table(m, "Table");
   table.def(py::init<const elastic_emb::TableOptions&>(), py::arg("options"));
   BindTableMethods(table);

@@ -401,16 +401,16 @@ class Embedding(keras.layers.Layer):
     def _lookup(self, flat_ids: tf.Tensor, training: bool | None) -> tf.Tensor:
         """Rows of `flat_ids` (n,) -> (n, dim); their gradient, if computed, is pushed.
 
-        Forward: unique ids, then the table's `StepFusion` in two phases (all
-        layers of a traced step submit before any collects, so a remote
-        table pulls for every layer at once), then a gather. Backward: the
-        gradient summed per unique id goes to `push_gradient`; its output is
-        the gradient of the push trigger, so it runs once per step whatever
-        optimizer `model.compile` uses.
+        One call into the table's `StepFusion` per direction: the rows come
+        back in input order (duplicate ids handled in C++), and the gradient,
+        one row per id, goes to `push_gradient`, whose output is the gradient
+        of the push trigger, so it runs once per step whatever optimizer
+        `model.compile` uses. A remote table is reached in two phases (all
+        layers of a traced step submit before any collects, so it pulls for
+        every layer at once).
         """
         if self._serving_table is not None:  # exporting: stock ops only
             return self._serving_table.lookup(flat_ids)
-        unique_ids, index = tf.unique(flat_ids)
         if not self.trainable:  # frozen: the table neither grows nor trains
             training = False
         fusion, dim = self.table.step_fusion(), self.output_dim
@@ -418,6 +418,9 @@ class Embedding(keras.layers.Layer):
         # The replicas of this process (each worker of a multi-worker strategy
         # pushes on its own).
         num_replicas = _local_replicas()
+
+        def lookup(keys: np.ndarray, _trigger: np.ndarray) -> np.ndarray:
+            return fusion.lookup(keys, insert, expects_push)
 
         def submit(keys: np.ndarray, _trigger: np.ndarray) -> np.ndarray:
             return np.array(fusion.submit(keys, insert, expects_push), np.int64)
@@ -431,32 +434,30 @@ class Embedding(keras.layers.Layer):
 
         def rows_of(ids: tf.Tensor, trigger: tf.Tensor) -> tf.Tensor:
             # The variable read keeps constant ids from being folded at trace time.
-            ticket = tf.numpy_function(submit, [ids, trigger], tf.int64, stateful=False)
-            rows = tf.numpy_function(collect, [ticket], tf.float32, stateful=False)
-            _fuse_pulls(ticket, rows)
-            rows.set_shape([None, dim])
+            if fusion.two_phase:
+                ticket = tf.numpy_function(submit, [ids, trigger], tf.int64, stateful=False)
+                rows = tf.numpy_function(collect, [ticket], tf.float32, stateful=False)
+                _fuse_pulls(ticket, rows)
+            else:
+                rows = tf.numpy_function(lookup, [ids, trigger], tf.float32, stateful=False)
+            rows.set_shape([flat_ids.shape[0], dim])
             return rows
 
         trigger = tf.convert_to_tensor(self._push_trigger)
         if not expects_push:
-            return tf.gather(rows_of(unique_ids, trigger), index)
+            return rows_of(flat_ids, trigger)
 
         @tf.custom_gradient
-        def lookup(unique_ids: tf.Tensor, trigger: tf.Tensor) -> Any:
-            out = tf.gather(rows_of(unique_ids, trigger), index)
-
+        def looked_up(ids: tf.Tensor, trigger: tf.Tensor) -> Any:
             def grad(upstream: tf.Tensor) -> tuple[None, tf.Tensor]:
-                summed = tf.math.unsorted_segment_sum(
-                    upstream, index, tf.shape(unique_ids, out_type=index.dtype)[0]
-                )
                 pushed = tf.numpy_function(
-                    push, [unique_ids, tf.cast(summed, tf.float32)], tf.float32, stateful=True
+                    push, [ids, tf.cast(upstream, tf.float32)], tf.float32, stateful=True
                 )
                 return None, tf.reshape(pushed, [1])
 
-            return out, grad
+            return rows_of(ids, trigger), grad
 
-        return lookup(unique_ids, trigger)
+        return looked_up(flat_ids, trigger)
 
     def _segments(self, inputs: Any) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """(flat ids, example index of each id, number of examples) of multi-hot ids."""

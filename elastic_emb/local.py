@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from typing import Any
@@ -201,7 +200,7 @@ class LocalTable(Table):
 
 
 class _LocalStep(StepFusion):
-    """The layers' lookup of an in-process table: each pull runs when submitted.
+    """The layers' lookup of an in-process table: one core call per lookup and per push.
 
     Under a `tf.distribute` strategy every replica's backward pass pushes its
     own gradient; they are summed into one push, so the table sees one step
@@ -213,23 +212,15 @@ class _LocalStep(StepFusion):
     def __init__(self, table: LocalTable) -> None:
         # A proxy: no reference cycle, so a table is freed as soon as it is unused.
         self._table = weakref.proxy(table)
-        self._lock = threading.Lock()  # guards _rows and _replica_pushes
-        self._tickets = itertools.count(1)
-        self._rows: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()  # guards _replica_pushes
         self._replica_pushes: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def submit(self, keys: np.ndarray, insert: bool, expects_push: bool) -> int:
-        rows = self._table.pull(keys, train=insert)
-        with self._lock:
-            ticket = next(self._tickets)
-            self._rows[ticket] = rows
-        return ticket
-
-    def collect(self, ticket: int) -> np.ndarray:
-        with self._lock:
-            return self._rows.pop(ticket)
+    def lookup(self, keys: np.ndarray, insert: bool, expects_push: bool) -> np.ndarray:
+        return self._table.pull(keys, train=insert)
 
     def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
+        k = check_keys(keys)
+        keys, grads = _core.sum_by_key(k, check_rows(grads, "grads", len(k), self._table.dim))
         if num_replicas == 1:
             self._table.push(keys, grads)
             return

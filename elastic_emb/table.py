@@ -459,28 +459,42 @@ class Table(metaclass=_Placed):
 
 
 class StepFusion(abc.ABC):
-    """A table's side of the layers' lookup: pulls in two phases, pushes per step.
+    """A table's side of the layers' lookup: rows in input order, gradients per id.
 
-    `ee.Embedding` has one lookup path for every kind of table: each layer
-    `submit`s its unique ids, then `collect`s its rows (all submissions of a
-    traced step come before any collection, so an implementation may fetch
-    the rows of all its layers at once), and its gradient comes back through
-    `push_gradient`. Thread-safe.
+    `ee.Embedding` has one lookup path for every kind of table. A layer hands
+    over its ids as they come (duplicates included) and gets one row per id,
+    in input order; its gradient, one row per id, comes back through
+    `push_gradient`, which sums the rows of equal ids (`_core.sum_by_key`,
+    bit for bit what `tf.unique` and `tf.math.unsorted_segment_sum` give)
+    before the table applies them. No per-layer TensorFlow op touches the ids.
+
+    An in-process table answers `lookup` at once. A `two_phase` table (remote)
+    is reached in two phases instead: each layer `submit`s its ids, then
+    `collect`s its rows, and all submissions of a traced step come before any
+    collection, so the implementation fetches the rows of all its layers at
+    once. Thread-safe.
     """
 
+    two_phase = False
+
     @abc.abstractmethod
-    def submit(self, keys: np.ndarray, insert: bool, expects_push: bool) -> int:
-        """Announces the ids (int64, unique) a layer needs; returns a ticket for `collect`.
+    def lookup(self, keys: np.ndarray, insert: bool, expects_push: bool) -> np.ndarray:
+        """The float32 `(n, dim)` rows of int64 `keys` `(n,)`, in their order.
 
         `insert`: training (unseen ids get rows); `expects_push`: a gradient
         of these ids will be pushed in this step.
         """
 
-    @abc.abstractmethod
+    def submit(self, keys: np.ndarray, insert: bool, expects_push: bool) -> int:
+        """`two_phase` tables: announces a layer's ids; returns a ticket for `collect`."""
+        raise NotImplementedError(f"{type(self).__name__} is not two-phase: call lookup()")
+
     def collect(self, ticket: int) -> np.ndarray:
-        """The float32 `(n, dim)` rows of a submission; blocks until they are there."""
+        """`two_phase` tables: the rows of a submission; blocks until they are there."""
+        raise NotImplementedError(f"{type(self).__name__} is not two-phase: call lookup()")
 
     @abc.abstractmethod
     def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
-        """A layer's summed gradient for its unique ids, from one of `num_replicas` replicas
-        of this process (the table applies the step's gradients once, summed)."""
+        """A layer's gradient, float32 `(n, dim)` for its ids `(n,)` as looked up, from one
+        of `num_replicas` replicas of this process (the table applies the step's gradients
+        once, summed per id)."""

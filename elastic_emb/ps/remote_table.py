@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
+from elastic_emb import _core
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps import protocol
 from elastic_emb.ps.cluster import Cluster
@@ -126,17 +128,38 @@ class RemoteTable(Table):
 
 
 class _RemoteStep(StepFusion):
-    """The layers' lookup of a remote table: the cluster fuses every table of a step."""
+    """The layers' lookup of a remote table: the cluster fuses every table of a step.
+
+    Only distinct ids cross the network: a submission sends them, and the
+    rows come back expanded to the layer's ids; a gradient is summed per id
+    before it is sent.
+    """
+
+    two_phase = True
 
     def __init__(self, cluster: Cluster, name: str, dim: int) -> None:
         self._cluster, self._name, self._dim = cluster, name, dim
+        self._lock = threading.Lock()  # guards _positions
+        self._positions: dict[int, np.ndarray] = {}  # ticket -> each id's row among the distinct
+
+    def lookup(self, keys: np.ndarray, insert: bool, expects_push: bool) -> np.ndarray:
+        return self.collect(self.submit(keys, insert, expects_push))
 
     def submit(self, keys: np.ndarray, insert: bool, expects_push: bool) -> int:
-        return self._cluster.submit(self._name, self._dim, keys, insert, expects_push)
+        distinct, positions = _core.unique_keys(check_keys(keys))
+        ticket = self._cluster.submit(self._name, self._dim, distinct, insert, expects_push)
+        with self._lock:
+            self._positions[ticket] = positions
+        return ticket
 
     def collect(self, ticket: int) -> np.ndarray:
-        return self._cluster.collect(ticket)
+        rows = self._cluster.collect(ticket)
+        with self._lock:
+            positions = self._positions.pop(ticket)
+        return rows.take(positions, axis=0)
 
     def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
         # Each replica's push counts once toward the step (see Cluster.collect).
-        self._cluster.push_gradient(self._name, self._dim, keys, grads)
+        k = check_keys(keys)
+        distinct, sums = _core.sum_by_key(k, check_rows(grads, "grads", len(k), self._dim))
+        self._cluster.push_gradient(self._name, self._dim, distinct, sums)
