@@ -11,6 +11,11 @@ class InvalidArgument(ValueError): ...
 
 def pool_threads() -> int: ...
 def compiler() -> str: ...
+def unique_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct keys in order of first occurrence, position of each key among them)."""
+
+def sum_by_key(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct keys, their rows of grads summed in input order from +0.0)."""
 
 class OptimizerKind:
     sgd: ClassVar[OptimizerKind]
