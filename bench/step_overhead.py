@@ -146,7 +146,7 @@ def main() -> None:
         def make() -> dict[str, Child]:
             ps = [s.address for s in shards]
             return {
-                v: Child(ctx, v, variant_worker, ps if "PS" in v else None, cases, args.steps)
+                v: Child(ctx, v, variant_worker, v, ps if "PS" in v else None, cases, args.steps)
                 for v in variants
             }
 

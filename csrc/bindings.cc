@@ -11,6 +11,7 @@
 #include "check.h"
 #include "table.h"
 #include "thread_pool.h"
+#include "varint.h"
 
 #ifndef EE_CXX_FLAGS
 #define EE_CXX_FLAGS ""
@@ -468,6 +469,42 @@ void BindBatchKeys(py::module_& m) {
       "(distinct keys, their rows of grads summed in input order from +0.0).");
 }
 
+void BindVarint(py::module_& m) {
+  m.def(
+      "encode_delta_varint",
+      [](const py::array& keys_in) {
+        auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
+        std::string out;
+        const int64_t* k = keys.data();
+        {
+          py::gil_scoped_release release;
+          elastic_emb::EncodeDeltaVarint(keys.shape(0), k, out);
+        }
+        return py::bytes(out);
+      },
+      py::arg("keys"), "int64 keys -> bytes: deltas (modulo 2^64) as LEB128 varints.");
+  m.def(
+      "decode_delta_varint",
+      [](const py::buffer& raw) {
+        const py::buffer_info info = raw.request();
+        EE_CHECK(info.ndim == 1 && info.itemsize == 1, "`raw` must be bytes");
+        std::vector<int64_t> keys;
+        std::string error;
+        bool ok;
+        {
+          py::gil_scoped_release release;
+          ok = elastic_emb::DecodeDeltaVarint(static_cast<const uint8_t*>(info.ptr),
+                                              static_cast<size_t>(info.size), keys, error);
+        }
+        if (!ok) keys.clear();
+        const auto n = static_cast<py::ssize_t>(keys.size());
+        return py::make_tuple(ToNumpy(std::move(keys), {n}),
+                              ok ? py::object(py::none()) : py::object(py::str(error)));
+      },
+      py::arg("raw"),
+      "The inverse of encode_delta_varint: (keys, None), or (empty keys, what is malformed).");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -489,6 +526,7 @@ PYBIND11_MODULE(_core, m) {
 
   BindOptions(m);
   BindBatchKeys(m);
+  BindVarint(m);
   py::class_<elastic_emb::Table> table(m, "Table");
   table.def(py::init<const elastic_emb::TableOptions&>(), py::arg("options"));
   BindTableMethods(table);

@@ -14,6 +14,12 @@ def compiler() -> str: ...
 def unique_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct keys in order of first occurrence, position of each key among them)."""
 
+def encode_delta_varint(keys: np.ndarray) -> bytes:
+    """int64 keys -> bytes: deltas (modulo 2^64) as LEB128 varints."""
+
+def decode_delta_varint(raw: bytes) -> tuple[np.ndarray, str | None]:
+    """The inverse of encode_delta_varint: (keys, None), or (empty keys, what is malformed)."""
+
 def sum_by_key(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct keys, their rows of grads summed in input order from +0.0)."""
 

@@ -638,6 +638,24 @@ def test_varint_keys_round_trip(keys):
     np.testing.assert_array_equal(wire.decode_keys(compact, key_encoding=encoding), keys)
 
 
+def _numpy_delta_varint(keys: np.ndarray) -> bytes:
+    """The reference encoding, in NumPy: deltas modulo 2^64, LEB128 (low 7 bits first)."""
+    u = keys.astype(np.int64).view(np.uint64)
+    deltas = np.diff(u, prepend=np.uint64(0))  # modulo 2^64
+    out = bytearray()
+    for d in deltas.tolist():
+        while d >= 0x80:
+            out.append((d & 0x7F) | 0x80)
+            d >>= 7
+        out.append(d)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("keys", KEY_CASES, ids=["empty", "edges", "random", "duplicates"])
+def test_varint_keys_match_a_reference_encoder(keys):
+    assert wire.encode_keys(keys, ps_pb2.KEYS_DELTA_VARINT) == _numpy_delta_varint(keys)
+
+
 def test_ascending_keys_take_few_bytes():
     keys = np.unique(np.random.default_rng(6).integers(1, 1_000_000, 4000))
     raw, encoding = wire.encode_keys_compact(keys)
@@ -652,6 +670,8 @@ def test_ascending_keys_take_few_bytes():
         (b"\x80", "truncated"),
         (b"\xff" * 9 + b"\x02", "beyond 64 bits"),
         (b"\xff" * 11, "truncated"),
+        (b"\xff" * 10 + b"\x01", "beyond 64 bits"),
+        (b"\x05\x80\x80", "truncated"),
     ],
 )
 def test_malformed_varints_are_rejected(raw, message):

@@ -17,7 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from elastic_emb import sharding
+from elastic_emb import _core, sharding
 from elastic_emb._proto import ps_pb2
 from elastic_emb.table import Table, TableState
 
@@ -68,21 +68,7 @@ def encode_keys(keys: np.ndarray, key_encoding: int = ps_pb2.KEYS_RAW) -> bytes:
     keys = np.ascontiguousarray(keys, np.int64)
     if key_encoding == ps_pb2.KEYS_RAW:
         return keys.astype("<i8", copy=False).tobytes()
-    u = keys.view(np.uint64)
-    deltas = np.empty_like(u)
-    deltas[:1] = u[:1]
-    np.subtract(u[1:], u[:-1], out=deltas[1:])  # modulo 2^64
-    # LEB128: 7 bits a byte, low bits first, high bit set on all but the last.
-    nbytes = np.ones(len(deltas), np.int64)
-    for k in range(1, 10):
-        nbytes += deltas >= np.uint64(1 << (7 * k))
-    ends = np.cumsum(nbytes)
-    owner = np.repeat(np.arange(len(deltas)), nbytes)
-    index = np.arange(int(ends[-1]) if len(ends) else 0) - (ends - nbytes)[owner]
-    shifts = (7 * index).astype(np.uint64)
-    out = ((deltas[owner] >> shifts) & np.uint64(0x7F)).astype(np.uint8)
-    out[index < nbytes[owner] - 1] |= 0x80
-    return out.tobytes()
+    return _core.encode_delta_varint(keys)
 
 
 def encode_keys_compact(keys: np.ndarray) -> tuple[bytes, Any]:
@@ -101,20 +87,10 @@ def decode_keys(raw: bytes, what: str = "keys", key_encoding: int = ps_pb2.KEYS_
         return np.frombuffer(raw, "<i8").astype(np.int64, copy=False)
     if key_encoding != ps_pb2.KEYS_DELTA_VARINT:
         raise WireError(f"Unknown key encoding {key_encoding} of `{what}`")
-    b = np.frombuffer(raw, np.uint8)
-    if len(b) == 0:
-        return np.zeros(0, np.int64)
-    last = (b & 0x80) == 0
-    if not last[-1]:
-        raise WireError(f"`{what}` ends inside a varint (truncated)")
-    starts = np.concatenate([[0], np.flatnonzero(last)[:-1] + 1])
-    lengths = np.diff(np.concatenate([starts, [len(b)]]))
-    if lengths.max() > 10 or (b[starts[lengths == 10] + 9] > 1).any():
-        raise WireError(f"`{what}` holds a varint beyond 64 bits")
-    k = np.arange(len(b)) - np.repeat(starts, lengths)
-    parts = (b & 0x7F).astype(np.uint64) << (7 * k).astype(np.uint64)
-    deltas = np.bitwise_or.reduceat(parts, starts)
-    return np.cumsum(deltas, dtype=np.uint64).view(np.int64)
+    keys, malformed = _core.decode_delta_varint(raw)
+    if malformed is not None:
+        raise WireError(f"`{what}` {malformed}")
+    return keys
 
 
 def decode_uint(raw: bytes, n: int, dtype: str, what: str) -> np.ndarray:
