@@ -18,10 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from elastic_emb import checkpoint
-from elastic_emb._proto import ps_pb2_grpc
 from elastic_emb.ps.checkpointer import PeriodicCheckpoints
 from elastic_emb.ps.client import GRPC_OPTIONS, SERVICE
-from elastic_emb.ps.servicer import Servicer
+from elastic_emb.ps.servicer import Servicer, add_to_server
 
 __all__ = ["serve"]
 
@@ -61,7 +60,7 @@ def serve(
     # No SO_REUSEPORT: a second server on a port in use must fail, not share its traffic.
     options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=options)
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")

@@ -28,7 +28,7 @@ from elastic_emb.ps.shard import Ranges, RequestError, Shard, invalid
 if TYPE_CHECKING:
     from elastic_emb.ps.replication import Replica
 
-__all__ = ["Servicer"]
+__all__ = ["Servicer", "add_to_server"]
 
 log = logging.getLogger("elastic_emb.server")
 
@@ -92,9 +92,13 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             stats.errors += response is None
             stats.seconds += elapsed
             stats.max_seconds = max(stats.max_seconds, elapsed)
-            stats.request_bytes += request.ByteSize() if hasattr(request, "ByteSize") else 0
-            if response is not None:
-                stats.response_bytes += response.ByteSize()
+
+    def count_bytes(self, method: str, received: int = 0, sent: int = 0) -> None:
+        """Adds to a method's request and response bytes (see `add_to_server`)."""
+        with self._stats_lock:
+            stats = self._stats[method]
+            stats.request_bytes += received
+            stats.response_bytes += sent
 
     def _tables_response(self, tables: list[Any]) -> ps_pb2.TablesResponse:
         return ps_pb2.TablesResponse(tables=[protocol.table_info(t) for t in tables])
@@ -331,3 +335,48 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         if shard is not None:
             shard.retire(f"slot range {request.range} moved to another group")
         return ps_pb2.TablesResponse()
+
+
+def add_to_server(servicer: Servicer, server: Any) -> None:
+    """Registers `servicer` on a gRPC server, counting each message's bytes in its stats.
+
+    The bytes are counted as gRPC parses requests and serializes responses,
+    so no message is encoded a second time to measure it (`ByteSize()` costs
+    as much as serializing: about 1 ms for a 0.8 MB pull response).
+    """
+    captured: list[Any] = []
+
+    class Capture:
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            captured.extend(handlers)
+
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, Capture())
+    server.add_generic_rpc_handlers(tuple(_ByteCounter(h, servicer) for h in captured))
+
+
+class _ByteCounter(grpc.GenericRpcHandler):
+    """A generic handler whose methods count the bytes they parse and serialize."""
+
+    def __init__(self, handler: Any, servicer: Servicer) -> None:
+        self._handler, self._servicer = handler, servicer
+
+    def service(self, handler_call_details: Any) -> Any:
+        handler = self._handler.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        parse, serialize = handler.request_deserializer, handler.response_serializer
+        count = self._servicer.count_bytes
+
+        def counted_parse(raw: bytes) -> Any:
+            count(method, received=len(raw))
+            return parse(raw)
+
+        def counted_serialize(message: Any) -> bytes:
+            raw = serialize(message)
+            count(method, sent=len(raw))
+            return raw
+
+        return handler._replace(
+            request_deserializer=counted_parse, response_serializer=counted_serialize
+        )
