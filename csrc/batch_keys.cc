@@ -1,6 +1,10 @@
 #include "batch_keys.h"
 
+#include <algorithm>
+#include <tuple>
+
 #include "key_index.h"
+#include "table.h"
 
 namespace elastic_emb {
 
@@ -33,6 +37,30 @@ void SumByKey(int64_t n, const int64_t* keys, const float* grads, int dim,
     const float* g = grads + i * dim;
     for (int j = 0; j < dim; ++j) out[j] += g[j];
   }
+}
+
+void SplitBySlotRange(int64_t n, const int64_t* keys, int64_t num_ranges, const int64_t* starts,
+                      int64_t num_slots, int64_t* order, int64_t* bounds) {
+  struct Entry {
+    int64_t range;
+    uint64_t key;
+    int64_t pos;
+  };
+  std::vector<Entry> entries(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = VirtualSlot(keys[i], num_slots);
+    const int64_t range = std::upper_bound(starts, starts + num_ranges, slot) - starts - 1;
+    entries[i] = {range, static_cast<uint64_t>(keys[i]), i};
+  }
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return std::tie(a.range, a.key, a.pos) < std::tie(b.range, b.key, b.pos);
+  });
+  int64_t r = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    order[i] = entries[i].pos;
+    while (r <= entries[i].range) bounds[r++] = i;
+  }
+  while (r <= num_ranges) bounds[r++] = n;
 }
 
 }  // namespace elastic_emb

@@ -18,4 +18,11 @@ void UniqueKeys(int64_t n, const int64_t* keys, std::vector<int64_t>& unique, in
 void SumByKey(int64_t n, const int64_t* keys, const float* grads, int dim,
               std::vector<int64_t>& unique, std::vector<float>& sums);
 
+// Orders keys[0..n) by the slot range that owns each (range r: virtual slots
+// [starts[r], starts[r + 1]), the last up to num_slots; starts[0] == 0), and
+// within a range by key as uint64 (compact on the wire), equal keys in input
+// order: order[bounds[r]..bounds[r + 1]) are the positions of range r's keys.
+void SplitBySlotRange(int64_t n, const int64_t* keys, int64_t num_ranges, const int64_t* starts,
+                      int64_t num_slots, int64_t* order, int64_t* bounds);
+
 }  // namespace elastic_emb

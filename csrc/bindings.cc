@@ -467,6 +467,29 @@ void BindBatchKeys(py::module_& m) {
       },
       py::arg("keys"), py::arg("grads"),
       "(distinct keys, their rows of grads summed in input order from +0.0).");
+  m.def(
+      "split_by_slot_range",
+      [](const py::array& keys_in, const py::array& starts_in, int64_t num_slots) {
+        auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
+        auto starts = CheckArray<int64_t>(starts_in, "starts", {-1});
+        const py::ssize_t n = keys.shape(0), ranges = starts.shape(0);
+        EE_CHECK(num_slots > 0, "`num_slots` must be positive, got " << num_slots);
+        EE_CHECK(ranges > 0 && starts.data()[0] == 0, "`starts` must begin with slot 0");
+        for (py::ssize_t r = 1; r < ranges; ++r) {
+          EE_CHECK(starts.data()[r - 1] < starts.data()[r] && starts.data()[r] < num_slots,
+                   "`starts` must ascend strictly within [0, num_slots)");
+        }
+        py::array_t<int64_t> order(n), bounds(ranges + 1);
+        const int64_t *k = keys.data(), *s = starts.data();
+        int64_t *o = order.mutable_data(), *b = bounds.mutable_data();
+        {
+          py::gil_scoped_release release;
+          elastic_emb::SplitBySlotRange(n, k, ranges, s, num_slots, o, b);
+        }
+        return py::make_tuple(order, bounds);
+      },
+      py::arg("keys"), py::arg("starts"), py::arg("num_slots"),
+      "(positions of the keys ordered by slot range, then key as uint64; range bounds).");
 }
 
 void BindVarint(py::module_& m) {

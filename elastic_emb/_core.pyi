@@ -20,6 +20,11 @@ def encode_delta_varint(keys: np.ndarray) -> bytes:
 def decode_delta_varint(raw: bytes) -> tuple[np.ndarray, str | None]:
     """The inverse of encode_delta_varint: (keys, None), or (empty keys, what is malformed)."""
 
+def split_by_slot_range(
+    keys: np.ndarray, starts: np.ndarray, num_slots: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(positions of the keys ordered by slot range, then key as uint64; range bounds)."""
+
 def sum_by_key(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct keys, their rows of grads summed in input order from +0.0)."""
 

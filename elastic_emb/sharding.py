@@ -13,6 +13,8 @@ import itertools
 
 import numpy as np
 
+from elastic_emb import _core
+
 __all__ = ["NUM_SLOTS", "RangeLayout", "even_ranges", "shard_of", "slot_of", "split_by_shard"]
 
 NUM_SLOTS = 4096
@@ -58,18 +60,14 @@ def split_by_shard(
     starts[i + 1]) (the last one: up to NUM_SLOTS).
 
     Keys are ordered as unsigned 64-bit numbers, which makes them compact
-    on the wire (`wire.encode_keys_compact`).
+    on the wire (`wire.encode_keys_compact`); equal keys keep their input
+    order. One C++ pass (`_core.split_by_slot_range`, the hash of `slot_of`).
     """
-    by_key = np.argsort(np.asarray(keys, np.int64).view(np.uint64), kind="stable")
-    if num_shards == 1:
-        return [by_key]
     if starts is None:
-        shard = shard_of(keys[by_key], num_shards)
-    else:
-        shard = np.searchsorted(starts, slot_of(keys[by_key]), side="right") - 1
-    order = by_key[np.argsort(shard, kind="stable")]
-    shard = shard[np.argsort(shard, kind="stable")]
-    bounds = np.searchsorted(shard, np.arange(num_shards + 1))
+        starts = np.array([begin for begin, _ in even_ranges(num_shards)], np.int64)
+    order, bounds = _core.split_by_slot_range(
+        np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(starts, np.int64), NUM_SLOTS
+    )
     return [order[bounds[i] : bounds[i + 1]] for i in range(num_shards)]
 
 

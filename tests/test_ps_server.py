@@ -550,6 +550,14 @@ def test_split_by_explicit_slot_ranges():
         assert (np.diff(keys[part].view(np.uint64).astype(np.float64)) > 0).all()  # ascending
 
 
+def test_split_keeps_equal_keys_in_input_order():
+    keys = np.random.default_rng(1).integers(-50, 50, 3000)
+    for part in sharding.split_by_shard(keys, 3):
+        k, pos = keys[part].view(np.uint64), part
+        assert ((k[1:] > k[:-1]) | ((k[1:] == k[:-1]) & (pos[1:] > pos[:-1]))).all()
+    assert sorted(np.concatenate(sharding.split_by_shard(keys, 3)).tolist()) == list(range(3000))
+
+
 # 4. Wire encodings.
 
 
