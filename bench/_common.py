@@ -169,6 +169,7 @@ def build_keras3_dlrm(
     *,
     learning_rate: float = LEARNING_RATE,
     jit_compile: bool | str = "auto",
+    shared_table: bool = False,
 ) -> Any:
     """The compiled DLRM of `elastic_emb.examples.dlrm.build_dlrm`, with either embedding layer.
 
@@ -183,6 +184,8 @@ def build_keras3_dlrm(
         learning_rate: float, of every optimizer.
         jit_compile: `model.compile`'s argument (Keras's `"auto"` turns XLA
             on for the stock model; `ee.Embedding` opts out of it).
+        shared_table: one embedding layer (one table) for all features, their
+            ids offset by `shared_offsets(vocab_sizes)`.
 
     Returns:
         A compiled `keras.Model`.
@@ -212,28 +215,35 @@ def build_keras3_dlrm(
     elif kind == "keras":
 
         def factory(i: int) -> Any:
+            rows = sum(vocab_sizes) if shared_table else vocab_sizes[i]
             return keras.layers.Embedding(
-                vocab_sizes[i], EMBEDDING_DIM, embeddings_initializer="uniform", name=f"c{i}"
+                rows, EMBEDDING_DIM, embeddings_initializer="uniform", name=f"c{i}"
             )
 
     elif kind == "floor":
 
         class ZeroEmbedding(keras.layers.Layer):
             def call(self, ids: Any) -> Any:
-                return keras.ops.zeros((keras.ops.shape(ids)[0], EMBEDDING_DIM))
+                return keras.ops.zeros((*keras.ops.shape(ids), EMBEDDING_DIM))
 
         def factory(i: int) -> Any:
             return ZeroEmbedding(name=f"c{i}")
 
     else:
         raise ValueError(f"`kind` must be 'ee', 'keras' or 'floor'. Received: {kind!r}")
-    model = build_dlrm(factory, bottom_mlp=BOTTOM_MLP, top_mlp=TOP_MLP)
+    offsets = shared_offsets(vocab_sizes) if shared_table else None
+    model = build_dlrm(factory, bottom_mlp=BOTTOM_MLP, top_mlp=TOP_MLP, feature_offsets=offsets)
     if optimizer == "adagrad":
         dense_opt = keras.optimizers.Adagrad(learning_rate=learning_rate)
     else:
         dense_opt = keras.optimizers.SGD(learning_rate=learning_rate)
     model.compile(optimizer=dense_opt, loss="binary_crossentropy", jit_compile=jit_compile)
     return model
+
+
+def shared_offsets(vocab_sizes: Sequence[int]) -> list[int]:
+    """Offsets that place each feature's ids after the previous features' in one table."""
+    return [sum(vocab_sizes[:i]) for i in range(len(vocab_sizes))]
 
 
 # ---------------------------------------------------------------------------------------------

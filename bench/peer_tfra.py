@@ -51,12 +51,15 @@ _MARK = "@@bench "  # prefix of the protocol lines a worker writes to stdout
 # Worker side
 
 
-def build_tf_keras_dlrm(kind: str, optimizer: str, vocab_sizes: list[int]) -> Any:
+def build_tf_keras_dlrm(
+    kind: str, optimizer: str, vocab_sizes: list[int], shared_table: bool = False
+) -> Any:
     """The DLRM of `elastic_emb.examples.dlrm.build_dlrm`, rebuilt with legacy `tf_keras`.
 
     Same layers, widths, initializers and seeds; only the embedding layers
     differ: TFRA's dynamic embedding (`kind="tfra"`) or `tf_keras`'s stock one
-    (`kind="tf_keras"`).
+    (`kind="tf_keras"`). `shared_table`: one layer embeds every feature, ids
+    offset as in `_common.build_keras3_dlrm`.
     """
     import tensorflow as tf
     import tf_keras
@@ -75,8 +78,9 @@ def build_tf_keras_dlrm(kind: str, optimizer: str, vocab_sizes: list[int]) -> An
     else:
 
         def factory(i: int) -> Any:
+            rows = sum(vocab_sizes) if shared_table else vocab_sizes[i]
             return tf_keras.layers.Embedding(
-                vocab_sizes[i], c.EMBEDDING_DIM, embeddings_initializer="uniform", name=f"c{i}"
+                rows, c.EMBEDDING_DIM, embeddings_initializer="uniform", name=f"c{i}"
             )
 
     dense_in = tf_keras.Input(shape=(c.NUM_DENSE,), dtype="float32", name="dense")
@@ -95,8 +99,12 @@ def build_tf_keras_dlrm(kind: str, optimizer: str, vocab_sizes: list[int]) -> An
     x = dense_in
     for i, width in enumerate(c.BOTTOM_MLP):
         x = dense(width, "relu", f"bottom_{i}")(x)
-    columns = tf.split(cat_in, c.NUM_CATEGORICAL, axis=1)
-    embedded = [factory(i)(tf.squeeze(col, axis=1)) for i, col in enumerate(columns)]
+    if shared_table:
+        offsets = tf.constant([c.shared_offsets(vocab_sizes)], tf.int64)
+        embedded = [tf_keras.layers.Flatten()(factory(0)(cat_in + offsets))]
+    else:
+        columns = tf.split(cat_in, c.NUM_CATEGORICAL, axis=1)
+        embedded = [factory(i)(tf.squeeze(col, axis=1)) for i, col in enumerate(columns)]
     x = tf_keras.layers.Concatenate(axis=1)([x, *embedded])
     for i, width in enumerate(c.TOP_MLP):
         x = dense(width, "relu", f"top_{i}")(x)
@@ -119,7 +127,9 @@ def _emit(out: IO[str], kind: str, **payload: Any) -> None:
     out.flush()
 
 
-def worker(variant: str, optimizer: str, data_path: str, batch_size: int) -> None:
+def worker(
+    variant: str, optimizer: str, data_path: str, batch_size: int, shared_table: bool
+) -> None:
     """Builds one variant's model, then trains a window per `run STEPS` line on stdin."""
     import tensorflow as tf
 
@@ -127,11 +137,11 @@ def worker(variant: str, optimizer: str, data_path: str, batch_size: int) -> Non
     if VARIANTS[variant] == "legacy":
         import tf_keras as keras_module
 
-        model = build_tf_keras_dlrm(variant, optimizer, vocab_sizes)
+        model = build_tf_keras_dlrm(variant, optimizer, vocab_sizes, shared_table)
     else:
         import keras as keras_module
 
-        model = c.build_keras3_dlrm(variant, optimizer, vocab_sizes)
+        model = c.build_keras3_dlrm(variant, optimizer, vocab_sizes, shared_table=shared_table)
     runner = c.FitRunner(keras_module, model, c.BatchStream(tf, arrays, batch_size))
     versions = {"tensorflow": tf.__version__, "keras": keras_module.__version__}
     if variant == "tfra":
@@ -187,6 +197,7 @@ class WorkerProcess:
             data_path,
             "--batch-size",
             str(args.batch_size),
+            *(["--shared-table"] if args.shared_table else []),
         ]
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
@@ -244,6 +255,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         default="tfra,tf_keras,ee",
         help=f"comma-separated, from: {','.join(VARIANTS)}",
+    )
+    p.add_argument(
+        "--shared-table",
+        action="store_true",
+        help="one embedding layer (one table) for all 26 features, ids offset per feature",
     )
     p.add_argument("--keep-logs", action="store_true", help="keep the workers' stderr logs")
     p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -315,7 +331,8 @@ def driver(args: argparse.Namespace) -> None:
         "elastic_emb / tf_keras",
     ]
     row = [
-        c.workload(args.optimizer, args.batch_size, vocab_sizes),
+        c.workload(args.optimizer, args.batch_size, vocab_sizes)
+        + (", one shared table" if args.shared_table else ""),
         rate("ee"),
         rate("tfra"),
         rate("tf_keras"),
@@ -339,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: the driver, or one worker when `--worker` is given."""
     args = parse_args(argv)
     if args.worker:
-        worker(args.worker, args.optimizer, args.data, args.batch_size)
+        worker(args.worker, args.optimizer, args.data, args.batch_size, args.shared_table)
     else:
         driver(args)
 

@@ -17,6 +17,7 @@ def build_dlrm(
     bottom_mlp: Sequence[int] = (64, 16),
     top_mlp: Sequence[int] = (512, 256),
     seed: int = 0,
+    feature_offsets: Sequence[int] | None = None,
 ) -> keras.Model:
     """Builds a DLRM-style CTR model over Criteo-layout inputs.
 
@@ -33,6 +34,10 @@ def build_dlrm(
         bottom_mlp: sequence of int, bottom MLP widths.
         top_mlp: sequence of int, top MLP widths (before the output unit).
         seed: int, seed of the dense layers' initializers.
+        feature_offsets: None (one layer per feature), or one int per
+            categorical feature: then a single layer, `embedding_factory(0)`,
+            embeds every feature (one shared table), the ids of feature `i`
+            shifted by `feature_offsets[i]` so that the features do not collide.
 
     Returns:
         A `keras.Model` taking `{"dense": float32[B, num_dense],
@@ -55,10 +60,20 @@ def build_dlrm(
     x = dense_in
     for i, width in enumerate(bottom_mlp):
         x = dense(width, "relu", f"bottom_{i}")(x)
-    columns = keras.ops.split(cat_in, num_categorical, axis=1)
-    embedded = [
-        embedding_factory(i)(keras.ops.squeeze(col, axis=1)) for i, col in enumerate(columns)
-    ]
+    if feature_offsets is None:
+        columns = keras.ops.split(cat_in, num_categorical, axis=1)
+        embedded = [
+            embedding_factory(i)(keras.ops.squeeze(col, axis=1)) for i, col in enumerate(columns)
+        ]
+    else:
+        if len(feature_offsets) != num_categorical:
+            raise ValueError(
+                f"`feature_offsets` needs one offset per categorical feature ({num_categorical})."
+                f" Received: {len(feature_offsets)}"
+            )
+        offsets = keras.ops.convert_to_tensor([list(feature_offsets)], dtype="int64")
+        rows = embedding_factory(0)(cat_in + offsets)  # (batch, features, dim)
+        embedded = [keras.layers.Flatten()(rows)]
     x = keras.ops.concatenate([x, *embedded], axis=1)
     for i, width in enumerate(top_mlp):
         x = dense(width, "relu", f"top_{i}")(x)
