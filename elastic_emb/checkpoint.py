@@ -439,6 +439,7 @@ def _save_link(
 
 def _save_chains(root: Path, tables: dict[str, Table], max_deltas: int) -> None:
     """Writes the next link of every table, then the manifest (the commit point)."""
+    root.mkdir(parents=True, exist_ok=True)  # a cluster's new local part
     with _chain_lock:
         heads = _current_chains(root)
         token = secrets.token_hex(4)

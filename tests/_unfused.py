@@ -11,6 +11,7 @@ a layer called twice) with either layer, for the tests to compare bit for bit.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import keras
@@ -29,7 +30,9 @@ class UnfusedEmbedding(ee.Embedding):
 
     def _lookup(self, flat_ids: tf.Tensor, training: bool | None) -> tf.Tensor:
         unique_ids, index = tf.unique(flat_ids)
-        table, insert = self.table, bool(training) and self.trainable
+        # A proxy, as the layer's own path holds it: TensorFlow keeps these
+        # functions alive, and must not keep the table alive through them.
+        table, insert = weakref.proxy(self.table), bool(training) and self.trainable
         replicas = layers._local_replicas()
         # One list per table, shared by the replicas (each traces its own lookup).
         lock, pending = _LOCK, _PENDING.setdefault(table.name, [])

@@ -281,3 +281,28 @@ def test_the_keras_checkpoint_callback_writes_deltas_of_tables_on_shards(tmp_pat
         ]
         assert kinds == [["base"] + ["delta"] * (i + 1)] * 2  # both shards' parts
         assert_same_state(_restored(ckpt / "tables", "cb"), states[i + 1])
+
+
+def test_in_process_tables_beside_remote_ones_get_their_own_chain(tmp_path):
+    expected_remote = _expected("r", (range(1, 4), 100), (range(4, 6), 10))
+    local = _table("beside")  # created before ee.init: it stays in this process
+    root = tmp_path / "ckpt"
+    with shards(2) as servers:
+        gc.collect()
+        ee.init(ps=[s.address for s in servers], mode="sync")
+        try:
+            remote = _table("r")
+            for steps, n in ((range(1, 4), 100), (range(4, 6), 10)):
+                _train(local, steps, n)
+                _train(remote, steps, n)
+                ee.save(root, incremental=True)
+            del remote
+        finally:
+            ee.shutdown()
+    expected_local = _state(local)
+    parts = _parts(root)
+    assert [sorted(p["tables"]) for p in parts] == [["r"], ["r"], ["beside"]]
+    assert [link["kind"] for link in parts[2]["tables"]["beside"]["links"]] == ["base", "delta"]
+    assert_same_state(_restored(root, "r"), expected_remote)
+    local.push(np.array([1]), np.ones((1, 8), np.float32))  # restore must undo this
+    assert_same_state(_restored(root, "beside"), expected_local)
