@@ -221,14 +221,15 @@ class _LocalStep(StepFusion):
     def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
         k = check_keys(keys)
         keys, grads = _core.sum_by_key(k, check_rows(grads, "grads", len(k), self._table.dim))
+        # sum_by_key's arrays are checked already: straight to the step.
         if num_replicas == 1:
-            self._table.push(keys, grads)
+            self._table._push(keys, grads)
             return
         with self._lock:
             self._replica_pushes.append((keys, grads))
             if len(self._replica_pushes) < num_replicas:
                 return
             batch, self._replica_pushes = self._replica_pushes, []
-        self._table.push(
+        self._table._push(
             np.concatenate([k for k, _ in batch]), np.concatenate([g for _, g in batch])
         )
