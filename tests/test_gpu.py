@@ -193,6 +193,23 @@ def test_pulls_pushes_and_state_match_the_cpu_table(opt: str, dim: int) -> None:
     _assert_same_state(_sorted_state(dev), _sorted_state(cpu))
 
 
+@pytest.mark.parametrize("opt", ["adagrad", "adam"])
+def test_the_layers_fused_path_matches_the_cpu_table(opt: str) -> None:
+    # What ee.Embedding calls (no TensorFlow needed): ids with duplicates in,
+    # one row per id out; gradients summed per id in C++, then one step.
+    cpu, dev = _pair(16, opt, OPTIMIZERS[opt][1], seed=11)
+    rng = np.random.default_rng(12)
+    for step in range(4):
+        keys = np.minimum(rng.zipf(1.3, 2000), 5000).astype(np.int64)
+        grads = rng.normal(size=(len(keys), 16)).astype(np.float32)
+        rows = [t.step_fusion().lookup(keys, True, True) for t in (dev, cpu)]
+        np.testing.assert_allclose(rows[0], rows[1], rtol=RTOL, atol=0, err_msg=f"step {step}")
+        for t in (dev, cpu):
+            t.step_fusion().push_gradient(keys, grads, 1)
+    assert dev.iterations == cpu.iterations == 4
+    _assert_same_state(_sorted_state(dev), _sorted_state(cpu))
+
+
 @pytest.mark.parametrize("initializer", ["zeros", "ones", "uniform", "normal", "truncated_normal"])
 @pytest.mark.parametrize("dim", [1, 3, 16, 33, 257])
 def test_initial_values_match_the_cpu_table(initializer: str, dim: int) -> None:
