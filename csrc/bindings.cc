@@ -476,8 +476,8 @@ void BindBatchKeys(py::module_& m) {
         EE_CHECK(num_slots > 0, "`num_slots` must be positive, got " << num_slots);
         EE_CHECK(ranges > 0 && starts.data()[0] == 0, "`starts` must begin with slot 0");
         for (py::ssize_t r = 1; r < ranges; ++r) {
-          EE_CHECK(starts.data()[r - 1] < starts.data()[r] && starts.data()[r] < num_slots,
-                   "`starts` must ascend strictly within [0, num_slots)");
+          EE_CHECK(starts.data()[r - 1] <= starts.data()[r] && starts.data()[r] <= num_slots,
+                   "`starts` must ascend within [0, num_slots]");
         }
         py::array_t<int64_t> order(n), bounds(ranges + 1);
         const int64_t *k = keys.data(), *s = starts.data();

@@ -550,6 +550,16 @@ def test_split_by_explicit_slot_ranges():
         assert (np.diff(keys[part].view(np.uint64).astype(np.float64)) > 0).all()  # ascending
 
 
+def test_split_gives_an_empty_range_no_keys():
+    keys = np.random.default_rng(2).integers(-(2**62), 2**62, 5000)
+    starts = np.array([0, 100, 100, 3000])  # range 1 is [100, 100): empty
+    parts = sharding.split_by_shard(keys, 4, starts)
+    expected = np.searchsorted(starts, sharding.slot_of(keys), side="right") - 1
+    assert len(parts[1]) == 0
+    for i, part in enumerate(parts):
+        assert (expected[part] == i).all() and len(part) == (expected == i).sum()
+
+
 def test_split_keeps_equal_keys_in_input_order():
     keys = np.random.default_rng(1).integers(-50, 50, 3000)
     for part in sharding.split_by_shard(keys, 3):
