@@ -8,11 +8,13 @@ pull inserts, a push updates).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,18 @@ from elastic_emb.ps.shard import SYNC, RequestError, Shard
 from elastic_emb.table import TableConfig
 
 VOCAB = 2000
+
+
+@contextlib.contextmanager
+def _connected(n: int, mode: str) -> Iterator[None]:
+    """`n` shards, and this process connected to them in `mode` (stale tables collected first)."""
+    with shards(n) as servers:
+        gc.collect()
+        ee.init(ps=[s.address for s in servers], mode=mode)
+        try:
+            yield
+        finally:
+            ee.shutdown()
 
 
 def _table(name: str) -> ee.Table:
@@ -71,20 +85,15 @@ def _restored(root: Path, name: str) -> dict[str, np.ndarray]:
 def test_shards_write_deltas_of_the_rows_the_steps_touched_and_restore_exactly(tmp_path):
     expected = _expected("t", (range(1, 11), 500), (range(11, 13), 10))
     root = tmp_path / "ckpt"
-    with shards(2) as servers:
-        gc.collect()
-        ee.init(ps=[s.address for s in servers], mode="sync")
-        try:
-            table = _table("t")
-            _train(table, range(1, 11), 500)
-            ee.save(root, incremental=True)
-            (base,) = _parts(root)[0]["tables"]["t"]["links"]
-            _train(table, range(11, 13), 10)
-            ee.save(root, incremental=True)
-            ee.save(tmp_path / "full")  # for the sizes
-            del table
-        finally:
-            ee.shutdown()
+    with _connected(2, "sync"):
+        table = _table("t")
+        _train(table, range(1, 11), 500)
+        ee.save(root, incremental=True)
+        (base,) = _parts(root)[0]["tables"]["t"]["links"]
+        _train(table, range(11, 13), 10)
+        ee.save(root, incremental=True)
+        ee.save(tmp_path / "full")  # for the sizes
+        del table
     touched = np.unique(np.concatenate([_keys(s, 10) for s in (11, 12)]))
     links = [part["tables"]["t"]["links"] for part in _parts(root)]
     assert [len(chain) for chain in links] == [2, 2]
@@ -103,18 +112,13 @@ def test_shards_that_own_other_slots_start_new_chains(tmp_path):
     root = tmp_path / "ckpt"
     expected = _expected("moved", (range(1, 8), 200))
     for n, steps in ((2, range(1, 6)), (3, range(6, 8))):
-        with shards(n) as servers:
-            gc.collect()
-            ee.init(ps=[s.address for s in servers], mode="async")
-            try:
-                table = _table("moved")
-                if n == 3:
-                    ee.restore(root)
-                _train(table, steps, 200)
-                ee.save(root, incremental=True)
-                del table
-            finally:
-                ee.shutdown()
+        with _connected(n, "async"):
+            table = _table("moved")
+            if n == 3:
+                ee.restore(root)
+            _train(table, steps, 200)
+            ee.save(root, incremental=True)
+            del table
     # Three shards own other slots than two did: every part is a new base.
     assert [len(p["tables"]["moved"]["links"]) for p in _parts(root)] == [1, 1, 1]
     assert_same_state(_restored(root, "moved"), expected)
@@ -256,23 +260,18 @@ def test_the_keras_checkpoint_callback_writes_deltas_of_tables_on_shards(tmp_pat
     x = rng.integers(0, 400, (256, 3)).astype(np.int64)
     y = rng.normal(size=(256, 1)).astype(np.float32)
     states = []
-    with shards(2) as servers:
-        gc.collect()
-        ee.init(ps=[s.address for s in servers], mode="sync")
-        try:
-            layer = ee.Embedding(4, optimizer=ee.optimizers.Adagrad(0.3), name="cb")
-            inp = keras.Input((3,), dtype="int64")
-            model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(layer(inp))))
-            model.compile(optimizer="sgd", loss="mse")
+    with _connected(2, "sync"):
+        layer = ee.Embedding(4, optimizer=ee.optimizers.Adagrad(0.3), name="cb")
+        inp = keras.Input((3,), dtype="int64")
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(layer(inp))))
+        model.compile(optimizer="sgd", loss="mse")
 
-            class Snapshot(keras.callbacks.Callback):  # after Checkpoint: what it saved
-                def on_epoch_end(self, epoch, logs=None):
-                    states.append(_state(layer.table))
+        class Snapshot(keras.callbacks.Callback):  # after Checkpoint: what it saved
+            def on_epoch_end(self, epoch, logs=None):
+                states.append(_state(layer.table))
 
-            callback = ee.callbacks.Checkpoint(tmp_path, incremental=True, max_to_keep=2)
-            model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[callback, Snapshot()])
-        finally:
-            ee.shutdown()
+        callback = ee.callbacks.Checkpoint(tmp_path, incremental=True, max_to_keep=2)
+        model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[callback, Snapshot()])
     saved = sorted(tmp_path.glob("ckpt-*"), key=lambda p: int(p.name.split("-")[1]))
     assert [p.name for p in saved] == ["ckpt-8", "ckpt-12"]
     for i, ckpt in enumerate(saved):
@@ -287,18 +286,13 @@ def test_in_process_tables_beside_remote_ones_get_their_own_chain(tmp_path):
     expected_remote = _expected("r", (range(1, 4), 100), (range(4, 6), 10))
     local = _table("beside")  # created before ee.init: it stays in this process
     root = tmp_path / "ckpt"
-    with shards(2) as servers:
-        gc.collect()
-        ee.init(ps=[s.address for s in servers], mode="sync")
-        try:
-            remote = _table("r")
-            for steps, n in ((range(1, 4), 100), (range(4, 6), 10)):
-                _train(local, steps, n)
-                _train(remote, steps, n)
-                ee.save(root, incremental=True)
-            del remote
-        finally:
-            ee.shutdown()
+    with _connected(2, "sync"):
+        remote = _table("r")
+        for steps, n in ((range(1, 4), 100), (range(4, 6), 10)):
+            _train(local, steps, n)
+            _train(remote, steps, n)
+            ee.save(root, incremental=True)
+        del remote
     expected_local = _state(local)
     parts = _parts(root)
     assert [sorted(p["tables"]) for p in parts] == [["r"], ["r"], ["beside"]]
