@@ -7,6 +7,10 @@
 - `refuse_legacy_h5()` wraps `keras.Model.save` so that the legacy HDF5
   format (`.h5`, which stores `layer.weights` only) refuses models with
   tables instead of writing a file without their rows.
+- `fuse_functional_lookups()` wraps the private `Functional.call` (which
+  Sequential models run too) so that a model looks up the rows of all its
+  ee.Embedding layers in one call (`elastic_emb.lookup.fused_call`). Where
+  that internal is missing (another Keras), every layer looks up on its own.
 - `fix_keras_multi_worker()` replaces two private functions of Keras'
   TensorFlow trainer for `model.fit` under MultiWorkerMirroredStrategy. It
   checks the Keras version it patches (Keras 3.0 through `LAST_TESTED`; newer
@@ -40,12 +44,19 @@ import tensorflow as tf
 
 from elastic_emb.errors import ElasticEmbWarning
 
-__all__ = ["LAST_TESTED", "export_through_serving", "fix_keras_multi_worker", "refuse_legacy_h5"]
+__all__ = [
+    "LAST_TESTED",
+    "export_through_serving",
+    "fix_keras_multi_worker",
+    "fuse_functional_lookups",
+    "refuse_legacy_h5",
+]
 
 LAST_TESTED = (3, 15)  # the newest Keras release this patch was tested with
 _applied = False
 _export_wrapped = False
 _save_wrapped = False
+_call_wrapped = False
 
 
 def refuse_legacy_h5(has_tables: Callable[[keras.Model], bool]) -> None:
@@ -83,6 +94,28 @@ def export_through_serving(serving: Callable[[keras.Model], AbstractContextManag
 
     keras.Model.export = export
     _export_wrapped = True
+
+
+def fuse_functional_lookups(fused_call: Callable[..., Any]) -> None:
+    """Runs `Functional.call` as `fused_call(model, inputs, training, call)` (idempotent)."""
+    global _call_wrapped
+    try:
+        from keras.src.models.functional import Functional
+    except ImportError:
+        return
+    if _call_wrapped:
+        return
+    keras_call = Functional.call
+
+    @functools.wraps(keras_call)
+    def call(self: Any, inputs: Any, training: Any = None, mask: Any = None, **kwargs: Any) -> Any:
+        def run() -> Any:
+            return keras_call(self, inputs, training=training, mask=mask, **kwargs)
+
+        return fused_call(self, inputs, training, run)
+
+    Functional.call = call
+    _call_wrapped = True
 
 
 def _keras_version() -> tuple[int, int]:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
-import weakref
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from elastic_emb import checkpoint, initializers, keras_patches, optimizers, serving
+from elastic_emb import checkpoint, initializers, keras_patches, lookup, optimizers, serving
 from elastic_emb.errors import ElasticEmbWarning
 from elastic_emb.table import Table, TableState, check_nonfinite_policy
 
@@ -27,57 +27,6 @@ def string_keys(strings: tf.Tensor) -> tf.Tensor:
     flat = tf.reshape(strings, [-1])
     keys = tf.bitcast(tf.fingerprint(flat), tf.int64)
     return tf.reshape(keys, tf.shape(strings))
-
-
-# Per graph: the barrier every remote pull waits behind, and the pulls.
-_PULL_BARRIERS: weakref.WeakKeyDictionary[Any, tuple[Any, set[Any]]] = weakref.WeakKeyDictionary()
-
-
-def _fuse_pulls(ticket: tf.Tensor, rows: tf.Tensor) -> None:
-    """Orders every key submission of a graph before any collection.
-
-    All layers of a traced step submit their keys first; the first collect
-    of a remote table then sends one fused Pull per shard for all of them. (Without this, TF
-    runs each layer's submit and collect back to back.) Skipped when the
-    keys depend on another layer's rows, which would make a cycle.
-    """
-    if tf.executing_eagerly():
-        return
-    submit, collect = ticket.op, rows.op
-    graph = submit.graph
-    entry = _PULL_BARRIERS.get(graph)
-    if entry is None:
-        with tf.control_dependencies(None):
-            barrier = tf.no_op(name="ee_pull_barrier")
-        entry = _PULL_BARRIERS[graph] = (barrier, set())
-    barrier, collects = entry
-    if _depends_on(submit, collects | {barrier}):
-        return
-    barrier._add_control_input(submit)
-    collect._add_control_input(barrier)
-    collects.add(collect)
-
-
-def _depends_on(op: tf.Operation, targets: set[Any]) -> bool:
-    """Whether any of `targets` is an ancestor of `op`."""
-    seen: set[Any] = set()
-    stack = [op]
-    while stack:
-        current = stack.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent in targets:
-                return True
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return False
-
-
-def _local_replicas() -> int:
-    """Replicas of the current strategy in this process (1 without a strategy)."""
-    if not tf.distribute.has_strategy():
-        return 1
-    return len(tf.distribute.get_strategy().extended.worker_devices)
 
 
 @keras.saving.register_keras_serializable(package="elastic_emb")
@@ -245,27 +194,26 @@ class Embedding(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
+        if not isinstance(inputs, tf.Tensor | tf.RaggedTensor | tf.SparseTensor):
+            inputs = tf.convert_to_tensor(inputs)
+        rows = self._lookup(self._flat_keys(inputs), training)
         if isinstance(inputs, tf.RaggedTensor) and self.combiner is None:
             # As keras.layers.Embedding: a ragged result, one row per id.
-            rows = self._lookup(self._keys(inputs.flat_values), training)
             return self._cast(inputs.with_flat_values(rows))
         if isinstance(inputs, tf.SparseTensor) and self.combiner is None:
-            # As keras.layers.Embedding: dense, absent positions read id 0.
             inputs = tf.sparse.to_dense(inputs)
         if isinstance(inputs, tf.RaggedTensor | tf.SparseTensor):
-            return self._call_multi_hot(inputs, training)
-        ids = self._keys(inputs)
-        flat = tf.reshape(ids, [-1])
-        rows = self._lookup(flat, training)
+            return self._call_multi_hot(inputs, rows)
+        ids_shape = tf.shape(inputs)
         if self.combiner is not None:
-            if ids.shape.rank != 2:
+            if inputs.shape.rank != 2:
                 raise ValueError(
                     "With a `combiner`, dense ids must have shape (batch, k). "
-                    f"Received: shape={ids.shape}"
+                    f"Received: shape={inputs.shape}"
                 )
-            rows = tf.reshape(rows, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+            rows = tf.reshape(rows, tf.concat([ids_shape, [self.output_dim]], 0))
             return self._cast(self._combine_dense(rows))
-        out = tf.reshape(rows, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+        out = tf.reshape(rows, tf.concat([ids_shape, [self.output_dim]], 0))
         return self._cast(out)
 
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
@@ -398,66 +346,29 @@ class Embedding(keras.layers.Layer):
         # builds) are cast, as keras.layers.Embedding does.
         return tf.cast(ids, tf.int64)
 
+    def _flat_keys(self, inputs: Any) -> tf.Tensor:
+        """The int64 keys `call` looks up for `inputs`, flat, in lookup order."""
+        if isinstance(inputs, tf.SparseTensor) and self.combiner is None:
+            inputs = tf.sparse.to_dense(inputs)  # as keras.layers.Embedding: absent ids are 0
+        if isinstance(inputs, tf.RaggedTensor) and self.combiner is None:
+            return self._keys(inputs.flat_values)
+        if isinstance(inputs, tf.RaggedTensor | tf.SparseTensor):
+            return self._keys(self._segments(inputs)[0])
+        return tf.reshape(self._keys(inputs), [-1])
+
     def _lookup(self, flat_ids: tf.Tensor, training: bool | None) -> tf.Tensor:
         """Rows of `flat_ids` (n,) -> (n, dim); their gradient, if computed, is pushed.
 
-        One call into the table's `StepFusion` per direction: the rows come
-        back in input order (duplicate ids handled in C++), and the gradient,
-        one row per id, goes to `push_gradient`, whose output is the gradient
-        of the push trigger, so it runs once per step whatever optimizer
-        `model.compile` uses. A remote table is reached in two phases (all
-        layers of a traced step submit before any collects, so it pulls for
-        every layer at once).
+        A Functional model looked up the rows of all its layers at once
+        before it called them (`elastic_emb.lookup.fused_call`); otherwise
+        the layer looks up on its own (`lookup.rows_of`).
         """
         if self._serving_table is not None:  # exporting: stock ops only
             return self._serving_table.lookup(flat_ids)
-        if not self.trainable:  # frozen: the table neither grows nor trains
-            training = False
-        fusion, dim = self.table.step_fusion(), self.output_dim
-        insert, expects_push = bool(training), training is not False
-        # The replicas of this process (each worker of a multi-worker strategy
-        # pushes on its own).
-        num_replicas = _local_replicas()
-
-        def lookup(keys: np.ndarray, _trigger: np.ndarray) -> np.ndarray:
-            return fusion.lookup(keys, insert, expects_push)
-
-        def submit(keys: np.ndarray, _trigger: np.ndarray) -> np.ndarray:
-            return np.array(fusion.submit(keys, insert, expects_push), np.int64)
-
-        def collect(ticket: np.ndarray) -> np.ndarray:
-            return fusion.collect(int(ticket))
-
-        def push(keys: np.ndarray, grads: np.ndarray) -> np.ndarray:
-            fusion.push_gradient(keys, grads, num_replicas)
-            return np.zeros((1,), np.float32)
-
-        def rows_of(ids: tf.Tensor, trigger: tf.Tensor) -> tf.Tensor:
-            # The variable read keeps constant ids from being folded at trace time.
-            if fusion.two_phase:
-                ticket = tf.numpy_function(submit, [ids, trigger], tf.int64, stateful=False)
-                rows = tf.numpy_function(collect, [ticket], tf.float32, stateful=False)
-                _fuse_pulls(ticket, rows)
-            else:
-                rows = tf.numpy_function(lookup, [ids, trigger], tf.float32, stateful=False)
-            rows.set_shape([flat_ids.shape[0], dim])
-            return rows
-
-        trigger = tf.convert_to_tensor(self._push_trigger)
-        if not expects_push:
-            return rows_of(flat_ids, trigger)
-
-        @tf.custom_gradient
-        def looked_up(ids: tf.Tensor, trigger: tf.Tensor) -> Any:
-            def grad(upstream: tf.Tensor) -> tuple[None, tf.Tensor]:
-                pushed = tf.numpy_function(
-                    push, [ids, tf.cast(upstream, tf.float32)], tf.float32, stateful=True
-                )
-                return None, tf.reshape(pushed, [1])
-
-            return rows_of(ids, trigger), grad
-
-        return looked_up(flat_ids, trigger)
+        rows = lookup.take(self)
+        if rows is None:
+            rows = lookup.rows_of([(self, flat_ids)], training)[0]
+        return rows
 
     def _segments(self, inputs: Any) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """(flat ids, example index of each id, number of examples) of multi-hot ids."""
@@ -473,9 +384,9 @@ class Embedding(keras.layers.Layer):
             )
         return inputs.values, inputs.indices[:, 0], inputs.dense_shape[0]
 
-    def _call_multi_hot(self, inputs: Any, training: bool | None) -> tf.Tensor:
-        values, example, batch = self._segments(inputs)
-        rows = self._lookup(self._keys(values), training)
+    def _call_multi_hot(self, inputs: Any, rows: tf.Tensor) -> tf.Tensor:
+        """Combines the rows of multi-hot ids (ragged or sparse) per example."""
+        _, example, batch = self._segments(inputs)
         summed = tf.math.unsorted_segment_sum(rows, example, batch)
         if self.combiner == "sum":
             return self._cast(summed)
@@ -534,5 +445,7 @@ def embedding_layers(model: keras.Model) -> list[Embedding]:
 
 # `model.export(...)` writes these layers' tables as stock TensorFlow ops.
 keras_patches.export_through_serving(lambda model: serving.serving(embedding_layers(model)))
-# ...and `model.save("m.h5")` (legacy format, no rows) refuses them.
+# `model.save("m.h5")` (legacy format, no rows) refuses them.
 keras_patches.refuse_legacy_h5(lambda model: bool(embedding_layers(model)))
+# A Functional model looks up the rows of all its layers in one call.
+keras_patches.fuse_functional_lookups(functools.partial(lookup.fused_call, Embedding))

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 import elastic_emb as ee
-from elastic_emb import layers
+from elastic_emb.lookup import local_replicas
 
 _LOCK = threading.Lock()
 _PENDING: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # replica pushes by table
@@ -33,7 +33,7 @@ class UnfusedEmbedding(ee.Embedding):
         # A proxy, as the layer's own path holds it: TensorFlow keeps these
         # functions alive, and must not keep the table alive through them.
         table, insert = weakref.proxy(self.table), bool(training) and self.trainable
-        replicas = layers._local_replicas()
+        replicas = local_replicas()
         # One list per table, shared by the replicas (each traces its own lookup).
         lock, pending = _LOCK, _PENDING.setdefault(table.name, [])
 

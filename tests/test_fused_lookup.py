@@ -1,17 +1,21 @@
-"""The layers' lookup with duplicate ids handled in C++ gives exactly what per-layer
-TensorFlow ops gave (`_unfused.UnfusedEmbedding`): same tables, weights and losses, bit for
-bit, for mixed tables in one model, with and without MirroredStrategy."""
+"""The layers' lookup with duplicate ids handled in C++, one call for all the layers of a
+Functional model, gives exactly what per-layer TensorFlow ops gave
+(`_unfused.UnfusedEmbedding`): same tables, weights and losses, bit for bit, for mixed
+tables in one model, with and without MirroredStrategy. Where fusing would not be exact,
+each layer looks up on its own."""
 
+from collections.abc import Callable
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from _processes import run_python
-from _unfused import UnfusedEmbedding, train
+from _unfused import UnfusedEmbedding, build, data, train
 
 import elastic_emb as ee
-from elastic_emb import _core
+from elastic_emb import _core, lookup
 
 HERE = Path(__file__).parent
 BATCHES, EPOCHS = 6, 2  # _unfused.train: 192 examples, batches of 32
@@ -72,3 +76,92 @@ def test_fused_lookup_matches_per_layer_ops_under_mirrored_strategy(tmp_path: Pa
     fused, unfused = dict(np.load(fused_path)), dict(np.load(unfused_path))
     _assert_trained(fused, item_pushes=1)
     _assert_bitwise_equal(fused, unfused)
+
+
+def _lookup_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records how many layer calls each traced lookup serves."""
+    sizes: list[int] = []
+    real = lookup.rows_of
+
+    def spy(lookups: list, training: bool | None) -> list:
+        sizes.append(len(lookups))
+        return real(lookups, training)
+
+    monkeypatch.setattr(lookup, "rows_of", spy)
+    return sizes
+
+
+def _ids(n: int = 64, width: int = 3, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 40, (n, width)).astype(np.int64)
+
+
+def _slices_model(width: int = 3, ids_layer: Callable | None = None) -> keras.Model:
+    """One ee.Embedding per column of an int64 input (optionally passed through `ids_layer`)."""
+    inp = keras.Input((width,), dtype="int64")
+    ids = inp if ids_layer is None else ids_layer(inp)
+    layers = [ee.Embedding(4, "adagrad", name=f"col{i}", seed=i) for i in range(width)]
+    features = [keras.layers.Flatten()(layer(ids[:, i : i + 1])) for i, layer in enumerate(layers)]
+    out = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(0))(
+        keras.layers.Concatenate()(features)
+    )
+    model = keras.Model(inp, out)
+    model.compile("sgd", "mse")
+    return model
+
+
+def test_a_functional_model_looks_up_all_its_layers_in_one_call(monkeypatch) -> None:
+    sizes = _lookup_sizes(monkeypatch)
+    batches = tf.data.Dataset.from_tensor_slices(data(strings=True)).batch(32)
+    model, _ = build(ee.Embedding, "one_call", strings=True)
+    model.fit(batches, epochs=1, verbose=0)
+    model.predict(batches.map(lambda x, y: x), verbose=0)
+    # user, item, hist (the item layer again), tags, city: every trace, one lookup.
+    assert sizes and set(sizes) == {5}
+
+
+def test_fused_predictions_equal_each_layer_looking_up_alone() -> None:
+    model, x = _slices_model(), _ids()
+    model.fit(x, np.ones((64, 1)), batch_size=16, epochs=2, verbose=0)
+    fused = model.predict(x, batch_size=64, verbose=0)  # traced: one lookup
+    alone = model(x, training=False).numpy()  # eager: each layer on its own
+    assert fused.tobytes() == alone.tobytes()
+
+
+def test_a_frozen_layer_in_a_fused_lookup_neither_grows_nor_trains(monkeypatch) -> None:
+    sizes = _lookup_sizes(monkeypatch)
+    model, x = _slices_model(), _ids()
+    frozen = model.get_layer("col1")
+    frozen.table.import_rows(np.arange(10, dtype=np.int64), np.ones((10, 4), np.float32))
+    frozen.trainable = False
+    model.compile("sgd", "mse")
+    model.fit(x, np.ones((64, 1)), batch_size=16, epochs=1, verbose=0)
+    assert set(sizes) == {3}
+    state = frozen.table.export_state()
+    assert len(frozen.table) == 10 and frozen.table.iterations == 0
+    np.testing.assert_array_equal(state.values, np.ones((10, 4), np.float32))
+    assert model.get_layer("col0").table.iterations == 4  # the others trained every step
+
+
+def test_ids_from_a_layer_with_state_are_looked_up_layer_by_layer(monkeypatch) -> None:
+    sizes = _lookup_sizes(monkeypatch)
+    # Dropout draws random numbers: running it twice would change the ids.
+    dropout = keras.layers.Dropout(0.5, seed=1)
+    model = _slices_model(
+        ids_layer=lambda x: keras.ops.cast(dropout(keras.ops.cast(x, "float32")), "int64")
+    )
+    model.fit(_ids(), np.ones((64, 1)), batch_size=16, epochs=1, verbose=0)
+    assert sizes and set(sizes) == {1}
+
+
+def test_a_nested_functional_model_fuses_its_own_layers(monkeypatch) -> None:
+    sizes = _lookup_sizes(monkeypatch)
+    inner = _slices_model(width=2)
+    inp = keras.Input((2,), dtype="int64")
+    outer_emb = keras.layers.Flatten()(ee.Embedding(4, "sgd", name="outer", seed=9)(inp[:, :1]))
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()([inner(inp), outer_emb]))
+    model = keras.Model(inp, out)
+    model.compile("sgd", "mse")
+    model.fit(_ids(width=2), np.ones((64, 1)), batch_size=16, epochs=1, verbose=0)
+    assert sizes and set(sizes) == {1, 2}  # the outer layer alone, the inner two together
+    assert inner.get_layer("col0").table.iterations == 4
+    assert model.get_layer("outer").table.iterations == 4
