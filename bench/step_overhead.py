@@ -18,6 +18,14 @@ window by window:
 - `ee in-process`: `ee.Embedding` tables in the training process.
 - `ee 2 PS sync`: the same tables on 2 `elastic-emb serve` shards on
   127.0.0.1 (`ee.init(ps=..., mode="sync")`), sharing the machine's cores.
+- `... (per layer)`: the same, each layer looking up on its own (one
+  `numpy_function` per layer and direction) instead of the model's one
+  fused lookup: what the fusion across layers gains.
+- `ee 2 PS sync (lookahead)`: the dataset wrapped by `ee.lookahead`, which
+  reads each step's rows while the step before ends.
+
+Every variant reads the same `tf.data` pipeline (in-memory batches,
+repeated); each window is one `model.fit` epoch of `--steps` steps.
 
 Cases: batch 4096 and 512, and 26 tables (one layer per feature) against 1
 table (one layer looks up all 26 features, ids offset per feature). Figures
@@ -48,7 +56,17 @@ import numpy as np
 from remote_bench import Child, children, cpu_seconds, log, ps_shards
 
 VOCAB, DIM, FROZEN_ROWS, NUM_FEATURES, NUM_DENSE = 100_000, 16, 1000, 26, 13
-VARIANTS = ("ceiling", "gradient ceiling", "stock trainable", "ee in-process", "ee 2 PS sync")
+VARIANTS = (
+    "ceiling",
+    "gradient ceiling",
+    "stock trainable",
+    "ee in-process",
+    "ee in-process (per layer)",
+    "ee 2 PS sync",
+    "ee 2 PS sync (per layer)",
+    "ee 2 PS sync (lookahead)",
+)
+PER_LAYER = " (per layer)"
 TARGETS = {"ee in-process": 1.15, "ee 2 PS sync": 1.35}  # x the ceiling, from issue 11
 
 
@@ -119,16 +137,26 @@ def variant_worker(conn: Any, variant: str, ps: list[str] | None, cases: list, s
     """
     import elastic_emb as ee
 
+    if variant.endswith(PER_LAYER):  # no model is fused: every layer looks up alone
+        from elastic_emb import lookup
+
+        lookup._plan = lambda model, layer_type: None
     if ps:
         ee.init(ps=ps, mode="sync")
-    data = {case: make_data(case[0], steps) for case in cases}
+    import tensorflow as tf
+
     models = {case: build(variant, case[1]) for case in cases}
+    data = {}
+    for case in cases:
+        x, y = make_data(case[0], steps)
+        data[case] = tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(case[0]).repeat()
+        if variant.endswith("(lookahead)"):
+            data[case] = ee.lookahead(data[case], models[case])
     conn.send(("ready", None))
     while (msg := conn.recv()) is not None:
         case, n = msg
-        (x, y), model = data[case], models[case]
         wall, cpu = time.perf_counter(), time.process_time()
-        model.fit(x, y, batch_size=case[0], epochs=1, steps_per_epoch=n, verbose=0)
+        models[case].fit(data[case], epochs=1, steps_per_epoch=n, verbose=0)
         conn.send(("window", ((time.perf_counter() - wall) / n, (time.process_time() - cpu) / n)))
     if ps:
         ee.shutdown()
@@ -146,14 +174,22 @@ def main() -> None:
     if not set(variants) <= set(VARIANTS):
         raise SystemExit(f"--variants: choose from {VARIANTS}")
     ctx = multiprocessing.get_context("spawn")
-    shard_count = 2 if "ee 2 PS sync" in variants else 0
-    with ps_shards(shard_count) as shards:
-        pids = {"ee 2 PS sync": [s.process.pid for s in shards]}
+    remote = [v for v in variants if "PS" in v]  # each its own 2 shards
+    with ps_shards(2 * len(remote)) as shards:
+        own = {v: shards[2 * i : 2 * i + 2] for i, v in enumerate(remote)}
+        pids = {v: [s.process.pid for s in own[v]] for v in remote}
 
         def make() -> dict[str, Child]:
-            ps = [s.address for s in shards]
             return {
-                v: Child(ctx, v, variant_worker, v, ps if "PS" in v else None, cases, args.steps)
+                v: Child(
+                    ctx,
+                    v,
+                    variant_worker,
+                    v,
+                    [s.address for s in own[v]] if v in own else None,
+                    cases,
+                    args.steps,
+                )
                 for v in variants
             }
 

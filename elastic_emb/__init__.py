@@ -59,6 +59,7 @@ _NAMES = {
     "Embedding": "elastic_emb.layers",
     "export_saved_model": "elastic_emb.layers",
     "init": "elastic_emb.placement",
+    "lookahead": "elastic_emb.layers",
     "shutdown": "elastic_emb.placement",
 }
 
@@ -144,7 +145,7 @@ if TYPE_CHECKING:
     from elastic_emb.checkpoint import CheckpointError, restore, save
     from elastic_emb.examples import criteo as data
     from elastic_emb.examples import dlrm as models
-    from elastic_emb.layers import Embedding, export_saved_model
+    from elastic_emb.layers import Embedding, export_saved_model, lookahead
     from elastic_emb.placement import init, shutdown
 
 __all__ = [
@@ -160,6 +161,7 @@ __all__ = [
     "init",
     "initializers",
     "keras_patches",
+    "lookahead",
     "models",
     "optimizers",
     "placement",

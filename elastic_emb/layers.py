@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import warnings
 from typing import Any
@@ -15,7 +14,7 @@ from elastic_emb import checkpoint, initializers, keras_patches, lookup, optimiz
 from elastic_emb.errors import ElasticEmbWarning
 from elastic_emb.table import Table, TableState, check_nonfinite_policy
 
-__all__ = ["Embedding", "embedding_layers", "export_saved_model", "string_keys"]
+__all__ = ["Embedding", "embedding_layers", "export_saved_model", "lookahead", "string_keys"]
 
 _COMBINERS = (None, "sum", "mean", "sqrtn")
 # Above this a table's rows are not written into Keras weights files (ee.save is).
@@ -434,6 +433,39 @@ def export_saved_model(
     serving.export(model, embedding_layers(model), path, input_signature, verbose, **kwargs)
 
 
+def lookahead(dataset: tf.data.Dataset, model: keras.Model) -> tf.data.Dataset:
+    """`dataset` for `model.fit`, each batch's rows read from the PS one step ahead.
+
+    Remote tables only (in-process tables answer at once). The input
+    pipeline computes each batch's ids with the part of `model` that
+    computes them, as soon as the model takes the batch before; once that
+    step's gradients are pushed, the worker reads the next step's rows
+    while the step ends, instead of at the start of the next step. The rows
+    are the ones the step's own pull would get (a shard answers only once
+    the step before is applied, sync, or has arrived, async), and a step
+    whose ids are not what was announced pulls as usual: training is
+    exactly as without it. Unseen ids are inserted by the step's push
+    instead of its pull (a step skipped for non-finite gradients, with
+    `nonfinite="skip"`, leaves them out of the table). Not under a
+    `tf.distribute` strategy with several replicas (each replica pulls on
+    its own; nothing is read ahead), nor with `read_from_backups`.
+
+    Args:
+        dataset: a `tf.data.Dataset` of `x`, `(x, y)` or `(x, y, sample_weight)`
+            batches, as `model.fit` takes it.
+        model: the Functional or Sequential model that will train on it.
+
+    Returns:
+        The same batches, with one prepared ahead.
+
+    Raises:
+        TypeError: `dataset` is not a `tf.data.Dataset`.
+        ValueError: `model` does not look up its layers in one call (see
+            docs/architecture.md).
+    """
+    return lookup.lookahead(Embedding, dataset, model)
+
+
 def embedding_layers(model: keras.Model) -> list[Embedding]:
     """The ee.Embedding layers of `model`, nested ones included."""
     return [
@@ -447,5 +479,6 @@ def embedding_layers(model: keras.Model) -> list[Embedding]:
 keras_patches.export_through_serving(lambda model: serving.serving(embedding_layers(model)))
 # `model.save("m.h5")` (legacy format, no rows) refuses them.
 keras_patches.refuse_legacy_h5(lambda model: bool(embedding_layers(model)))
-# A Functional model looks up the rows of all its layers in one call.
-keras_patches.fuse_functional_lookups(functools.partial(lookup.fused_call, Embedding))
+# A Functional model looks up the rows of all its layers in one call. (Looked up
+# at call time: `elastic_emb.lookup`, imported first, imports this module through Keras.)
+keras_patches.fuse_functional_lookups(lambda *args: lookup.fused_call(Embedding, *args))

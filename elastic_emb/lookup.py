@@ -29,7 +29,7 @@ from elastic_emb.table import StepFusion
 if TYPE_CHECKING:
     from elastic_emb.layers import Embedding
 
-__all__ = ["fused_call", "local_replicas", "rows_of", "take"]
+__all__ = ["fused_call", "local_replicas", "lookahead", "rows_of", "take"]
 
 
 def local_replicas() -> int:
@@ -215,9 +215,7 @@ def fused_call(
     """
     if tf.executing_eagerly():
         return call()
-    if model not in _PLANS:
-        _PLANS[model] = _plan(model, layer_type)
-    plan = _PLANS[model]
+    plan = _plan_of(model, layer_type)
     if plan is None or any(layer.serving_table is not None for layer in plan.layers):
         return call()
     ids = plan.ids._run_through_graph(model._standardize_inputs(inputs))
@@ -247,6 +245,55 @@ def take(layer: Embedding) -> tf.Tensor | None:
         if rows:
             return rows.popleft()
     return None
+
+
+def lookahead(layer_type: type[Embedding], dataset: tf.data.Dataset, model: Any) -> Any:
+    """`dataset`, telling the tables each batch's ids one training step ahead."""
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(f"ee.lookahead takes a tf.data.Dataset. Received: {type(dataset).__name__}")
+    if not isinstance(model, keras.Model) or not hasattr(model, "_nodes_by_depth"):
+        raise ValueError(
+            "ee.lookahead needs a Functional or Sequential Keras model (it runs the part of "
+            f"the model that computes the ids). Received: {type(model).__name__}"
+        )
+    plan = _plan_of(model, layer_type)
+    if plan is None:
+        raise ValueError(
+            f"Model {model.name!r} does not look up its ee.Embedding layers in one call "
+            "(fewer than two, or ids computed by layers with state: see "
+            "docs/architecture.md), so ee.lookahead cannot read its rows ahead."
+        )
+
+    if not any(layer.table.step_fusion().two_phase for layer in plan.layers):
+        return dataset  # in-process tables answer at once: nothing to read ahead
+
+    def announce(*keys: np.ndarray) -> np.ndarray:
+        groups: dict[int, tuple[Any, list[Any]]] = {}
+        for layer, k in zip(plan.layers, keys, strict=True):
+            ahead = layer.table.step_fusion().read_ahead(k)
+            if ahead is not None:
+                groups.setdefault(id(ahead[0]), (ahead[0], []))[1].append(ahead[1])
+        for group, tables in groups.values():
+            group.prefetch(tables)
+        return np.zeros((), np.int64)
+
+    def tap(*batch: Any) -> Any:
+        x = batch[0]  # (x, y, sample_weight) as Keras takes them, or x alone
+        ids = plan.ids._run_through_graph(model._standardize_inputs(x))
+        keys = [layer._flat_keys(i) for layer, i in zip(plan.layers, ids, strict=True)]
+        told = tf.numpy_function(announce, keys, tf.int64, stateful=True)
+        with tf.control_dependencies([told]):
+            batch = tf.nest.map_structure(tf.identity, batch)
+        return batch if len(batch) > 1 else batch[0]
+
+    # One batch ready ahead: the next batch is announced as the model takes this one.
+    return dataset.map(tap).prefetch(1)
+
+
+def _plan_of(model: Any, layer_type: type[Embedding]) -> _Plan | None:
+    if model not in _PLANS:
+        _PLANS[model] = _plan(model, layer_type)
+    return _PLANS[model]
 
 
 def _plan(model: Any, layer_type: type[Embedding]) -> _Plan | None:

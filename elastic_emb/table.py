@@ -493,6 +493,12 @@ class StepFusion(abc.ABC):
         """`two_phase` tables: the rows of a submission; blocks until they are there."""
         raise NotImplementedError(f"{type(self).__name__} is not two-phase: call lookup()")
 
+    def read_ahead(self, keys: np.ndarray) -> tuple[Any, tuple[str, int, np.ndarray]] | None:
+        """`two_phase` tables: (the group that pulls them, what to tell it) to read the rows
+        of `keys` ahead of the training step that will look them up (`ee.lookahead`);
+        None: nothing to gain. The group gets a `prefetch([what, ...])` per step."""
+        return None
+
     @abc.abstractmethod
     def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
         """A layer's gradient, float32 `(n, dim)` for its ids `(n,)` as looked up, from one

@@ -117,9 +117,16 @@ FORBIDDEN = {
     "elastic_emb.gpu": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
     "elastic_emb.checkpoint": {"tensorflow", "keras", "grpc", "elastic_emb._proto"},
     # The PS never needs TensorFlow or Keras, nor the layer.
-    "elastic_emb.ps": {"tensorflow", "keras", "elastic_emb.layers", "elastic_emb.callbacks"},
+    "elastic_emb.ps": {
+        "tensorflow",
+        "keras",
+        "elastic_emb.layers",
+        "elastic_emb.lookup",
+        "elastic_emb.callbacks",
+    },
     # Only the PS package speaks protobuf (docs/architecture.md).
     "elastic_emb.layers": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
+    "elastic_emb.lookup": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
     "elastic_emb.placement": {"grpc", "elastic_emb._proto", "tensorflow"},
     # The library never depends on its examples.
     "elastic_emb.": {"elastic_emb.examples"},

@@ -165,3 +165,33 @@ def test_a_nested_functional_model_fuses_its_own_layers(monkeypatch) -> None:
     assert sizes and set(sizes) == {1, 2}  # the outer layer alone, the inner two together
     assert inner.get_layer("col0").table.iterations == 4
     assert model.get_layer("outer").table.iterations == 4
+
+
+def test_the_lookup_module_can_be_imported_first() -> None:
+    # elastic_emb.lookup imports Keras, whose loading imports elastic_emb.layers, which
+    # hooks lookup.fused_call into Keras: that must not need the half-imported module.
+    code = (
+        "import warnings; warnings.filterwarnings('error', 'elastic_emb could not');"
+        "from elastic_emb import lookup; from elastic_emb.keras_patches import _call_wrapped;"
+        "print(_call_wrapped)"
+    )
+    assert run_python("-c", code, cwd=HERE).strip() == "True"
+
+
+def test_lookahead_refuses_what_it_cannot_read_ahead_for() -> None:
+    model = _slices_model()
+    batches = tf.data.Dataset.from_tensor_slices((_ids(), np.ones((64, 1)))).batch(16)
+    with pytest.raises(TypeError, match=r"takes a tf\.data\.Dataset\. Received: ndarray"):
+        ee.lookahead(_ids(), model)
+
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="needs a Functional or Sequential Keras model"):
+        ee.lookahead(batches, Subclassed())
+    single = _slices_model(width=1)
+    with pytest.raises(ValueError, match=r"does not look up its ee\.Embedding layers in one call"):
+        ee.lookahead(batches, single)
+    # In-process tables answer at once: the batches are left as they are.
+    assert ee.lookahead(batches, model) is batches

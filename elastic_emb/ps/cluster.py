@@ -41,6 +41,11 @@ CHECKPOINT_TIMEOUT = 6 * 3600.0
 WORKER_LEASE_SECONDS = 3
 # Pushes of a worker that may be in flight while it pulls again.
 _PUSHES_AHEAD = 2
+# Coming steps' keys (`prefetch`) kept at most: the input pipeline runs one ahead.
+_STEPS_AHEAD = 2
+
+# [(table, dim, keys)]: the tables of one pull, in submission order.
+_Tables = list[tuple[str, int, np.ndarray]]
 
 
 @dataclasses.dataclass
@@ -143,6 +148,12 @@ class Cluster:
         self._received_pushes = 0
         self._step_pushes: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._step_dims: dict[str, int] = {}
+        # Keys of coming training steps (`prefetch`), oldest first, and the next step's
+        # rows read ahead: (step, tables, rows).
+        self._ahead: collections.deque[_Tables] = collections.deque(maxlen=_STEPS_AHEAD)
+        self._read_ahead: tuple[int, _Tables, concurrent.futures.Future[list[Any]]] | None = None
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ee-ahead")
+        self.steps_read_ahead = 0  # training steps whose rows were read ahead (`prefetch`)
         # Guarded by _in_flight_lock: queued pushes, oldest first.
         self._in_flight_lock = threading.Lock()
         self._in_flight: collections.deque[concurrent.futures.Future[None]] = collections.deque()
@@ -191,6 +202,7 @@ class Cluster:
 
     def _close_connections(self) -> None:
         self._pusher.shutdown(wait=True)
+        self._reader.shutdown(wait=False, cancel_futures=True)
         self.shards.close()
         if self.routing is not None:
             self.routing.close()
@@ -368,11 +380,14 @@ class Cluster:
 
     # Pull and push, fused over tables.
 
-    def pull(self, tables: list[tuple[str, int, np.ndarray]], insert: bool) -> list[np.ndarray]:
+    def pull(self, tables: _Tables, insert: bool) -> list[np.ndarray]:
         """Rows of many tables in one request per shard: [(name, dim, keys)] -> [rows]."""
         self._raise_push_errors()
         with self._lock:
             step = self._step + 1
+        return self._pull(tables, insert, step)
+
+    def _pull(self, tables: _Tables, insert: bool, step: int) -> list[np.ndarray]:
         split: list[list[np.ndarray]] = []
 
         def make(layout: RangeLayout) -> list[Any]:
@@ -425,6 +440,9 @@ class Cluster:
         future = self._pusher.submit(self._push_step, self._step, tables)
         with self._in_flight_lock:
             self._in_flight.append(future)
+        if self._ahead:  # the next step's keys are known: read its rows now
+            coming, step = self._ahead.popleft(), self._step + 1
+            self._read_ahead = (step, coming, self._reader.submit(self._pull, coming, False, step))
         return future
 
     def _push_step(self, step: int, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]) -> None:
@@ -496,8 +514,11 @@ class Cluster:
                 continue
             for i, t in enumerate(group):
                 t.index = i
+            tables = [(t.table, t.dim, t.keys) for t in group]
             try:
-                rows = self.pull([(t.table, t.dim, t.keys) for t in group], insert)
+                rows = self._rows_read_ahead(tables) if insert else None
+                if rows is None:
+                    rows = self.pull(tables, insert)
             except BaseException as e:
                 for t in group:
                     assert t.future is not None
@@ -507,6 +528,41 @@ class Cluster:
                 assert t.future is not None
                 if not t.future.done():
                     t.future.set_result(rows)
+
+    def prefetch(self, tables: _Tables) -> None:
+        """The distinct keys of a coming training step, as its lookups will submit them.
+
+        Once the step before it is pushed, its rows are read (without
+        inserting unseen keys: their initial values come back, and the step's
+        push inserts them) while that step ends; the step's collect takes
+        them if it asks for exactly these keys, else pulls as usual. The
+        shards answer such a read only once the step before it is applied
+        (sync) or has arrived (async), as they answer the step's own pull:
+        the rows are the same. `ee.lookahead` calls this from the input
+        pipeline. Ignored with `read_from_backups` (backups may lag).
+        """
+        if self.read_from_backups:
+            return
+        with self._lock:
+            self._ahead.append(tables)
+
+    def _rows_read_ahead(self, tables: _Tables) -> list[np.ndarray] | None:
+        """The rows read ahead for this step's `tables`; None if none were."""
+        with self._lock:
+            if self._ahead and _same_tables(self._ahead[0], tables):
+                self._ahead.popleft()  # came before its step's predecessor was pushed
+            read, self._read_ahead = self._read_ahead, None
+            step = self._step + 1
+        if read is None or read[0] != step or not _same_tables(read[1], tables):
+            return None
+        try:
+            rows = read[2].result()
+        except Exception as e:  # the step pulls instead (which raises if the cause lasts)
+            log.debug("rows read ahead for step %d failed: %s", step, e)
+            return None
+        with self._lock:
+            self.steps_read_ahead += 1
+        return rows
 
     def push_gradient(self, table: str, dim: int, keys: np.ndarray, grads: np.ndarray) -> None:
         """A layer's gradient; the step is pushed when all layers that pulled have pushed."""
@@ -532,3 +588,10 @@ class Cluster:
         }
         self._step_pushes, self._received_pushes, self._expected_pushes = {}, 0, 0
         self._start_push(tables)
+
+
+def _same_tables(a: _Tables, b: _Tables) -> bool:
+    return len(a) == len(b) and all(
+        x[0] == y[0] and x[1] == y[1] and np.array_equal(x[2], y[2])
+        for x, y in zip(a, b, strict=True)
+    )

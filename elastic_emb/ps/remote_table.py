@@ -158,6 +158,10 @@ class _RemoteStep(StepFusion):
             positions = self._positions.pop(ticket)
         return rows.take(positions, axis=0)
 
+    def read_ahead(self, keys: np.ndarray) -> tuple[Any, tuple[str, int, np.ndarray]]:
+        distinct, _ = _core.unique_keys(check_keys(keys))
+        return self._cluster, (self._name, self._dim, distinct)
+
     def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
         # Each replica's push counts once toward the step (see Cluster.collect).
         k = check_keys(keys)
