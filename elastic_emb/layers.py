@@ -460,8 +460,8 @@ def lookahead(dataset: tf.data.Dataset, model: keras.Model) -> tf.data.Dataset:
 
     Raises:
         TypeError: `dataset` is not a `tf.data.Dataset`.
-        ValueError: `model` does not look up its layers in one call (see
-            docs/architecture.md).
+        ValueError: `model` computes the ids of its `ee.Embedding` calls with
+            layers that have state, or is not Functional or Sequential.
     """
     return lookup.lookahead(Embedding, dataset, model)
 

@@ -216,7 +216,11 @@ def fused_call(
     if tf.executing_eagerly():
         return call()
     plan = _plan_of(model, layer_type)
-    if plan is None or any(layer.serving_table is not None for layer in plan.layers):
+    if (
+        plan is None
+        or len(plan.layers) < 2  # nothing to fuse
+        or any(layer.serving_table is not None for layer in plan.layers)
+    ):
         return call()
     ids = plan.ids._run_through_graph(model._standardize_inputs(inputs))
     keys = [layer._flat_keys(x) for layer, x in zip(plan.layers, ids, strict=True)]
@@ -259,9 +263,9 @@ def lookahead(layer_type: type[Embedding], dataset: tf.data.Dataset, model: Any)
     plan = _plan_of(model, layer_type)
     if plan is None:
         raise ValueError(
-            f"Model {model.name!r} does not look up its ee.Embedding layers in one call "
-            "(fewer than two, or ids computed by layers with state: see "
-            "docs/architecture.md), so ee.lookahead cannot read its rows ahead."
+            f"Model {model.name!r} has no ee.Embedding call whose ids ee.lookahead can "
+            "compute ahead (none, or ids computed by layers with state, or a call with "
+            "more than one argument: see docs/architecture.md)."
         )
 
     if not any(layer.table.step_fusion().two_phase for layer in plan.layers):
@@ -310,7 +314,7 @@ def _plan(model: Any, layer_type: type[Embedding]) -> _Plan | None:
         and not node.arguments.kwargs
         for node in nodes
     )
-    if len(nodes) < 2 or not fusable:
+    if not nodes or not fusable:
         return None
     ids = keras.Function(model.inputs, [node.arguments.args[0] for node in nodes])
     for op in ids.operations:

@@ -109,6 +109,14 @@ def _slices_model(width: int = 3, ids_layer: Callable | None = None) -> keras.Mo
     return model
 
 
+def _random_ids_model() -> keras.Model:
+    """Ids through dropout, which draws random numbers: computed twice, they would differ."""
+    dropout = keras.layers.Dropout(0.5, seed=1)
+    return _slices_model(
+        ids_layer=lambda x: keras.ops.cast(dropout(keras.ops.cast(x, "float32")), "int64")
+    )
+
+
 def test_a_functional_model_looks_up_all_its_layers_in_one_call(monkeypatch) -> None:
     sizes = _lookup_sizes(monkeypatch)
     batches = tf.data.Dataset.from_tensor_slices(data(strings=True)).batch(32)
@@ -144,11 +152,7 @@ def test_a_frozen_layer_in_a_fused_lookup_neither_grows_nor_trains(monkeypatch) 
 
 def test_ids_from_a_layer_with_state_are_looked_up_layer_by_layer(monkeypatch) -> None:
     sizes = _lookup_sizes(monkeypatch)
-    # Dropout draws random numbers: running it twice would change the ids.
-    dropout = keras.layers.Dropout(0.5, seed=1)
-    model = _slices_model(
-        ids_layer=lambda x: keras.ops.cast(dropout(keras.ops.cast(x, "float32")), "int64")
-    )
+    model = _random_ids_model()
     model.fit(_ids(), np.ones((64, 1)), batch_size=16, epochs=1, verbose=0)
     assert sizes and set(sizes) == {1}
 
@@ -190,8 +194,7 @@ def test_lookahead_refuses_what_it_cannot_read_ahead_for() -> None:
 
     with pytest.raises(ValueError, match="needs a Functional or Sequential Keras model"):
         ee.lookahead(batches, Subclassed())
-    single = _slices_model(width=1)
-    with pytest.raises(ValueError, match=r"does not look up its ee\.Embedding layers in one call"):
-        ee.lookahead(batches, single)
+    with pytest.raises(ValueError, match=r"no ee\.Embedding call whose ids ee\.lookahead can"):
+        ee.lookahead(batches, _random_ids_model())
     # In-process tables answer at once: the batches are left as they are.
     assert ee.lookahead(batches, model) is batches
