@@ -156,7 +156,7 @@ def variant_worker(conn: Any, variant: str, ps: list[str] | None, cases: list, s
     while (msg := conn.recv()) is not None:
         case, n = msg
         wall, cpu = time.perf_counter(), time.process_time()
-        models[case].fit(data[case], epochs=1, steps_per_epoch=n, verbose=0)
+        models[case].fit(data[case], epochs=1, steps_per_epoch=n, shuffle=False, verbose=0)
         conn.send(("window", ((time.perf_counter() - wall) / n, (time.process_time() - cpu) / n)))
     if ps:
         ee.shutdown()

@@ -255,6 +255,8 @@ def lookahead(layer_type: type[Embedding], dataset: tf.data.Dataset, model: Any)
     """`dataset`, telling the tables each batch's ids one training step ahead."""
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"ee.lookahead takes a tf.data.Dataset. Received: {type(dataset).__name__}")
+    if isinstance(model, keras.Sequential):
+        model = model._functional  # what Sequential.call runs (None before it is built)
     if not isinstance(model, keras.Model) or not hasattr(model, "_nodes_by_depth"):
         raise ValueError(
             "ee.lookahead needs a Functional or Sequential Keras model (it runs the part of "

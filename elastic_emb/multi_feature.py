@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from elastic_emb import lookup
 from elastic_emb.layers import Embedding
 
 __all__ = ["DistributedEmbedding"]
@@ -102,14 +103,22 @@ class DistributedEmbedding(keras.layers.Layer):
         flat_weights = (
             keras.tree.flatten(weights) if weights is not None else [None] * len(flat_inputs)
         )
-        # One lookup per table: the ids of all its features, concatenated.
+        # One lookup per table (the ids of all its features, concatenated), all
+        # tables in one call.
         ids = [_ids_of(x) for x in flat_inputs]
         rows: list[tf.Tensor | None] = [None] * len(ids)
+        features, lookups = [], []
         for table_layer in self._table_layers:
             mine = [i for i, layer in enumerate(self._feature_layers) if layer is table_layer]
             keys = [table_layer._keys(ids[i]) for i in mine]
-            looked_up = table_layer._lookup(tf.concat(keys, 0), training)
-            parts = tf.split(looked_up, [tf.shape(k)[0] for k in keys], num=len(keys))
+            features.append((mine, keys))
+            lookups.append((table_layer, tf.concat(keys, 0)))
+        if any(layer.serving_table is not None for layer in self._table_layers):
+            looked_up = [layer._lookup(k, training) for layer, k in lookups]  # stock ops
+        else:
+            looked_up = lookup.rows_of(lookups, training)
+        for (mine, keys), table_rows in zip(features, looked_up, strict=True):
+            parts = tf.split(table_rows, [tf.shape(k)[0] for k in keys], num=len(keys))
             for i, part in zip(mine, parts, strict=True):
                 rows[i] = part
         outputs = [

@@ -198,3 +198,5 @@ def test_lookahead_refuses_what_it_cannot_read_ahead_for() -> None:
         ee.lookahead(batches, _random_ids_model())
     # In-process tables answer at once: the batches are left as they are.
     assert ee.lookahead(batches, model) is batches
+    sequential = keras.Sequential([keras.Input((3,), dtype="int64"), ee.Embedding(4, "sgd")])
+    assert ee.lookahead(batches, sequential) is batches

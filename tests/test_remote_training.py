@@ -1,10 +1,12 @@
 """Training against real `elastic-emb serve` shards: the modes, multi-worker, resharding."""
 
+import concurrent.futures
 import contextlib
 import json
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -448,3 +450,23 @@ def test_lookahead_reads_rows_a_step_ahead_and_trains_exactly(connected, mode):
         # The 33rd batch was read ahead (sent after the last push); its new ids got no row.
         unseen = np.setdiff1d(x[32 * 64 : 33 * 64, 0], x[: 32 * 64, 0])
         assert len(unseen) and not np.isin(unseen, _sorted_rows(_tables(model)[0].table)[0]).any()
+
+
+def test_a_push_never_waits_behind_pulls_the_shards_hold():
+    """Pulls of step 2 (rows read ahead are such pulls) are held by the shard until this
+    worker's push of step 1 arrives: they must not keep the client from sending it."""
+    with shards(1) as ps:
+        worker = Cluster([ps[0].address], "sync", None, "float32", 0, 1, 20.0, 30)
+        held = concurrent.futures.ThreadPoolExecutor(4)
+        try:
+            _sgd_table(worker, "held")
+            keys = np.arange(4)
+            # As many as the client has threads for pulls (4): each is held by the shard.
+            pulls = [held.submit(worker._pull, [("held", 2, keys)], False, 2) for _ in range(4)]
+            time.sleep(0.5)
+            worker.push({"held": (2, keys, np.ones((4, 2), np.float32))})  # step 1
+            for pull in pulls:  # one SGD step, lr 1, from zeros
+                np.testing.assert_array_equal(pull.result(timeout=15)[0], -np.ones((4, 2)))
+        finally:
+            held.shutdown(wait=False, cancel_futures=True)
+            worker.close()

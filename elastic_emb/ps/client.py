@@ -115,6 +115,11 @@ class ShardClient:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(2 * len(addresses), 4), thread_name_prefix="ee-rpc"
         )
+        # Pushes have their own threads: a shard holds a Pull until this worker's
+        # push of the step before arrives, so pulls must never keep that push waiting.
+        self._push_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(len(addresses), 2), thread_name_prefix="ee-push-rpc"
+        )
         self._stats_lock = threading.Lock()
         self._stats = [ShardStats(a) for a in addresses]  # guarded by _stats_lock
 
@@ -157,6 +162,7 @@ class ShardClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._push_pool.shutdown(wait=True)
         with self._lock:
             channels = list(self._channels.values())
         for channel in channels:
@@ -226,8 +232,9 @@ class ShardClient:
 
         `call(shard, method, request, timeout)` replaces `self.call` (a caller's re-routing).
         """
+        pool = self._push_pool if method == "Push" else self._pool
         jobs = {
-            i: self._pool.submit(call or self.call, i, method, r, timeout)
+            i: pool.submit(call or self.call, i, method, r, timeout)
             for i, r in enumerate(requests)
             if r is not None
         }
