@@ -86,16 +86,22 @@ class LocalTable(Table):
         self._push(k, check_rows(grads, "grads", k.shape[0], self.dim))
 
     def _push(
-        self, keys: np.ndarray, grads: Any, apply: Any = None, host_grads: Any = None
+        self,
+        keys: np.ndarray,
+        grads: Any,
+        apply: Any = None,
+        host_grads: Any = None,
+        finite: bool = False,
     ) -> None:
         """One optimizer step with checked `keys`; `apply(keys, grads, lr, step)` runs it.
 
         `host_grads`: the gradients as a numpy array when `grads` is not one (a
         device pointer); they must be finite (`check_finite_gradients`), or the
-        step raises or is skipped, leaving the table as it was.
+        step raises or is skipped, leaving the table as it was. `finite`: the
+        caller checked that already (checked float32 `(n, dim)` gradients).
         """
         host = grads if host_grads is None else host_grads
-        if not check_finite_gradients(self.name, keys, host, self._config.nonfinite):
+        if not finite and not check_finite_gradients(self.name, keys, host, self._config.nonfinite):
             with self._step_lock:
                 self._nonfinite_pushes += 1
             return

@@ -233,7 +233,7 @@ def check_finite_gradients(name: str, keys: np.ndarray, grads: np.ndarray, polic
     if g.size == 0:
         return True
     # Two reductions, no temporary array; NaN propagates through both.
-    largest = max(float(np.max(g)), -float(np.min(g)))
+    largest = max(float(g.max()), -float(g.min()))
     if math.isfinite(largest):
         # |every partial sum of k terms| <= k * largest * (1 + 2^-24)^k (float32 rounding).
         rows = g.shape[0]

@@ -371,12 +371,16 @@ class Shard:
                 for name, keys, grads in entry[worker]:
                     parts.setdefault(name, []).append((keys, grads))
             for name, table_parts in sorted(parts.items()):
+                table = self._tables[name]
+                if len(table_parts) == 1:  # one worker's part, checked finite in `push`
+                    table._push(*table_parts[0], finite=True)
+                    continue
                 keys = np.concatenate([k for k, _ in table_parts])
                 grads = np.concatenate([g for _, g in table_parts])
                 # Each worker's part was finite; their sum may overflow: skip, never raise
                 # (the step is acknowledged to every worker already).
                 if check_finite_gradients(name, keys, grads, "skip"):
-                    self._tables[name].push(keys, grads)
+                    table._push(keys, grads, finite=True)
                 else:
                     log.error(
                         "step %d of table %r sums to NaN or Inf: skipped", s.applied + 1, name
