@@ -58,6 +58,7 @@ _NAMES = {
     "DistributedEmbedding": "elastic_emb.multi_feature",
     "Embedding": "elastic_emb.layers",
     "export_saved_model": "elastic_emb.layers",
+    "export_rows": "elastic_emb.rows",
     "init": "elastic_emb.placement",
     "lookahead": "elastic_emb.layers",
     "shutdown": "elastic_emb.placement",
@@ -147,6 +148,7 @@ if TYPE_CHECKING:
     from elastic_emb.examples import dlrm as models
     from elastic_emb.layers import Embedding, export_saved_model, lookahead
     from elastic_emb.placement import init, shutdown
+    from elastic_emb.rows import export_rows
 
 __all__ = [
     "CheckpointError",
@@ -157,6 +159,7 @@ __all__ = [
     "build_info",
     "callbacks",
     "data",
+    "export_rows",
     "export_saved_model",
     "init",
     "initializers",

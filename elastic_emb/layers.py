@@ -408,6 +408,7 @@ def export_saved_model(
     path: Any,
     input_signature: Any = None,
     verbose: bool = False,
+    row_dtype: str = "float32",
     **kwargs: Any,
 ) -> None:
     """Writes `model` as a SavedModel that serves with stock TensorFlow ops.
@@ -425,12 +426,19 @@ def export_saved_model(
         input_signature: optional list of the model inputs' specs (Keras
             InputSpecs or tf.TypeSpecs); by default the model's inputs.
         verbose: print Keras' summary of the export.
+        row_dtype: how the SavedModel stores the rows: "float32" (default,
+            predicts exactly like `model.predict`), "float16", "bfloat16" or
+            "int8" (a float32 scale and bias per row, `ee.export_rows`);
+            lookups turn them back into float32.
         **kwargs: passed to `model.export`.
 
     Raises:
-        ValueError: a table has more than `elastic_emb.serving.MAX_EXPORT_ROWS` rows.
+        ValueError: a table has more than `elastic_emb.serving.MAX_EXPORT_ROWS` rows,
+            an unknown `row_dtype`, or rows holding NaN or Inf with a compact `row_dtype`.
     """
-    serving.export(model, embedding_layers(model), path, input_signature, verbose, **kwargs)
+    serving.export(
+        model, embedding_layers(model), path, input_signature, verbose, row_dtype, **kwargs
+    )
 
 
 def lookahead(dataset: tf.data.Dataset, model: keras.Model) -> tf.data.Dataset:

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_emb.initializers import InitializerSpec
+from elastic_emb.rows import export_rows
 
 if TYPE_CHECKING:
     import keras
@@ -94,12 +95,18 @@ def initial_rows(keys: tf.Tensor, spec: InitializerSpec, seed: int, dim: int) ->
 
 
 class ServingTable(tf.Module):
-    """A snapshot of a table as stock ops: key -> index hash table, rows variable, initializer."""
+    """A snapshot of a table as stock ops: key -> index hash table, rows variable, initializer.
 
-    def __init__(self, layer: Embedding) -> None:
+    `row_dtype` (`elastic_emb.rows.ROW_DTYPES`): how the rows variable stores
+    the rows; float16, bfloat16 and int8 (with a float32 scale and bias per
+    row) are turned back into float32 by the lookup.
+    """
+
+    def __init__(self, layer: Embedding, row_dtype: str = "float32") -> None:
         super().__init__(name=f"{layer.name}_serving")
         table = layer.table
-        keys, values = table.export_rows()
+        compact = export_rows(table, row_dtype)
+        keys, values = compact.keys, compact.values
         if len(keys) > MAX_EXPORT_ROWS:
             raise ValueError(
                 f"Table {table.name!r} has {len(keys):,} rows; a SavedModel's key index holds at "
@@ -115,10 +122,18 @@ class ServingTable(tf.Module):
             default_value=m,  # index m: not found (the extra zero row)
         )
         self.rows = tf.Variable(
-            np.concatenate([values, np.zeros((1, table.dim), np.float32)]),
+            np.concatenate([values, np.zeros((1, table.dim), values.dtype)]),
             trainable=False,
             name="rows",
         )
+        self.scale = self.bias = None
+        if compact.scale is not None and compact.bias is not None:  # int8
+            self.scale = tf.Variable(
+                np.append(compact.scale, np.float32(0)), trainable=False, name="scale"
+            )
+            self.bias = tf.Variable(
+                np.append(compact.bias, np.float32(0)), trainable=False, name="bias"
+            )
         self.num_rows = m
         self.initializer = table.initializer
         self.seed = table.seed
@@ -128,19 +143,23 @@ class ServingTable(tf.Module):
         """Rows of int64 ids (n,) -> float32 (n, dim): trained rows, else initial values."""
         index = self.index.lookup(flat_ids)
         found = index < self.num_rows
-        rows = tf.gather(self.rows, index)
+        rows = tf.cast(tf.gather(self.rows, index), tf.float32)
+        if self.scale is not None and self.bias is not None:  # int8 levels -> values
+            rows = (rows + 128.0) * tf.gather(self.scale, index)[:, None] + tf.gather(
+                self.bias, index
+            )[:, None]
         initial = initial_rows(flat_ids, self.initializer, self.seed, self.dim)
         return tf.where(found[:, None], rows, initial)
 
 
 @contextlib.contextmanager
-def serving(layers: list[Embedding]) -> Iterator[None]:
+def serving(layers: list[Embedding], row_dtype: str = "float32") -> Iterator[None]:
     """Within: these ee.Embedding layers look rows up in stock-op snapshots."""
     attached = []
     try:
         for layer in layers:
             if layer.serving_table is None:
-                layer.serving_table = ServingTable(layer)
+                layer.serving_table = ServingTable(layer, row_dtype)
                 attached.append(layer)
         yield
     finally:
@@ -154,6 +173,7 @@ def export(
     path: Any,
     input_signature: Any = None,
     verbose: bool = False,
+    row_dtype: str = "float32",
     **kwargs: Any,
 ) -> None:
     """`ee.export_saved_model` (see `elastic_emb.layers.export_saved_model`) for `layers`."""
@@ -162,7 +182,7 @@ def export(
         for spec in tf.nest.flatten(input_signature or [])
         if isinstance(spec, tf.TypeSpec) and not isinstance(spec, tf.TensorSpec)
     ]
-    with serving(layers):
+    with serving(layers, row_dtype):
         if not composite:
             model.export(path, format="tf_saved_model", input_signature=input_signature,
                          verbose=verbose, **kwargs)  # fmt: skip

@@ -116,6 +116,7 @@ FORBIDDEN = {
     "elastic_emb.local": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
     "elastic_emb.gpu": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
     "elastic_emb.checkpoint": {"tensorflow", "keras", "grpc", "elastic_emb._proto"},
+    "elastic_emb.rows": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
     # The PS never needs TensorFlow or Keras, nor the layer.
     "elastic_emb.ps": {
         "tensorflow",

@@ -168,3 +168,28 @@ def test_initial_rows_in_tensorflow_ops_equal_the_cores(kind):
     keys = np.concatenate([np.arange(-300, 300), [2**63 - 1, -(2**63), 2**40 + 7]]).astype(np.int64)
     ours = serving.initial_rows(tf.constant(keys), table.initializer, table.seed, 7).numpy()
     np.testing.assert_allclose(ours, table.pull(keys, train=False), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("row_dtype", ["float16", "bfloat16", "int8"])
+def test_compact_rows_serve_like_the_model_holding_those_rows(tmp_path, row_dtype):
+    rng = np.random.default_rng(2)
+    model = _features_model()
+    train = _inputs(rng, 256, 0, 40)
+    model.fit(train, rng.normal(size=(256, 1)), batch_size=32, epochs=1, verbose=0)
+    ee.export_saved_model(model, tmp_path / "model", row_dtype=row_dtype)
+    saved = tf.train.load_checkpoint(str(tmp_path / "model" / "variables" / "variables"))
+    assert row_dtype in {d.name for d in saved.get_variable_to_dtype_map().values()}
+    seen, unseen = {k: v[:32] for k, v in train.items()}, _inputs(rng, 32, 10**9, 10**12)
+    exact = model.predict(seen, verbose=0)
+    # The reference: the live model with each table's rows replaced by their compact form.
+    for name in ("exp_user", "exp_items", "exp_city"):
+        table = model.get_layer(name).table
+        compact = ee.export_rows(table, row_dtype)
+        table.import_rows(compact.keys, compact.dequantize())
+    expected = model.predict(seen, verbose=0)
+    assert np.abs(expected - exact).max() > 1e-6  # the format really is coarser
+    cases = {
+        "seen": (seen, expected),
+        "unseen": (unseen, model.predict(unseen, verbose=0)),  # initial values, as float32
+    }
+    assert _check_in_fresh_process(tmp_path, cases) <= 1e-5
