@@ -222,8 +222,7 @@ def fused_call(
         or any(layer.serving_table is not None for layer in plan.layers)
     ):
         return call()
-    ids = plan.ids._run_through_graph(model._standardize_inputs(inputs))
-    keys = [layer._flat_keys(x) for layer, x in zip(plan.layers, ids, strict=True)]
+    keys = _keys_of(plan, model, inputs)
     rows = rows_of(list(zip(plan.layers, keys, strict=True)), training)
     waiting: dict[int, collections.deque[tf.Tensor]] = collections.defaultdict(collections.deque)
     for layer, r in zip(plan.layers, rows, strict=True):
@@ -285,15 +284,19 @@ def lookahead(layer_type: type[Embedding], dataset: tf.data.Dataset, model: Any)
 
     def tap(*batch: Any) -> Any:
         x = batch[0]  # (x, y, sample_weight) as Keras takes them, or x alone
-        ids = plan.ids._run_through_graph(model._standardize_inputs(x))
-        keys = [layer._flat_keys(i) for layer, i in zip(plan.layers, ids, strict=True)]
-        told = tf.numpy_function(announce, keys, tf.int64, stateful=True)
+        told = tf.numpy_function(announce, _keys_of(plan, model, x), tf.int64, stateful=True)
         with tf.control_dependencies([told]):
             batch = tf.nest.map_structure(tf.identity, batch)
         return batch if len(batch) > 1 else batch[0]
 
     # One batch ready ahead: the next batch is announced as the model takes this one.
     return dataset.map(tap).prefetch(1)
+
+
+def _keys_of(plan: _Plan, model: Any, inputs: Any) -> list[tf.Tensor]:
+    """Each planned call's flat int64 keys, computed from the model's `inputs`."""
+    ids = plan.ids._run_through_graph(model._standardize_inputs(inputs))
+    return [layer._flat_keys(x) for layer, x in zip(plan.layers, ids, strict=True)]
 
 
 def _plan_of(model: Any, layer_type: type[Embedding]) -> _Plan | None:
