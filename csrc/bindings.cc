@@ -62,6 +62,9 @@ void BindOptions(py::module_& m) {
   using elastic_emb::OptimizerKind;
   using elastic_emb::OptimizerOptions;
   using elastic_emb::TableOptions;
+  using elastic_emb::AdmissionOptions;
+  using elastic_emb::EvictionKind;
+  using elastic_emb::EvictionOptions;
   py::enum_<OptimizerKind>(m, "OptimizerKind")
       .value("sgd", OptimizerKind::kSgd)
       .value("adagrad", OptimizerKind::kAdagrad)
@@ -95,12 +98,30 @@ void BindOptions(py::module_& m) {
       .def_readwrite("a", &InitializerOptions::a)
       .def_readwrite("b", &InitializerOptions::b)
       .def_readwrite("seed", &InitializerOptions::seed);
+  py::class_<AdmissionOptions>(m, "AdmissionOptions")
+      .def(py::init<>())
+      .def_readwrite("min_count", &AdmissionOptions::min_count)
+      .def_readwrite("sketch_bytes", &AdmissionOptions::sketch_bytes)
+      .def_readwrite("sketch_depth", &AdmissionOptions::sketch_depth);
+  py::enum_<EvictionKind>(m, "EvictionKind")
+      .value("none", EvictionKind::kNone)
+      .value("ttl", EvictionKind::kTtl)
+      .value("lru", EvictionKind::kLru)
+      .value("lfu", EvictionKind::kLfu);
+  py::class_<EvictionOptions>(m, "EvictionOptions")
+      .def(py::init<>())
+      .def_readwrite("kind", &EvictionOptions::kind)
+      .def_readwrite("ttl_steps", &EvictionOptions::ttl_steps)
+      .def_readwrite("max_rows", &EvictionOptions::max_rows)
+      .def_readwrite("protect_steps", &EvictionOptions::protect_steps);
   // Nested options are returned by reference: o.optimizer.momentum = 0.9 sets o.
   py::class_<TableOptions>(m, "TableOptions")
       .def(py::init<>())
       .def_readwrite("dim", &TableOptions::dim)
       .def_readwrite("initializer", &TableOptions::initializer)
       .def_readwrite("optimizer", &TableOptions::optimizer)
+      .def_readwrite("admission", &TableOptions::admission)
+      .def_readwrite("eviction", &TableOptions::eviction)
       .def_readwrite("shard_bits", &TableOptions::shard_bits);
 }
 
@@ -253,6 +274,48 @@ void BindChangeTracking(py::class_<elastic_emb::Table>& cls) {
       "Closes the change set: (keys, values, slots, last_step, update_count) of the rows "
       "changed since the previous call (every row with all=True), the keys erased since "
       "(int64 (e,)), and the number of the change set.");
+}
+
+// Admission and eviction of the CPU table.
+void BindPolicies(py::class_<elastic_emb::Table>& cls) {
+  cls.def(
+         "export_counts",
+         [](elastic_emb::Table& t) {
+           std::vector<uint8_t> counts;
+           {
+             py::gil_scoped_release release;
+             counts = t.ExportCounts();
+           }
+           const auto n = static_cast<py::ssize_t>(counts.size());
+           return ToNumpy(std::move(counts), {n});
+         },
+         "The admission sketch's counters, uint8 (c,); empty without admission.")
+      .def(
+          "import_counts",
+          [](elastic_emb::Table& t, const py::array& counts_in, bool add) {
+            auto counts = CheckArray<uint8_t>(counts_in, "counts", {t.NumCounts()});
+            const uint8_t* c = counts.data();
+            py::gil_scoped_release release;
+            t.ImportCounts(t.NumCounts(), c, add);
+          },
+          py::arg("counts"), py::arg("add"),
+          "Replaces the admission sketch's counters (add=True: saturating sum).")
+      .def_property_readonly("num_counts", &elastic_emb::Table::NumCounts)
+      .def("set_clock", &elastic_emb::Table::SetClock, py::arg("step"),
+           "The step of the table's last push (after a restore): pulls mark rows used at the "
+           "next step.")
+      .def(
+          "policy_counts",
+          [](const elastic_emb::Table& t) {
+            const elastic_emb::PolicyCounts c = t.Counts();
+            py::dict out;
+            out["evicted_rows"] = c.evicted_rows;
+            out["evicted_bytes"] = c.evicted_bytes;
+            out["admitted_keys"] = c.admitted_keys;
+            out["rejected_updates"] = c.rejected_updates;
+            return out;
+          },
+          "What admission and eviction did so far.");
 }
 
 // Slot ranges of the CPU table (a parameter server moving a range between groups).
@@ -555,6 +618,7 @@ PYBIND11_MODULE(_core, m) {
   BindTableMethods(table);
   BindChangeTracking(table);
   BindSlotRanges(table);
+  BindPolicies(table);
 
 #if EE_WITH_CUDA
   BindDevice(m);

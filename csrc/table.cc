@@ -68,6 +68,7 @@ struct Table::Shard {
   std::vector<uint64_t> changed;  // row inserted, pushed or imported since the last ExportChanges
   std::vector<uint64_t> added;    // row inserted since the last ExportChanges
   std::vector<int64_t> erased;    // keys present at the last ExportChanges, erased since
+  CountSketch sketch;             // admission: this shard's keys' counts
 };
 
 void TableOptions::Validate() const {
@@ -76,16 +77,51 @@ void TableOptions::Validate() const {
            "shard_bits must be in [0, 12], got " << shard_bits);
   initializer.Validate();
   optimizer.Validate();
+  if (admission.enabled()) {
+    EE_CHECK(admission.min_count <= 255,
+             "admission min_count must be at most 255, got " << admission.min_count);
+    EE_CHECK(admission.sketch_depth >= 1 && admission.sketch_depth <= CountSketch::kMaxDepth,
+             "admission sketch_depth must be in [1, " << CountSketch::kMaxDepth << "], got "
+                                                      << admission.sketch_depth);
+    const int64_t least = int64_t{64} * admission.sketch_depth << shard_bits;
+    EE_CHECK(admission.sketch_bytes >= least,
+             "admission sketch_bytes must be at least " << least << " (64 counters per row of "
+                                                        << admission.sketch_depth << " in each of "
+                                                        << (1 << shard_bits)
+                                                        << " internal shards), got "
+                                                        << admission.sketch_bytes);
+  }
+  switch (eviction.kind) {
+    case EvictionKind::kNone:
+      break;
+    case EvictionKind::kTtl:
+      EE_CHECK(eviction.ttl_steps >= 1,
+               "eviction ttl_steps must be positive, got " << eviction.ttl_steps);
+      break;
+    case EvictionKind::kLru:
+    case EvictionKind::kLfu:
+      EE_CHECK(eviction.max_rows >= 1,
+               "eviction max_rows must be positive, got " << eviction.max_rows);
+      break;
+  }
+  EE_CHECK(eviction.protect_steps >= 1,
+           "eviction protect_steps must be positive, got " << eviction.protect_steps);
 }
 
 Table::Table(const TableOptions& options) : options_(options) {
   options_.Validate();
   num_slots_ = options_.optimizer.NumSlots();
-  row_floats_ = options_.dim * (1 + num_slots_) + 2;
+  tracks_use_ = options_.eviction.kind != EvictionKind::kNone;
+  row_floats_ = options_.dim * (1 + num_slots_) + 2 + (tracks_use_ ? 1 : 0);
   arena_ = std::make_unique<ChunkAllocator>(sizeof(float) * kChunkRows * row_floats_);
   const int shards = 1 << options_.shard_bits;
   shards_.reserve(shards);
   for (int i = 0; i < shards; ++i) shards_.push_back(std::make_unique<Shard>());
+  if (options_.admission.enabled()) {
+    const int depth = options_.admission.sketch_depth;
+    const int64_t width = options_.admission.sketch_bytes / depth / shards;
+    for (auto& s : shards_) s->sketch = CountSketch(depth, width);
+  }
 }
 
 Table::~Table() = default;
@@ -142,6 +178,12 @@ float* Table::Row(const Shard& s, uint32_t row) const {
 
 void Table::MarkChanged(Shard& s, uint32_t row) { SetBit(s.changed, row); }
 
+uint32_t Table::LastUse(const float* row) const { return GetWord(row + row_floats_ - 3); }
+
+void Table::SetLastUse(float* row, uint32_t step) const {
+  if (tracks_use_) SetWord(row + row_floats_ - 3, step);
+}
+
 void Table::CopyRow(const Shard& s, int64_t key, uint32_t row, ExportedRows& out, int64_t i) const {
   const int dim = options_.dim;
   const int slot_floats = num_slots_ * dim;
@@ -165,6 +207,7 @@ void Table::InitRow(int64_t key, float* row) const {
   const int dim = options_.dim;
   InitialValue(options_.initializer, key, dim, row);
   options_.optimizer.InitSlots(dim, row + dim);
+  SetLastUse(row, 0);
   SetWord(row + row_floats_ - 2, 0);
   SetWord(row + row_floats_ - 1, 0);
 }
@@ -205,9 +248,13 @@ const uint32_t* Table::LookupRows(Shard& s, const ShardBatch& b, bool insert,
 
 void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
   const int dim = options_.dim;
+  const bool insert = train && !options_.admission.enabled();
+  // Rows pulled for training count as used by the next push's step.
+  const auto use = static_cast<uint32_t>(clock_.load(std::memory_order_relaxed) + 1);
+  const bool mark_use = train && tracks_use_;
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     thread_local std::vector<uint32_t> scratch;
-    const uint32_t* rows = LookupRows(s, b, train, scratch);
+    const uint32_t* rows = LookupRows(s, b, insert, scratch);
     for (int64_t k = 0; k < b.count; ++k) {
       if (k + kPrefetchDistance < b.count && rows[k + kPrefetchDistance] != kNoRow) {
         __builtin_prefetch(Row(s, rows[k + kPrefetchDistance]));
@@ -220,6 +267,7 @@ void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
         InitialValue(options_.initializer, b.keys[k], dim, dst);
       } else {
         std::memcpy(dst, Row(s, rows[k]), sizeof(float) * dim);
+        if (mark_use) SetLastUse(Row(s, rows[k]), use);
       }
     }
   });
@@ -230,11 +278,15 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
   const UpdateRule rule =
       MakeUpdateRule(options_.optimizer, MakeStepScalars(options_.optimizer, learning_rate, step));
   const int dim = options_.dim;
+  const bool admission = options_.admission.enabled();
+  clock_.store(step, std::memory_order_relaxed);
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     thread_local std::vector<uint32_t> scratch;
     thread_local std::vector<uint64_t> by_row;
     thread_local std::vector<float> sum;
-    const uint32_t* rows = LookupRows(s, b, /*insert=*/true, scratch);
+    LookupRows(s, b, /*insert=*/!admission, scratch);
+    uint32_t* rows = scratch.data();
+    if (admission) Admit(s, b, rows);
     // Sort (row, k) so equal keys are adjacent; among equal keys the input
     // order is kept, so the float sums are reproducible.
     by_row.resize(b.count);
@@ -245,6 +297,7 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
     sum.resize(dim);
     for (int64_t a = 0; a < b.count;) {
       const uint32_t row = static_cast<uint32_t>(by_row[a] >> 32);
+      if (row == kNoRow) break;  // keys admission turned away sort last
       int64_t e = a + 1;
       while (e < b.count && static_cast<uint32_t>(by_row[e] >> 32) == row) ++e;
       if (e + kPrefetchDistance < b.count) {
@@ -261,6 +314,7 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
       }
       float* r = Row(s, row);
       ApplyUpdate(rule, dim, grad, r, r + dim);
+      SetLastUse(r, static_cast<uint32_t>(step));
       SetWord(r + row_floats_ - 2, static_cast<uint32_t>(step));
       SetWord(r + row_floats_ - 1, GetWord(r + row_floats_ - 1) + 1);
       MarkChanged(s, row);
@@ -268,6 +322,106 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
     }
     TrimScratch(scratch, by_row);
   });
+  Evict(step);
+}
+
+void Table::Admit(Shard& s, const ShardBatch& b, uint32_t* rows) {
+  // The absent keys, grouped by key (input order within a key): each is
+  // counted once for this push, however often it occurs in it.
+  thread_local std::vector<std::pair<int64_t, int64_t>> absent;  // (key, k)
+  absent.clear();
+  for (int64_t k = 0; k < b.count; ++k) {
+    if (rows[k] == kNoRow) absent.emplace_back(b.keys[k], k);
+  }
+  if (absent.empty()) return;
+  std::sort(absent.begin(), absent.end());
+  int64_t admitted = 0, rejected = 0;
+  for (size_t a = 0; a < absent.size();) {
+    size_t e = a + 1;
+    while (e < absent.size() && absent[e].first == absent[a].first) ++e;
+    const int64_t k = absent[a].second;
+    if (s.sketch.Add(b.hashes[k]) >= options_.admission.min_count) {
+      const uint32_t row = FindOrInsert(s, b.keys[k], b.hashes[k]);
+      for (size_t c = a; c < e; ++c) rows[absent[c].second] = row;
+      ++admitted;
+    } else {
+      ++rejected;
+    }
+    a = e;
+  }
+  admitted_keys_.fetch_add(admitted, std::memory_order_relaxed);
+  rejected_updates_.fetch_add(rejected, std::memory_order_relaxed);
+}
+
+void Table::Evict(int64_t step) {
+  const EvictionOptions& ev = options_.eviction;
+  if (ev.kind == EvictionKind::kNone) return;
+  if (ev.kind == EvictionKind::kTtl && step % std::max<int64_t>(1, ev.ttl_steps / 4) != 0) return;
+  std::unique_lock<std::mutex> pass(evict_mu_, std::try_to_lock);
+  if (!pass.owns_lock()) return;  // another push's pass is running
+  // Rows used at or after `protected_from` stay.
+  const int64_t protected_from = step - ev.protect_steps + 1;
+  const auto evictable = [&](const float* r) {
+    return static_cast<int64_t>(LastUse(r)) < protected_from;
+  };
+  int64_t evicted = 0;
+  if (ev.kind == EvictionKind::kTtl) {
+    const int64_t expired_before = std::min(step - ev.ttl_steps, protected_from);
+    for (auto& s : shards_) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      std::vector<int64_t> keys;
+      s->index.ForEach([&](int64_t key, uint32_t row) {
+        if (static_cast<int64_t>(LastUse(Row(*s, row))) < expired_before) keys.push_back(key);
+      });
+      for (const int64_t key : keys) evicted += EraseKey(*s, key, KeyHash(key));
+    }
+  } else {
+    const int64_t size = Size();
+    if (size <= ev.max_rows) return;
+    // Candidates ranked by (primary, secondary, key), the least valuable first.
+    struct Candidate {
+      uint64_t primary, secondary;
+      int64_t key;
+      bool operator<(const Candidate& o) const {
+        if (primary != o.primary) return primary < o.primary;
+        if (secondary != o.secondary) return secondary < o.secondary;
+        return key < o.key;
+      }
+    };
+    const bool lfu = ev.kind == EvictionKind::kLfu;
+    std::vector<Candidate> candidates;
+    for (auto& s : shards_) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->index.ForEach([&](int64_t key, uint32_t row) {
+        const float* r = Row(*s, row);
+        if (!evictable(r)) return;
+        const uint64_t use = LastUse(r);
+        candidates.push_back(
+            lfu ? Candidate{GetWord(r + row_floats_ - 1), use, key} : Candidate{use, 0, key});
+      });
+    }
+    const auto excess = static_cast<size_t>(size - (ev.max_rows - ev.max_rows / 16));
+    if (excess < candidates.size()) {
+      std::nth_element(candidates.begin(), candidates.begin() + excess, candidates.end());
+      candidates.resize(excess);
+    }
+    // Erased shard by shard; a row used since it was ranked stays.
+    std::vector<std::vector<int64_t>> by_shard(shards_.size());
+    const int bits = options_.shard_bits;
+    for (const Candidate& c : candidates) {
+      by_shard[bits == 0 ? 0 : KeyHash(c.key) >> (64 - bits)].push_back(c.key);
+    }
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      Shard& s = *shards_[i];
+      std::lock_guard<std::mutex> lock(s.mu);
+      for (const int64_t key : by_shard[i]) {
+        const uint64_t hash = KeyHash(key);
+        const uint32_t row = s.index.Find(key, hash);
+        if (row != kNoRow && evictable(Row(s, row))) evicted += EraseKey(s, key, hash);
+      }
+    }
+  }
+  evicted_rows_.fetch_add(evicted, std::memory_order_relaxed);
 }
 
 void Table::Import(int64_t n, const int64_t* keys, const float* values, const float* slots,
@@ -286,7 +440,9 @@ void Table::Import(int64_t n, const int64_t* keys, const float* values, const fl
       } else {
         options_.optimizer.InitSlots(dim, r + dim);
       }
-      SetWord(r + row_floats_ - 2, last_step != nullptr ? last_step[i] : 0);
+      const uint32_t updated = last_step != nullptr ? last_step[i] : 0;
+      SetLastUse(r, updated);
+      SetWord(r + row_floats_ - 2, updated);
       SetWord(r + row_floats_ - 1, update_count != nullptr ? update_count[i] : 0);
     }
   });
@@ -376,22 +532,66 @@ ExportedChanges Table::ExportChanges(bool all) {
   return out;
 }
 
+bool Table::EraseKey(Shard& s, int64_t key, uint64_t hash) {
+  const uint32_t row = s.index.Erase(key, hash);
+  if (row == kNoRow) return false;
+  // Every deletion comes through here: a key that the last change set saw
+  // present is logged for the next one.
+  if (!TestBit(s.added, row)) s.erased.push_back(key);
+  ClearBit(s.changed, row);
+  ClearBit(s.added, row);
+  s.free_rows.push_back(row);
+  return true;
+}
+
 int64_t Table::Erase(int64_t n, const int64_t* keys) {
   std::atomic<int64_t> erased{0};
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
-    for (int64_t k = 0; k < b.count; ++k) {
-      const uint32_t row = s.index.Erase(b.keys[k], b.hashes[k]);
-      if (row == kNoRow) continue;
-      // Every deletion comes through here: a key that the last change set
-      // saw present is logged for the next one.
-      if (!TestBit(s.added, row)) s.erased.push_back(b.keys[k]);
-      ClearBit(s.changed, row);
-      ClearBit(s.added, row);
-      s.free_rows.push_back(row);
-      erased.fetch_add(1, std::memory_order_relaxed);
-    }
+    int64_t count = 0;
+    for (int64_t k = 0; k < b.count; ++k) count += EraseKey(s, b.keys[k], b.hashes[k]);
+    erased.fetch_add(count, std::memory_order_relaxed);
   });
   return erased.load();
+}
+
+std::vector<uint8_t> Table::ExportCounts() const {
+  std::vector<uint8_t> out;
+  out.reserve(NumCounts());
+  for (const auto& s : shards_) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    out.insert(out.end(), s->sketch.data(), s->sketch.data() + s->sketch.size());
+  }
+  return out;
+}
+
+void Table::ImportCounts(int64_t n, const uint8_t* counts, bool add) {
+  EE_CHECK(n == NumCounts(), "admission counts: expected " << NumCounts() << " counters, got "
+                                                           << n);
+  for (const auto& s : shards_) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    uint8_t* c = s->sketch.data();
+    for (int64_t i = 0; i < s->sketch.size(); ++i) {
+      c[i] = add ? static_cast<uint8_t>(std::min(255, c[i] + counts[i])) : counts[i];
+    }
+    counts += s->sketch.size();
+  }
+}
+
+int64_t Table::NumCounts() const {
+  int64_t total = 0;
+  for (const auto& s : shards_) total += s->sketch.size();
+  return total;
+}
+
+void Table::SetClock(int64_t step) { clock_.store(step, std::memory_order_relaxed); }
+
+PolicyCounts Table::Counts() const {
+  PolicyCounts c;
+  c.evicted_rows = evicted_rows_.load();
+  c.evicted_bytes = c.evicted_rows * (static_cast<int64_t>(sizeof(float)) * row_floats_ + 12);
+  c.admitted_keys = admitted_keys_.load();
+  c.rejected_updates = rejected_updates_.load();
+  return c;
 }
 
 void Table::Metadata(int64_t n, const int64_t* keys, int64_t* last_step,
@@ -428,6 +628,7 @@ int64_t Table::MemoryBytes() const {
     bytes += static_cast<int64_t>(s->free_rows.capacity() * sizeof(uint32_t));
     bytes += static_cast<int64_t>((s->changed.capacity() + s->added.capacity()) * sizeof(uint64_t));
     bytes += static_cast<int64_t>(s->erased.capacity() * sizeof(int64_t));
+    bytes += s->sketch.size();
   }
   return bytes + static_cast<int64_t>(arena_->ReservedBytes());
 }

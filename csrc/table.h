@@ -6,7 +6,8 @@
 // (linear probing over the low hash bits) and row arena. Arena chunks hold a
 // fixed number of rows and are never moved or freed while the table lives, so
 // a row's address is stable; a row holds [value (dim) | slots (num_slots *
-// dim) | last_step (u32) | update_count (u32)] side by side.
+// dim) | last_use (u32, with eviction only) | last_step (u32) | update_count
+// (u32)] side by side.
 //
 // Thread safety: every public method may be called from any number of threads
 // at once. Batch methods block, split their keys by shard and run the shards
@@ -28,11 +29,13 @@
 //   t.Push(n, keys, grads, /*lr=*/0.05f, /*step=*/1);
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
 
+#include "count_sketch.h"
 #include "initializer.h"
 #include "key_index.h"
 #include "memory.h"
@@ -40,13 +43,55 @@
 
 namespace elastic_emb {
 
+// Frequency admission (elastic_emb.admission.Frequency): with min_count > 1,
+// an absent key gets a row only at the push that brings its estimated count
+// of training steps to min_count; earlier pushes of it are dropped, and pulls
+// never insert. Counted once per push, in a count-min sketch of
+// `sketch_bytes` 8-bit counters (`sketch_depth` rows), split evenly over the
+// internal shards.
+struct AdmissionOptions {
+  int min_count = 0;  // 0 or 1: no admission (every key gets a row on first use)
+  int64_t sketch_bytes = int64_t{1} << 22;
+  int sketch_depth = 4;
+
+  bool enabled() const { return min_count > 1; }
+};
+
+enum class EvictionKind { kNone, kTtl, kLru, kLfu };
+
+// Eviction (elastic_emb.eviction). A row's last use is the step of its last
+// push, or the step that follows the last push of the table when it was
+// pulled for training. After each push of step t:
+//   TTL: every max(1, ttl_steps / 4) steps, rows last used before
+//        t - ttl_steps are erased;
+//   LRU, LFU: when the table holds more than max_rows rows, the least
+//        valuable are erased down to max_rows - max_rows / 16: LRU by (last
+//        use, key), LFU by (update count, last use, key), smallest first.
+// Rows used at step t - protect_steps + 1 or later are never erased.
+struct EvictionOptions {
+  EvictionKind kind = EvictionKind::kNone;
+  int64_t ttl_steps = 0;
+  int64_t max_rows = 0;
+  int64_t protect_steps = 1;
+};
+
 struct TableOptions {
   int dim = 8;
   InitializerOptions initializer;
   OptimizerOptions optimizer;
+  AdmissionOptions admission;
+  EvictionOptions eviction;
   int shard_bits = 6;  // 64 internal shards
 
   void Validate() const;
+};
+
+// What the table's policies did so far (admission, eviction).
+struct PolicyCounts {
+  int64_t evicted_rows = 0;
+  int64_t evicted_bytes = 0;       // index slots and arena rows freed by eviction
+  int64_t admitted_keys = 0;       // absent keys that got a row at a push
+  int64_t rejected_updates = 0;    // (push, absent key) pairs dropped by admission
 };
 
 // Rows copied out of a table; row i of each array belongs to keys[i].
@@ -92,13 +137,14 @@ class Table {
   int num_slots() const { return num_slots_; }
 
   // Gathers the rows of `keys`. With train, unseen keys are inserted with
-  // their initial value; without, they are not inserted and get their
-  // initial value in `out`.
+  // their initial value (unless admission is on) and rows count as used;
+  // without, they are not inserted and get their initial value in `out`.
   // keys: (n,), out: (n, dim), host memory.
   void Pull(int64_t n, const int64_t* keys, float* out, bool train);
 
   // Sums the gradients of equal keys, then applies the optimizer once per
-  // distinct key (inserting unseen keys first) and records `step` in the row.
+  // distinct key (inserting unseen keys first, as admission allows) and
+  // records `step` in the row; then runs eviction.
   // keys: (n,), grads: (n, dim), host memory. step >= 1.
   void Push(int64_t n, const int64_t* keys, const float* grads, float learning_rate, int64_t step);
 
@@ -132,6 +178,17 @@ class Table {
   // Row metadata of keys; absent keys get -1 in both outputs.
   // keys, last_step, update_count: (n,), host memory.
   void Metadata(int64_t n, const int64_t* keys, int64_t* last_step, int64_t* update_count) const;
+
+  // The admission sketch's counters (internal shard by internal shard), and
+  // their replacement (or saturating sum, with `add`); empty without admission.
+  std::vector<uint8_t> ExportCounts() const;
+  void ImportCounts(int64_t n, const uint8_t* counts, bool add);
+  int64_t NumCounts() const;
+
+  // Sets the step that pulls count as using rows at minus one (eviction):
+  // the step of the table's last push, after a restore.
+  void SetClock(int64_t step);
+  PolicyCounts Counts() const;
 
   int64_t Size() const;
   // Bytes held by indexes and arenas.
@@ -167,13 +224,26 @@ class Table {
   void CopyRow(const Shard& s, int64_t key, uint32_t row, ExportedRows& out, int64_t i) const;
   void ResizeRows(ExportedRows& out, int64_t m) const;
   void InitRow(int64_t key, float* row) const;
+  // Removes a present key's row (with change tracking); false if absent.
+  bool EraseKey(Shard& s, int64_t key, uint64_t hash);
+  // Admission at a push: gives the batch's absent keys (rows[k] == kNoRow)
+  // that reach min_count a row.
+  void Admit(Shard& s, const ShardBatch& b, uint32_t* rows);
+  // Eviction after the push of `step`.
+  void Evict(int64_t step);
+  uint32_t LastUse(const float* row) const;
+  void SetLastUse(float* row, uint32_t step) const;
 
   TableOptions options_;
   int num_slots_;
   int row_floats_;                         // floats per arena row, metadata words included
+  bool tracks_use_;                        // rows hold a last-use word (eviction)
   std::unique_ptr<ChunkAllocator> arena_;  // before shards_: outlives them
   std::vector<std::unique_ptr<Shard>> shards_;
   uint64_t change_sets_ = 0;  // ExportChanges calls so far; guarded by every shard's mutex
+  std::atomic<int64_t> clock_{0};  // the step of the last push (eviction)
+  std::mutex evict_mu_;            // one eviction pass at a time
+  std::atomic<int64_t> evicted_rows_{0}, admitted_keys_{0}, rejected_updates_{0};
 };
 
 }  // namespace elastic_emb

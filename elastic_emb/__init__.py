@@ -41,7 +41,9 @@ _TF_SUBMODULES = {
 _PLAIN_SUBMODULES = {
     name: f"elastic_emb.{name}"
     for name in (
+        "admission",
         "checkpoint",
+        "eviction",
         "gpu",
         "initializers",
         "optimizers",
@@ -136,7 +138,9 @@ def _version_of(module: str) -> str | None:
 
 if TYPE_CHECKING:
     from elastic_emb import (
+        admission,
         callbacks,
+        eviction,
         initializers,
         keras_patches,
         optimizers,
@@ -156,9 +160,11 @@ __all__ = [
     "Embedding",
     "Table",
     "__version__",
+    "admission",
     "build_info",
     "callbacks",
     "data",
+    "eviction",
     "export_rows",
     "export_saved_model",
     "init",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
 
+from elastic_emb import admission
 from elastic_emb.placement import registered_tables, unregister
 from elastic_emb.table import Table, TableState
 
@@ -68,11 +69,12 @@ def _sha256(path: Path) -> str:
 
 
 def _layout(
-    num_rows: int, dim: int, num_slots: int, num_erased: int | None = None
+    num_rows: int, dim: int, num_slots: int, num_erased: int | None = None, num_counts: int = 0
 ) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     """The arrays of a table file, in order, as little-endian raw bytes.
 
-    A delta file (`num_erased` given) has the erased keys after the rows.
+    A delta file (`num_erased` given) has the erased keys after the rows; a
+    table with admission ends with its sketch's `num_counts` counters.
     """
     layout: list[tuple[str, np.dtype, tuple[int, ...]]] = [
         ("keys", np.dtype("<i8"), (num_rows,)),
@@ -83,6 +85,8 @@ def _layout(
     ]
     if num_erased is not None:
         layout.append(("erased", np.dtype("<i8"), (num_erased,)))
+    if num_counts:
+        layout.append(("counts", np.dtype("u1"), (num_counts,)))
     return layout
 
 
@@ -267,10 +271,7 @@ def _save_part(root: Path, tables: dict[str, Table]) -> None:
     entries: dict[str, Any] = {}
     for i, (name, table) in enumerate(sorted(tables.items())):
         state = table.export_state()
-        arrays = [
-            np.ascontiguousarray(getattr(state, field), dtype)
-            for field, dtype, _ in _layout(len(state.keys), table.dim, table.num_slots)
-        ]
+        arrays = _state_arrays(state, table.dim, table.num_slots)
         file_name = f"table-{i:04d}-{token}.bin"
         tmp = root / (file_name + ".tmp")
         _fsync_write(tmp, [a.reshape(-1).view(np.uint8).data for a in arrays])
@@ -280,6 +281,7 @@ def _save_part(root: Path, tables: dict[str, Table]) -> None:
             "num_slots": table.num_slots,
             "iterations": state.iterations,
             "num_rows": len(state.keys),
+            "num_counts": _num_counts(state),
             "file": file_name,
             "bytes": sum(a.nbytes for a in arrays),
             "sha256": _sha256(root / file_name),
@@ -357,11 +359,20 @@ def _write_data(root: Path, file_name: str, arrays: list[np.ndarray]) -> tuple[i
     return sum(a.nbytes for a in arrays), _sha256(root / file_name)
 
 
-def _state_arrays(state: TableState, dim: int, num_slots: int) -> list[np.ndarray]:
-    return [
-        np.ascontiguousarray(getattr(state, field), dtype)
-        for field, dtype, _ in _layout(len(state.keys), dim, num_slots)
-    ]
+def _num_counts(state: TableState) -> int:
+    return 0 if state.counts is None else len(state.counts)
+
+
+def _state_arrays(
+    state: TableState, dim: int, num_slots: int, erased: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """The arrays of a table file (a delta's with `erased`), in `_layout` order."""
+    fields = {"erased": erased, **{f: getattr(state, f) for f in (*TableState.FIELDS, "counts")}}
+    layout = _layout(
+        len(state.keys), dim, num_slots, None if erased is None else len(erased),
+        _num_counts(state),
+    )  # fmt: skip
+    return [np.ascontiguousarray(fields[field], dtype) for field, dtype, _ in layout]
 
 
 def _write_base(
@@ -377,6 +388,7 @@ def _write_base(
         "sha256": digest,
         "num_rows": len(state.keys),
         "num_erased": 0,
+        "num_counts": _num_counts(state),
         "iterations": state.iterations,
         "parent": None,
     }
@@ -418,8 +430,7 @@ def _save_link(
         return _chain_entry(table, state, chain, [link]), _Mark(chain, 0, number + 1)
     assert head is not None
     parent = head["links"][-1]
-    arrays = _state_arrays(state, table.dim, table.num_slots)
-    arrays.append(np.ascontiguousarray(erased, np.dtype("<i8")))
+    arrays = _state_arrays(state, table.dim, table.num_slots, erased)
     file_name = f"{stem}-delta.bin"
     nbytes, digest = _write_data(root, file_name, arrays)
     link = {
@@ -430,6 +441,7 @@ def _save_link(
         "sha256": digest,
         "num_rows": len(state.keys),
         "num_erased": len(erased),
+        "num_counts": _num_counts(state),
         "iterations": state.iterations,
         "parent": parent["sha256"],
     }
@@ -629,7 +641,8 @@ def _read_data(
     if not path.is_file():
         raise CheckpointError(f"Checkpoint file {path} of {what} is missing")
     num_erased = link["num_erased"] if delta else None
-    layout = _layout(link["num_rows"], entry["dim"], entry["num_slots"], num_erased)
+    num_counts = link.get("num_counts", 0)  # written before admission existed: none
+    layout = _layout(link["num_rows"], entry["dim"], entry["num_slots"], num_erased, num_counts)
     expected = sum(int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in layout)
     if expected != link["bytes"]:
         erased = f" and {num_erased} erased keys" if delta else ""
@@ -724,6 +737,7 @@ def _merge_chain(base: TableState, deltas: list[tuple[TableState, np.ndarray]]) 
     if not deltas:
         return base
     rows = TableState.concatenate([d for d, _ in deltas])  # every delta row, in link order
+    counts = deltas[-1][0].counts  # each link holds the whole sketch: the newest wins
     keys, source, offset = [], [], 0
     for delta, erased in deltas:
         n = len(delta.keys)
@@ -736,6 +750,7 @@ def _merge_chain(base: TableState, deltas: list[tuple[TableState, np.ndarray]]) 
     untouched = ~np.isin(base.keys, mentioned)
     state = TableState.concatenate([base.select(untouched), rows.select(last[last >= 0])])
     state.iterations = deltas[-1][0].iterations
+    state.counts = counts
     return state
 
 
@@ -751,8 +766,10 @@ def part_directories(root: Path) -> list[Path]:
 
 
 def table_config(name: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """The `Table.config()` of a checkpointed table."""
-    return {"name": name, **{k: entry[k] for k in ("dim", "seed", "optimizer", "initializer")}}
+    """The `Table.config()` of a checkpointed table (policies when it has them)."""
+    required = {k: entry[k] for k in ("dim", "seed", "optimizer", "initializer")}
+    policies = {k: entry[k] for k in ("nonfinite", "admission", "eviction") if k in entry}
+    return {"name": name, **required, **policies}
 
 
 def read_shards(
@@ -798,6 +815,17 @@ def check_fits(table: Table, entry: dict[str, Any], root: Any) -> None:
             f"Table {table.name!r} does not match the checkpoint: (dim, optimizer, slots) "
             f"is {expected} live and {found} in {root}"
         )
+    # The live table's policies apply; admission counts carry over when the
+    # sketches have one shape (else the restore would have to guess them).
+    live, saved = table.admission, admission.get(entry.get("admission"))
+    if live is not None and saved is not None:
+        shape = ("sketch_bytes", "sketch_depth")
+        if [getattr(live, f) for f in shape] != [getattr(saved, f) for f in shape]:
+            raise CheckpointError(
+                f"Table {table.name!r} does not match the checkpoint: its admission sketch is "
+                f"{live} live and {saved} in {root}; restore into a table with the "
+                "checkpoint's sketch_bytes and sketch_depth"
+            )
 
 
 def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, Table]:

@@ -154,6 +154,12 @@ class GpuTable(LocalTable):
     device = "gpu"
 
     def __init__(self, config: TableConfig) -> None:
+        unsupported = [k for k in ("admission", "eviction") if getattr(config, k) is not None]
+        if unsupported:
+            raise ValueError(
+                f"device='gpu' tables have no {' or '.join(unsupported)} yet: use a CPU table "
+                f"(device='cpu') for table {config.name!r}, or leave {unsupported[0]}=None"
+            )
         if not _core.with_cuda:
             raise RuntimeError(
                 "elastic_emb was built without CUDA, so device='gpu' is unavailable; rebuild "

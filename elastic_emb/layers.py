@@ -75,6 +75,10 @@ class Embedding(keras.layers.Layer):
             `fit`), or is skipped by the table and counted in
             `layer.table.nonfinite_pushes`. The table is left unchanged either
             way (`ee.Table(nonfinite=...)`).
+        admission: None (default) or an `ee.admission` policy: which ids get
+            a row (`ee.Table(admission=...)`, docs/storage.md).
+        eviction: None (default) or an `ee.eviction` policy: which rows the
+            table lets go (`ee.Table(eviction=...)`).
 
     Call arguments:
         inputs: ids (int32/int64, or string with `key_dtype="string"`).
@@ -105,6 +109,8 @@ class Embedding(keras.layers.Layer):
         name: str | None = None,
         device: str = "cpu",
         nonfinite: str = "raise",
+        admission: Any = None,
+        eviction: Any = None,
         **kwargs: Any,
     ) -> None:
         for unsupported in ("embeddings_regularizer", "embeddings_constraint"):
@@ -156,7 +162,8 @@ class Embedding(keras.layers.Layer):
         self.supports_masking = self.mask_zero
         # The table is reached through tf.numpy_function, which XLA cannot compile.
         self.supports_jit = False
-        extra = {} if nonfinite == "raise" else {"nonfinite": nonfinite}
+        policies = {"nonfinite": nonfinite, "admission": admission, "eviction": eviction}
+        extra = {k: v for k, v in policies.items() if v not in (None, "raise")}
         self.table = Table(
             dim=output_dim,
             optimizer=optimizer,
@@ -241,6 +248,7 @@ class Embedding(keras.layers.Layer):
             "input_dim": self.input_dim,
             "device": self.device,
             "nonfinite": self.table.nonfinite,
+            **{k: v.to_dict() for k, v in self.table._config.policies().items() if k != "nonfinite"},
         }
         return {**base_config, **config}
 
@@ -266,6 +274,8 @@ class Embedding(keras.layers.Layer):
         store["table_iterations"] = np.array([state.iterations], np.int64)
         for field in TableState.FIELDS:
             store[f"table_{field}"] = getattr(state, field)
+        if state.counts is not None:
+            store["table_counts"] = state.counts
 
     def load_own_variables(self, store: Any) -> None:
         self._push_trigger.assign(np.asarray(store["0"]))
@@ -281,7 +291,8 @@ class Embedding(keras.layers.Layer):
         checkpoint.check_fits(self.table, saved, f"the saved layer {self.name!r}")
         arrays = {f: np.asarray(store[f"table_{f}"]) for f in TableState.FIELDS}
         iterations = int(np.asarray(store["table_iterations"])[0])
-        self.table.load_state(TableState(**arrays, iterations=iterations))
+        counts = np.asarray(store["table_counts"]) if "table_counts" in store else None
+        self.table.load_state(TableState(**arrays, iterations=iterations, counts=counts))
 
     @property
     def serving_table(self) -> Any:

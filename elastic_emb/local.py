@@ -37,6 +37,16 @@ def core_options(config: TableConfig, shard_bits: int | None = None) -> _core.Ta
     options.dim = config.dim
     options.initializer = init
     options.optimizer = opt
+    if config.admission is not None:
+        options.admission.min_count = config.admission.min_count
+        options.admission.sketch_bytes = config.admission.sketch_bytes
+        options.admission.sketch_depth = config.admission.sketch_depth
+    if config.eviction is not None:
+        ev = config.eviction
+        options.eviction.kind = _core.EvictionKind.__members__[ev.to_dict()["kind"]]
+        options.eviction.ttl_steps = getattr(ev, "steps", 0)
+        options.eviction.max_rows = getattr(ev, "max_rows", 0)
+        options.eviction.protect_steps = ev.protect_steps
     if shard_bits is not None:
         options.shard_bits = shard_bits
     return options
@@ -132,18 +142,53 @@ class LocalTable(Table):
     def __len__(self) -> int:
         return int(self._core.size())
 
+    def policy_counts(self) -> dict[str, int]:
+        counts = getattr(self._core, "policy_counts", None)
+        return super().policy_counts() if counts is None else dict(counts())
+
+    def _counts(self) -> np.ndarray | None:
+        """The admission sketch's counters (call with the step lock held); None without."""
+        return self._core.export_counts() if self._config.admission is not None else None
+
+    def _load_counts(self, state: TableState, add: bool) -> None:
+        """Sets the sketch from `state` (or clears it, when replacing with a state without
+        counts) and the step pulls count from (call with the step lock held)."""
+        if self._config.admission is not None:
+            if state.counts is not None:
+                self._core.import_counts(state.counts, add)
+            elif not add:
+                self._core.import_counts(np.zeros(self._core.num_counts, np.uint8), False)
+        if hasattr(self._core, "set_clock"):
+            self._core.set_clock(self._iterations)
+
+    def check_counts(self, counts: np.ndarray | None) -> None:
+        """ValueError unless `counts` (a state's) fits this table's admission sketch."""
+        if counts is None or self._config.admission is None:
+            return
+        if np.shape(counts) != (self._core.num_counts,):
+            raise ValueError(
+                f"Table {self.name!r}: the admission counts hold {np.size(counts)} counters, "
+                f"this table's sketch {self._core.num_counts} (a different sketch_bytes or "
+                "sketch_depth)"
+            )
+
     def export_state(self) -> TableState:
         with self._step_lock:
             keys, values, slots, last_step, update_count = self._core.export_rows()
-            return TableState(keys, values, slots, last_step, update_count, self._iterations)
+            return TableState(
+                keys, values, slots, last_step, update_count, self._iterations, self._counts()
+            )
 
     def export_slots(self, slots: tuple[int, int]) -> TableState:
-        """The state of the rows whose virtual slot (`elastic_emb.sharding`) is in [begin, end)."""
+        """The state of the rows whose virtual slot (`elastic_emb.sharding`) is in [begin, end),
+        with the whole admission sketch (the receiver adds it to its own)."""
         with self._step_lock:
             keys, values, slots_, last_step, update_count = self._core.export_slots(
                 sharding.NUM_SLOTS, *slots
             )
-            return TableState(keys, values, slots_, last_step, update_count, self._iterations)
+            return TableState(
+                keys, values, slots_, last_step, update_count, self._iterations, self._counts()
+            )
 
     def erase_slots(self, slots: tuple[int, int]) -> int:
         """Erases the rows whose virtual slot is in [begin, end); returns how many."""
@@ -151,19 +196,23 @@ class LocalTable(Table):
 
     def load_state(self, state: TableState) -> None:
         s = state.checked(self.dim, self.num_slots)
+        self.check_counts(s.counts)
         with self._step_lock:
             current, *_ = self._core.export_rows()
             self._core.erase(current)
             self._core.import_rows(s.keys, s.values, s.slots, s.last_step, s.update_count)
             self._iterations = s.iterations
+            self._load_counts(s, add=False)
 
     def add_state(self, state: TableState) -> None:
         """Adds rows with their optimizer slots and metadata (the other rows stay), and
         takes the state's step count: a table received in parts."""
         s = state.checked(self.dim, self.num_slots)
+        self.check_counts(s.counts)
         with self._step_lock:
             self._core.import_rows(s.keys, s.values, s.slots, s.last_step, s.update_count)
             self._iterations = s.iterations
+            self._load_counts(s, add=True)
 
     def step_fusion(self) -> StepFusion:
         return self._fusion
@@ -201,7 +250,9 @@ class LocalTable(Table):
             )
         with self._step_lock:
             keys, values, slots, last_step, update_count, erased, number = export(bool(all_rows))
-            state = TableState(keys, values, slots, last_step, update_count, self._iterations)
+            state = TableState(
+                keys, values, slots, last_step, update_count, self._iterations, self._counts()
+            )
         return state, erased, int(number)
 
 

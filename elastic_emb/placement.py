@@ -58,9 +58,13 @@ def create_table(
     seed: int | None = None,
     device: str = "cpu",
     nonfinite: str = "raise",
+    admission: Any = None,
+    eviction: Any = None,
 ) -> Table:
     """`Table(...)`: a new table, placed and registered (arguments as `Table`)."""
-    config = TableConfig.make(dim, optimizer, initializer, name, seed, nonfinite)
+    config = TableConfig.make(
+        dim, optimizer, initializer, name, seed, nonfinite, admission, eviction
+    )
     if device == "gpu":
         from elastic_emb.gpu import GpuTable
 

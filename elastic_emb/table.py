@@ -18,10 +18,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from elastic_emb import admission as admission_module
+from elastic_emb import eviction as eviction_module
 from elastic_emb import initializers, optimizers
 
 __all__ = [
     "NONFINITE_POLICIES",
+    "POLICY_COUNTS",
     "StepFusion",
     "Table",
     "TableConfig",
@@ -30,7 +33,11 @@ __all__ = [
     "check_keys",
     "check_nonfinite_policy",
     "check_rows",
+    "sum_counts",
 ]
+
+# What `Table.policy_counts()` counts.
+POLICY_COUNTS = ("evicted_rows", "evicted_bytes", "admitted_keys", "rejected_updates")
 
 # What a table does with a push whose gradients hold NaN or ±Inf (`nonfinite=`).
 NONFINITE_POLICIES = ("raise", "skip")
@@ -60,6 +67,8 @@ class TableConfig:
     name: str
     seed: int
     nonfinite: str = "raise"  # one of NONFINITE_POLICIES
+    admission: admission_module.Frequency | None = None
+    eviction: eviction_module.TTL | eviction_module.LRU | eviction_module.LFU | None = None
 
     @classmethod
     def make(
@@ -70,6 +79,8 @@ class TableConfig:
         name: Any = "table",
         seed: Any = None,
         nonfinite: Any = "raise",
+        admission: Any = None,
+        eviction: Any = None,
     ) -> TableConfig:
         """Checks and converts constructor arguments (optimizer and initializer names...).
 
@@ -92,7 +103,20 @@ class TableConfig:
             name=name,
             seed=default_seed(name) if seed is None else int(seed),
             nonfinite=nonfinite,
+            admission=admission_module.get(admission),
+            eviction=eviction_module.get(eviction),
         )
+
+    def policies(self) -> dict[str, Any]:
+        """The keyword arguments of the policies that are not the default (`Table(...)`)."""
+        out: dict[str, Any] = {}
+        if self.nonfinite != "raise":
+            out["nonfinite"] = self.nonfinite
+        if self.admission is not None:
+            out["admission"] = self.admission
+        if self.eviction is not None:
+            out["eviction"] = self.eviction
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (checkpoint manifests, the wire's CreateTables)."""
@@ -107,11 +131,13 @@ class TableConfig:
                 "b": self.initializer.b,
             },
             "nonfinite": self.nonfinite,
+            # Policies only when set: configs without them read as before.
+            **{k: v.to_dict() for k, v in self.policies().items() if k != "nonfinite"},
         }
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> TableConfig:
-        """The inverse of `to_dict`; a config written before `nonfinite` existed gets "raise"."""
+        """The inverse of `to_dict`; a key written before it existed gets its default."""
         return cls.make(
             dim=config["dim"],
             optimizer=config["optimizer"],
@@ -119,11 +145,17 @@ class TableConfig:
             name=config["name"],
             seed=config["seed"],
             nonfinite=config.get("nonfinite", "raise"),
+            admission=config.get("admission"),
+            eviction=config.get("eviction"),
         )
 
 
 class TableState:
-    """Everything a table holds, as numpy arrays (row i belongs to keys[i])."""
+    """Everything a table holds, as numpy arrays (row i belongs to keys[i]).
+
+    `counts`: the admission sketch's counters (uint8), table-wide rather than
+    per row; None for a table without admission.
+    """
 
     FIELDS = ("keys", "values", "slots", "last_step", "update_count")
 
@@ -135,6 +167,7 @@ class TableState:
         last_step: np.ndarray,  # uint32 (m,)
         update_count: np.ndarray,  # uint32 (m,)
         iterations: int,
+        counts: np.ndarray | None = None,  # uint8 (c,)
     ) -> None:
         self.keys = keys
         self.values = values
@@ -142,9 +175,10 @@ class TableState:
         self.last_step = last_step
         self.update_count = update_count
         self.iterations = iterations
+        self.counts = counts
 
     def select(self, mask: np.ndarray) -> TableState:
-        """The rows `mask` selects (a boolean mask or positions); same step count."""
+        """The rows `mask` selects (a boolean mask or positions); same step count and counts."""
         return TableState(
             self.keys[mask],
             self.values[mask],
@@ -152,16 +186,23 @@ class TableState:
             self.last_step[mask],
             self.update_count[mask],
             self.iterations,
+            self.counts,
         )
 
     @staticmethod
     def concatenate(parts: list[TableState]) -> TableState:
-        """The rows of all parts (of one table, e.g. its shards); the largest step count."""
+        """The rows of all parts (of one table, e.g. its shards); the largest step count.
+
+        Admission counts are summed (saturating at 255): the parts count
+        disjoint keys, so the sum is what one table counting all of them
+        holds.
+        """
         keys, values, slots, last_step, update_count = (
             np.concatenate([getattr(p, f) for p in parts]) for f in TableState.FIELDS
         )
         iterations = max(p.iterations for p in parts)
-        return TableState(keys, values, slots, last_step, update_count, iterations)
+        counts = sum_counts([p.counts for p in parts])
+        return TableState(keys, values, slots, last_step, update_count, iterations, counts)
 
     def checked(self, dim: int, num_slots: int) -> TableState:
         """This state with dtypes and shapes checked for a table of `dim` and `num_slots`."""
@@ -173,7 +214,17 @@ class TableState:
             np.ascontiguousarray(self.last_step, np.uint32),
             np.ascontiguousarray(self.update_count, np.uint32),
             int(self.iterations),
+            None if self.counts is None else np.ascontiguousarray(self.counts, np.uint8),
         )
+
+
+def sum_counts(parts: list[np.ndarray | None]) -> np.ndarray | None:
+    """The saturating (at 255) sum of admission counters; None if no part has any."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    total = np.sum([p.astype(np.uint16) for p in present], axis=0)
+    return np.minimum(total, 255).astype(np.uint8)
 
 
 def check_keys(keys: Any, name: str = "keys") -> np.ndarray:
@@ -317,6 +368,12 @@ class Table(metaclass=_Placed):
             hold NaN or ±Inf does. "raise": `ValueError`, nothing applied.
             "skip": nothing applied, counted in `nonfinite_pushes`. Either
             way the table is unchanged (rows, slots, metadata, `iterations`).
+        admission: None (default: every id gets a row) or an
+            `elastic_emb.admission` policy, e.g. `Frequency(min_count=2)`.
+        eviction: None (default: rows stay) or an `elastic_emb.eviction`
+            policy: `TTL(steps=...)`, `LRU(max_rows=...)`, `LFU(max_rows=...)`.
+            Both run where the rows are (see `docs/storage.md`); GPU tables
+            have neither yet.
 
     Raises:
         ValueError: on an invalid argument.
@@ -336,6 +393,8 @@ class Table(metaclass=_Placed):
             seed: int | None = None,
             device: str = "cpu",
             nonfinite: str = "raise",
+            admission: Any = None,
+            eviction: Any = None,
         ) -> None: ...
 
     @property
@@ -364,6 +423,22 @@ class Table(metaclass=_Placed):
         return self._config.nonfinite
 
     @property
+    def admission(self) -> admission_module.Frequency | None:
+        """Which ids get a row (`elastic_emb.admission`); None: every id."""
+        return self._config.admission
+
+    @property
+    def eviction(self) -> eviction_module.TTL | eviction_module.LRU | eviction_module.LFU | None:
+        """Which rows the table lets go (`elastic_emb.eviction`); None: none."""
+        return self._config.eviction
+
+    def policy_counts(self) -> dict[str, int]:
+        """What admission and eviction did so far: `evicted_rows`, `evicted_bytes`,
+        `admitted_keys` (ids that got a row at a push) and `rejected_updates`
+        (pushes of an id dropped by admission, one per id and push)."""
+        return dict.fromkeys(POLICY_COUNTS, 0)
+
+    @property
     def nonfinite_pushes(self) -> int:
         """Pushes this process skipped because their gradients were not finite ("skip").
 
@@ -381,8 +456,7 @@ class Table(metaclass=_Placed):
     def from_config(cls, config: dict[str, Any]) -> Table:
         """A new empty table from `config()` output, placed like `Table(...)`."""
         c = TableConfig.from_dict(config)
-        extra = {} if c.nonfinite == "raise" else {"nonfinite": c.nonfinite}
-        return Table(c.dim, c.optimizer, c.initializer, c.name, c.seed, **extra)
+        return Table(c.dim, c.optimizer, c.initializer, c.name, c.seed, **c.policies())
 
     @property
     def iterations(self) -> int:

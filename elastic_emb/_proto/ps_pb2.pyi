@@ -38,7 +38,7 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "config_json", "dim", "num_slots", "rows", "iterations", "memory_bytes", "nonfinite_pushes")
+    __slots__ = ("name", "config_json", "dim", "num_slots", "rows", "iterations", "memory_bytes", "nonfinite_pushes", "evicted_rows", "evicted_bytes", "admitted_keys", "rejected_updates")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,10 @@ class TableInfo(_message.Message):
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_UPDATES_FIELD_NUMBER: _ClassVar[int]
     name: str
     config_json: str
     dim: int
@@ -55,7 +59,11 @@ class TableInfo(_message.Message):
     iterations: int
     memory_bytes: int
     nonfinite_pushes: int
-    def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ..., dim: _Optional[int] = ..., num_slots: _Optional[int] = ..., rows: _Optional[int] = ..., iterations: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., nonfinite_pushes: _Optional[int] = ...) -> None: ...
+    evicted_rows: int
+    evicted_bytes: int
+    admitted_keys: int
+    rejected_updates: int
+    def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ..., dim: _Optional[int] = ..., num_slots: _Optional[int] = ..., rows: _Optional[int] = ..., iterations: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., nonfinite_pushes: _Optional[int] = ..., evicted_rows: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., admitted_keys: _Optional[int] = ..., rejected_updates: _Optional[int] = ...) -> None: ...
 
 class CreateTablesRequest(_message.Message):
     __slots__ = ("tables", "range")
@@ -188,7 +196,7 @@ class PushResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class ImportRowsRequest(_message.Message):
-    __slots__ = ("table", "keys", "values", "replace", "slots", "last_step", "update_count", "iterations", "range")
+    __slots__ = ("table", "keys", "values", "replace", "slots", "last_step", "update_count", "iterations", "counts", "range")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +205,7 @@ class ImportRowsRequest(_message.Message):
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
     RANGE_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
@@ -206,8 +215,9 @@ class ImportRowsRequest(_message.Message):
     last_step: bytes
     update_count: bytes
     iterations: int
+    counts: bytes
     range: int
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., replace: bool = ..., slots: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., iterations: _Optional[int] = ..., range: _Optional[int] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., replace: bool = ..., slots: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., iterations: _Optional[int] = ..., counts: _Optional[bytes] = ..., range: _Optional[int] = ...) -> None: ...
 
 class ImportRowsResponse(_message.Message):
     __slots__ = ("rows",)
@@ -226,20 +236,22 @@ class ExportRowsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., with_state: bool = ..., range: _Optional[int] = ...) -> None: ...
 
 class ExportRowsResponse(_message.Message):
-    __slots__ = ("keys", "values", "slots", "last_step", "update_count", "iterations")
+    __slots__ = ("keys", "values", "slots", "last_step", "update_count", "iterations", "counts")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     values: bytes
     slots: bytes
     last_step: bytes
     update_count: bytes
     iterations: int
-    def __init__(self, keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., iterations: _Optional[int] = ...) -> None: ...
+    counts: bytes
+    def __init__(self, keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., last_step: _Optional[bytes] = ..., update_count: _Optional[bytes] = ..., iterations: _Optional[int] = ..., counts: _Optional[bytes] = ...) -> None: ...
 
 class EraseRowsRequest(_message.Message):
     __slots__ = ("table", "keys", "range")

@@ -192,6 +192,7 @@ def table_info(table: Table) -> ps_pb2.TableInfo:
         iterations=table.iterations,
         memory_bytes=table.memory_bytes(),
         nonfinite_pushes=table.nonfinite_pushes,
+        **table.policy_counts(),
     )
 
 
@@ -325,6 +326,8 @@ def write_state(message: Any, state: TableState, with_state: bool = True) -> Any
         message.slots = encode_floats(state.slots, ps_pb2.FLOAT32)
         message.last_step = _uint_bytes(state.last_step, "<u4")
         message.update_count = _uint_bytes(state.update_count, "<u4")
+        if state.counts is not None:
+            message.counts = np.ascontiguousarray(state.counts, np.uint8).tobytes()
     return message
 
 
@@ -339,6 +342,7 @@ def read_state(message: Any, dim: int, num_slots: int) -> TableState:
         last_step=decode_uint(message.last_step, n, "<u4", "last_step"),
         update_count=decode_uint(message.update_count, n, "<u4", "update_count"),
         iterations=int(message.iterations),
+        counts=np.frombuffer(message.counts, np.uint8) if message.counts else None,
     )
 
 

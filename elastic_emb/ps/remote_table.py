@@ -11,7 +11,15 @@ from elastic_emb import _core
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps import protocol
 from elastic_emb.ps.cluster import Cluster
-from elastic_emb.table import StepFusion, Table, TableConfig, TableState, check_keys, check_rows
+from elastic_emb.table import (
+    POLICY_COUNTS,
+    StepFusion,
+    Table,
+    TableConfig,
+    TableState,
+    check_keys,
+    check_rows,
+)
 
 __all__ = ["RemoteTable"]
 
@@ -101,6 +109,11 @@ class RemoteTable(Table):
     def nonfinite_pushes(self) -> int:
         """Pushes the shards skipped for non-finite gradients (`nonfinite="skip"`)."""
         return sum(int(i.nonfinite_pushes) for i in self.cluster.describe(self.name))
+
+    def policy_counts(self) -> dict[str, int]:
+        """What admission and eviction did on the shards so far (summed)."""
+        infos = self.cluster.describe(self.name)
+        return {k: sum(int(getattr(i, k)) for i in infos) for k in POLICY_COUNTS}
 
     def __len__(self) -> int:
         return sum(int(i.rows) for i in self.cluster.describe(self.name))

@@ -1,0 +1,112 @@
+"""Eviction policies: which rows a table lets go (`ee.Table(eviction=...)`).
+
+    t = ee.Table(dim=16, name="item", eviction=ee.eviction.LFU(max_rows=10_000_000))
+
+A row's **last use** is the step of its last push, or, when it was pulled for
+training, the step of the push that follows (a pull at step t marks the row
+used at t). Steps count the table's pushes (`Table.iterations`). The policy
+runs in C++ where the rows are (in this process or on each PS shard), after
+each push, and is saved with the table's configuration. Rows used during the
+last `protect_steps` steps are never evicted; with the default 1, a row
+pulled for a step is still there for that step's push. Evicted rows are
+counted (`Table.policy_counts()`), and logged as erased for incremental
+checkpoints.
+
+Async training lets other workers' pushes come between a worker's pull and
+its push: set `protect_steps` to at least the number of pushes that can
+come between them (workers × (staleness + 1)), or a pulled row may be
+evicted before its push, which then starts it again from its initial value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["LFU", "LRU", "TTL", "get"]
+
+
+def _check(policy: Any, field: str) -> None:
+    value = getattr(policy, field)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 1 << 62:
+        raise ValueError(
+            f"{type(policy).__name__} `{field}` must be a positive integer. "
+            f"Received: {field}={value!r}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TTL:
+    """Rows not used for `steps` steps are removed.
+
+    Checked every `max(1, steps // 4)` steps. So a row last used at step u
+    is removed at the first check after step u + steps. That is at most
+    `steps // 4` steps late.
+    """
+
+    steps: int
+    protect_steps: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self, "steps")
+        _check(self, "protect_steps")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "ttl", **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LRU:
+    """At most `max_rows` rows after each push, the least recently used evicted first.
+
+    When a push leaves more than `max_rows` rows, rows are removed, least
+    recent last use first (ties: smaller key first), down to
+    `max_rows - max_rows // 16`. Evicting in batches keeps the work amortized:
+    one pass ranks the table's rows once per `max_rows // 16` new rows.
+    Protected rows are never removed, so a step that uses more than
+    `max_rows` rows leaves the table above the limit until they age.
+    """
+
+    max_rows: int
+    protect_steps: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self, "max_rows")
+        _check(self, "protect_steps")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "lru", **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LFU:
+    """At most `max_rows` rows after each push, the least frequently updated evicted first.
+
+    Like `LRU`, ranked by update count (the pushes that updated the row, as
+    `Table.metadata` reports), then last use, then key, smallest first.
+    """
+
+    max_rows: int
+    protect_steps: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self, "max_rows")
+        _check(self, "protect_steps")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "lfu", **dataclasses.asdict(self)}
+
+
+_KINDS: dict[str, Any] = {"ttl": TTL, "lru": LRU, "lfu": LFU}
+
+
+def get(value: Any) -> TTL | LRU | LFU | None:
+    """An eviction policy from a policy, its `to_dict()`, or None (rows are kept)."""
+    if value is None or isinstance(value, TTL | LRU | LFU):
+        return value
+    if isinstance(value, dict) and value.get("kind") in _KINDS:
+        return _KINDS[value["kind"]](**{k: v for k, v in value.items() if k != "kind"})
+    raise ValueError(
+        "`eviction` must be None or an elastic_emb.eviction policy (ee.eviction.TTL(steps=...), "
+        f"LRU(max_rows=...) or LFU(max_rows=...)). Received: eviction={value!r}"
+    )
