@@ -57,14 +57,14 @@ py::array_t<T> ToNumpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
 // The options of Table and DeviceTable: plain structs, checked by their
 // Validate() when a table is built.
 void BindOptions(py::module_& m) {
+  using elastic_emb::AdmissionOptions;
+  using elastic_emb::EvictionKind;
+  using elastic_emb::EvictionOptions;
   using elastic_emb::InitializerOptions;
   using elastic_emb::InitKind;
   using elastic_emb::OptimizerKind;
   using elastic_emb::OptimizerOptions;
   using elastic_emb::TableOptions;
-  using elastic_emb::AdmissionOptions;
-  using elastic_emb::EvictionKind;
-  using elastic_emb::EvictionOptions;
   py::enum_<OptimizerKind>(m, "OptimizerKind")
       .value("sgd", OptimizerKind::kSgd)
       .value("adagrad", OptimizerKind::kAdagrad)

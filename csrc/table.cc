@@ -85,11 +85,9 @@ void TableOptions::Validate() const {
                                                       << admission.sketch_depth);
     const int64_t least = int64_t{64} * admission.sketch_depth << shard_bits;
     EE_CHECK(admission.sketch_bytes >= least,
-             "admission sketch_bytes must be at least " << least << " (64 counters per row of "
-                                                        << admission.sketch_depth << " in each of "
-                                                        << (1 << shard_bits)
-                                                        << " internal shards), got "
-                                                        << admission.sketch_bytes);
+             "admission sketch_bytes must be at least "
+                 << least << " (64 counters per row of " << admission.sketch_depth << " in each of "
+                 << (1 << shard_bits) << " internal shards), got " << admission.sketch_bytes);
   }
   switch (eviction.kind) {
     case EvictionKind::kNone:
@@ -178,9 +176,9 @@ float* Table::Row(const Shard& s, uint32_t row) const {
 
 void Table::MarkChanged(Shard& s, uint32_t row) { SetBit(s.changed, row); }
 
-uint32_t Table::LastUse(const float* row) const { return GetWord(row + row_floats_ - 3); }
+uint32_t Table::PulledAt(const float* row) const { return GetWord(row + row_floats_ - 3); }
 
-void Table::SetLastUse(float* row, uint32_t step) const {
+void Table::SetPulledAt(float* row, uint32_t step) const {
   if (tracks_use_) SetWord(row + row_floats_ - 3, step);
 }
 
@@ -207,7 +205,7 @@ void Table::InitRow(int64_t key, float* row) const {
   const int dim = options_.dim;
   InitialValue(options_.initializer, key, dim, row);
   options_.optimizer.InitSlots(dim, row + dim);
-  SetLastUse(row, 0);
+  SetPulledAt(row, 0);
   SetWord(row + row_floats_ - 2, 0);
   SetWord(row + row_floats_ - 1, 0);
 }
@@ -249,7 +247,7 @@ const uint32_t* Table::LookupRows(Shard& s, const ShardBatch& b, bool insert,
 void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
   const int dim = options_.dim;
   const bool insert = train && !options_.admission.enabled();
-  // Rows pulled for training count as used by the next push's step.
+  // Rows pulled for training are protected as used by the next push's step.
   const auto use = static_cast<uint32_t>(clock_.load(std::memory_order_relaxed) + 1);
   const bool mark_use = train && tracks_use_;
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
@@ -267,7 +265,7 @@ void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
         InitialValue(options_.initializer, b.keys[k], dim, dst);
       } else {
         std::memcpy(dst, Row(s, rows[k]), sizeof(float) * dim);
-        if (mark_use) SetLastUse(Row(s, rows[k]), use);
+        if (mark_use) SetPulledAt(Row(s, rows[k]), use);
       }
     }
   });
@@ -301,7 +299,8 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
       int64_t e = a + 1;
       while (e < b.count && static_cast<uint32_t>(by_row[e] >> 32) == row) ++e;
       if (e + kPrefetchDistance < b.count) {
-        __builtin_prefetch(Row(s, static_cast<uint32_t>(by_row[e + kPrefetchDistance] >> 32)));
+        const auto ahead = static_cast<uint32_t>(by_row[e + kPrefetchDistance] >> 32);
+        if (ahead != kNoRow) __builtin_prefetch(Row(s, ahead));
       }
       const float* grad = grads + b.pos[by_row[a] & 0xFFFFFFFFu] * dim;
       if (e - a > 1) {
@@ -314,7 +313,6 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
       }
       float* r = Row(s, row);
       ApplyUpdate(rule, dim, grad, r, r + dim);
-      SetLastUse(r, static_cast<uint32_t>(step));
       SetWord(r + row_floats_ - 2, static_cast<uint32_t>(step));
       SetWord(r + row_floats_ - 1, GetWord(r + row_floats_ - 1) + 1);
       MarkChanged(s, row);
@@ -361,17 +359,19 @@ void Table::Evict(int64_t step) {
   if (!pass.owns_lock()) return;  // another push's pass is running
   // Rows used at or after `protected_from` stay.
   const int64_t protected_from = step - ev.protect_steps + 1;
+  const auto last_step = [&](const float* r) { return GetWord(r + row_floats_ - 2); };
   const auto evictable = [&](const float* r) {
-    return static_cast<int64_t>(LastUse(r)) < protected_from;
+    return std::max<int64_t>(PulledAt(r), last_step(r)) < protected_from;
   };
   int64_t evicted = 0;
   if (ev.kind == EvictionKind::kTtl) {
-    const int64_t expired_before = std::min(step - ev.ttl_steps, protected_from);
+    const int64_t expired_before = step - ev.ttl_steps;
     for (auto& s : shards_) {
       std::lock_guard<std::mutex> lock(s->mu);
       std::vector<int64_t> keys;
       s->index.ForEach([&](int64_t key, uint32_t row) {
-        if (static_cast<int64_t>(LastUse(Row(*s, row))) < expired_before) keys.push_back(key);
+        const float* r = Row(*s, row);
+        if (last_step(r) < expired_before && evictable(r)) keys.push_back(key);
       });
       for (const int64_t key : keys) evicted += EraseKey(*s, key, KeyHash(key));
     }
@@ -395,9 +395,9 @@ void Table::Evict(int64_t step) {
       s->index.ForEach([&](int64_t key, uint32_t row) {
         const float* r = Row(*s, row);
         if (!evictable(r)) return;
-        const uint64_t use = LastUse(r);
-        candidates.push_back(
-            lfu ? Candidate{GetWord(r + row_floats_ - 1), use, key} : Candidate{use, 0, key});
+        const uint64_t updated = last_step(r);
+        candidates.push_back(lfu ? Candidate{GetWord(r + row_floats_ - 1), updated, key}
+                                 : Candidate{updated, 0, key});
       });
     }
     const auto excess = static_cast<size_t>(size - (ev.max_rows - ev.max_rows / 16));
@@ -440,9 +440,8 @@ void Table::Import(int64_t n, const int64_t* keys, const float* values, const fl
       } else {
         options_.optimizer.InitSlots(dim, r + dim);
       }
-      const uint32_t updated = last_step != nullptr ? last_step[i] : 0;
-      SetLastUse(r, updated);
-      SetWord(r + row_floats_ - 2, updated);
+      SetPulledAt(r, 0);
+      SetWord(r + row_floats_ - 2, last_step != nullptr ? last_step[i] : 0);
       SetWord(r + row_floats_ - 1, update_count != nullptr ? update_count[i] : 0);
     }
   });
@@ -565,8 +564,8 @@ std::vector<uint8_t> Table::ExportCounts() const {
 }
 
 void Table::ImportCounts(int64_t n, const uint8_t* counts, bool add) {
-  EE_CHECK(n == NumCounts(), "admission counts: expected " << NumCounts() << " counters, got "
-                                                           << n);
+  EE_CHECK(n == NumCounts(),
+           "admission counts: expected " << NumCounts() << " counters, got " << n);
   for (const auto& s : shards_) {
     std::lock_guard<std::mutex> lock(s->mu);
     uint8_t* c = s->sketch.data();

@@ -6,7 +6,7 @@
 // (linear probing over the low hash bits) and row arena. Arena chunks hold a
 // fixed number of rows and are never moved or freed while the table lives, so
 // a row's address is stable; a row holds [value (dim) | slots (num_slots *
-// dim) | last_use (u32, with eviction only) | last_step (u32) | update_count
+// dim) | pulled_at (u32, with eviction only) | last_step (u32) | update_count
 // (u32)] side by side.
 //
 // Thread safety: every public method may be called from any number of threads
@@ -59,15 +59,15 @@ struct AdmissionOptions {
 
 enum class EvictionKind { kNone, kTtl, kLru, kLfu };
 
-// Eviction (elastic_emb.eviction). A row's last use is the step of its last
-// push, or the step that follows the last push of the table when it was
-// pulled for training. After each push of step t:
-//   TTL: every max(1, ttl_steps / 4) steps, rows last used before
+// Eviction (elastic_emb.eviction), after each push of step t:
+//   TTL: every max(1, ttl_steps / 4) steps, rows last updated before
 //        t - ttl_steps are erased;
 //   LRU, LFU: when the table holds more than max_rows rows, the least
 //        valuable are erased down to max_rows - max_rows / 16: LRU by (last
-//        use, key), LFU by (update count, last use, key), smallest first.
-// Rows used at step t - protect_steps + 1 or later are never erased.
+//        step, key), LFU by (update count, last step, key), smallest first.
+// Rows used at step t - protect_steps + 1 or later are never erased: pushed
+// then, or pulled for training after the push of the step before (a pull
+// counts for the next push's step; not saved in checkpoints).
 struct EvictionOptions {
   EvictionKind kind = EvictionKind::kNone;
   int64_t ttl_steps = 0;
@@ -89,9 +89,9 @@ struct TableOptions {
 // What the table's policies did so far (admission, eviction).
 struct PolicyCounts {
   int64_t evicted_rows = 0;
-  int64_t evicted_bytes = 0;       // index slots and arena rows freed by eviction
-  int64_t admitted_keys = 0;       // absent keys that got a row at a push
-  int64_t rejected_updates = 0;    // (push, absent key) pairs dropped by admission
+  int64_t evicted_bytes = 0;     // index slots and arena rows freed by eviction
+  int64_t admitted_keys = 0;     // absent keys that got a row at a push
+  int64_t rejected_updates = 0;  // (push, absent key) pairs dropped by admission
 };
 
 // Rows copied out of a table; row i of each array belongs to keys[i].
@@ -231,16 +231,17 @@ class Table {
   void Admit(Shard& s, const ShardBatch& b, uint32_t* rows);
   // Eviction after the push of `step`.
   void Evict(int64_t step);
-  uint32_t LastUse(const float* row) const;
-  void SetLastUse(float* row, uint32_t step) const;
+  // The step a row was last pulled for training at (eviction's protection).
+  uint32_t PulledAt(const float* row) const;
+  void SetPulledAt(float* row, uint32_t step) const;
 
   TableOptions options_;
   int num_slots_;
   int row_floats_;                         // floats per arena row, metadata words included
-  bool tracks_use_;                        // rows hold a last-use word (eviction)
+  bool tracks_use_;                        // rows hold a pulled_at word (eviction)
   std::unique_ptr<ChunkAllocator> arena_;  // before shards_: outlives them
   std::vector<std::unique_ptr<Shard>> shards_;
-  uint64_t change_sets_ = 0;  // ExportChanges calls so far; guarded by every shard's mutex
+  uint64_t change_sets_ = 0;       // ExportChanges calls so far; guarded by every shard's mutex
   std::atomic<int64_t> clock_{0};  // the step of the last push (eviction)
   std::mutex evict_mu_;            // one eviction pass at a time
   std::atomic<int64_t> evicted_rows_{0}, admitted_keys_{0}, rejected_updates_{0};

@@ -2,15 +2,18 @@
 
     t = ee.Table(dim=16, name="item", eviction=ee.eviction.LFU(max_rows=10_000_000))
 
-A row's **last use** is the step of its last push, or, when it was pulled for
-training, the step of the push that follows (a pull at step t marks the row
-used at t). Steps count the table's pushes (`Table.iterations`). The policy
-runs in C++ where the rows are (in this process or on each PS shard), after
-each push, and is saved with the table's configuration. Rows used during the
-last `protect_steps` steps are never evicted; with the default 1, a row
-pulled for a step is still there for that step's push. Evicted rows are
-counted (`Table.policy_counts()`), and logged as erased for incremental
-checkpoints.
+Steps count the table's pushes (`Table.iterations`); a row's **last step**
+is the step of its last push (`Table.metadata`). The policy runs in C++
+where the rows are (in this process or on each PS shard), after each push,
+and is saved with the table's configuration. Evicted rows are counted
+(`Table.policy_counts()`), and logged as erased for incremental checkpoints.
+
+**Protection.** A row *used* during the last `protect_steps` steps is never
+evicted. A row is used at step t if step t pushed it, or if it was pulled
+for training after step t - 1 (the pull belongs to the next push). With the
+default 1, a row pulled for a step is still there for that step's push.
+Pull marks are not saved in checkpoints: a table restored from a checkpoint
+taken between steps evicts exactly as the saved table would have.
 
 Async training lets other workers' pushes come between a worker's pull and
 its push: set `protect_steps` to at least the number of pushes that can
@@ -37,11 +40,11 @@ def _check(policy: Any, field: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TTL:
-    """Rows not used for `steps` steps are removed.
+    """Rows not updated for `steps` steps are removed.
 
-    Checked every `max(1, steps // 4)` steps. So a row last used at step u
-    is removed at the first check after step u + steps. That is at most
-    `steps // 4` steps late.
+    Checked every `max(1, steps // 4)` steps. So a row last updated at step
+    u is removed at the first check after step u + steps (unless protected).
+    That is at most `steps // 4` steps late.
     """
 
     steps: int
@@ -59,8 +62,8 @@ class TTL:
 class LRU:
     """At most `max_rows` rows after each push, the least recently used evicted first.
 
-    When a push leaves more than `max_rows` rows, rows are removed, least
-    recent last use first (ties: smaller key first), down to
+    When a push leaves more than `max_rows` rows, unprotected rows are
+    removed, least recently updated first (ties: smaller key first), down to
     `max_rows - max_rows // 16`. Evicting in batches keeps the work amortized:
     one pass ranks the table's rows once per `max_rows // 16` new rows.
     Protected rows are never removed, so a step that uses more than
@@ -83,7 +86,7 @@ class LFU:
     """At most `max_rows` rows after each push, the least frequently updated evicted first.
 
     Like `LRU`, ranked by update count (the pushes that updated the row, as
-    `Table.metadata` reports), then last use, then key, smallest first.
+    `Table.metadata` reports), then last step, then key, smallest first.
     """
 
     max_rows: int

@@ -28,6 +28,10 @@ def string_keys(strings: tf.Tensor) -> tf.Tensor:
     return tf.reshape(keys, tf.shape(strings))
 
 
+def _policy_config(policy: Any) -> dict[str, Any] | None:
+    return None if policy is None else policy.to_dict()
+
+
 @keras.saving.register_keras_serializable(package="elastic_emb")
 class Embedding(keras.layers.Layer):
     """Maps integer (or string) ids to dense vectors stored in an `elastic_emb.Table`.
@@ -248,7 +252,8 @@ class Embedding(keras.layers.Layer):
             "input_dim": self.input_dim,
             "device": self.device,
             "nonfinite": self.table.nonfinite,
-            **{k: v.to_dict() for k, v in self.table._config.policies().items() if k != "nonfinite"},
+            "admission": _policy_config(self.table.admission),
+            "eviction": _policy_config(self.table.eviction),
         }
         return {**base_config, **config}
 

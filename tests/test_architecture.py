@@ -117,6 +117,8 @@ FORBIDDEN = {
     "elastic_emb.gpu": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
     "elastic_emb.checkpoint": {"tensorflow", "keras", "grpc", "elastic_emb._proto"},
     "elastic_emb.rows": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
+    "elastic_emb.admission": {"tensorflow", "keras", "grpc", "numpy", "elastic_emb."},
+    "elastic_emb.eviction": {"tensorflow", "keras", "grpc", "numpy", "elastic_emb."},
     # The PS never needs TensorFlow or Keras, nor the layer.
     "elastic_emb.ps": {
         "tensorflow",

@@ -983,6 +983,8 @@ class _Snapshot:
         for config, state in self.tables:
             for begin in range(0, max(len(state.keys), 1), per_part):
                 part = state.select(np.arange(begin, min(begin + per_part, len(state.keys))))
+                if begin:  # the admission counts are table-wide: in the first part only
+                    part.counts = None
                 rows = protocol.write_state(ps_pb2.ExportRowsResponse(), part)
                 yield ps_pb2.SnapshotChunk(**where, table_config_json=json.dumps(config), rows=rows)
         yield ps_pb2.SnapshotChunk(
