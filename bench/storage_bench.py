@@ -11,8 +11,9 @@ a long tail). Two parts, each a Markdown table:
   SavedModel exported with `ee.export_saved_model(..., row_dtype=...)`
   predicts (tests/test_export.py checks that the two agree).
 - **policies**: the model trained from the same seed and data once per
-  policy (none, admission, LFU/LRU at half the unbounded table's rows per
-  table, TTL, admission with LFU): rows kept, table bytes per row, training
+  policy (none, float16 and bfloat16 row storage, admission, LFU/LRU at
+  half the unbounded table's rows per table, TTL, all together): rows
+  kept, table bytes per row, training
   examples/s (wall and CPU) and test AUC against the unbounded table.
   Memory is the tables' own (`memory_bytes`: index, row arena, free list,
   admission sketch), not the process's, which TensorFlow dominates.
@@ -163,13 +164,19 @@ def policies(args: argparse.Namespace, train: Any, test: Any) -> None:
     steps_per_epoch = -(-len(train[1]) // 4096)
     ttl = max(1, steps_per_epoch // 4)
     variants: list[tuple[str, Callable[[int], dict[str, Any]]]] = [
+        ("float16 rows", lambda i: {"row_dtype": "float16"}),
+        ("bfloat16 rows", lambda i: {"row_dtype": "bfloat16"}),
         ("admission min_count=2", lambda i: {"admission": admit}),
         ("LFU at ½ the rows", lambda i: {"eviction": ee.eviction.LFU(half[i])}),
         ("LRU at ½ the rows", lambda i: {"eviction": ee.eviction.LRU(half[i])}),
         (f"TTL {ttl} steps", lambda i: {"eviction": ee.eviction.TTL(ttl)}),
         (
-            "admission + LFU at ½",
-            lambda i: {"admission": admit, "eviction": ee.eviction.LFU(half[i])},
+            "admission + LFU at ½, float16 rows",
+            lambda i: {
+                "admission": admit,
+                "eviction": ee.eviction.LFU(half[i]),
+                "row_dtype": "float16",
+            },
         ),
     ]
     results = [("unbounded", base)] + [(name, run(f)) for name, f in variants]

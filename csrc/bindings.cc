@@ -103,6 +103,10 @@ void BindOptions(py::module_& m) {
       .def_readwrite("min_count", &AdmissionOptions::min_count)
       .def_readwrite("sketch_bytes", &AdmissionOptions::sketch_bytes)
       .def_readwrite("sketch_depth", &AdmissionOptions::sketch_depth);
+  py::enum_<elastic_emb::RowDtype>(m, "RowDtype")
+      .value("float32", elastic_emb::RowDtype::kFloat32)
+      .value("float16", elastic_emb::RowDtype::kFloat16)
+      .value("bfloat16", elastic_emb::RowDtype::kBfloat16);
   py::enum_<EvictionKind>(m, "EvictionKind")
       .value("none", EvictionKind::kNone)
       .value("ttl", EvictionKind::kTtl)
@@ -120,6 +124,7 @@ void BindOptions(py::module_& m) {
       .def_readwrite("dim", &TableOptions::dim)
       .def_readwrite("initializer", &TableOptions::initializer)
       .def_readwrite("optimizer", &TableOptions::optimizer)
+      .def_readwrite("row_dtype", &TableOptions::row_dtype)
       .def_readwrite("admission", &TableOptions::admission)
       .def_readwrite("eviction", &TableOptions::eviction)
       .def_readwrite("shard_bits", &TableOptions::shard_bits);

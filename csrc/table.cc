@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "check.h"
+#include "half.h"
 #include "memory.h"
 #include "thread_pool.h"
 #include "update_rules.h"
@@ -38,6 +39,43 @@ inline uint32_t GetWord(const float* p) {
 }
 
 inline void SetWord(float* p, uint32_t w) { std::memcpy(p, &w, sizeof(w)); }
+
+// Row storage of n numbers in `dtype`: float32, or 16-bit numbers packed two
+// to a word.
+int StorageWords(RowDtype dtype, int n) { return dtype == RowDtype::kFloat32 ? n : (n + 1) / 2; }
+
+void Encode(RowDtype dtype, int n, const float* in, float* storage) {
+  if (dtype == RowDtype::kFloat32) {
+    std::memcpy(storage, in, sizeof(float) * n);
+    return;
+  }
+  auto* out = reinterpret_cast<unsigned char*>(storage);
+  for (int j = 0; j < n; ++j) {
+    const uint16_t h = dtype == RowDtype::kFloat16 ? FloatToHalf(in[j]) : FloatToBfloat16(in[j]);
+    std::memcpy(out + 2 * j, &h, sizeof(h));
+  }
+}
+
+// Rounds n floats in place to the nearest numbers of `dtype`.
+void Round(RowDtype dtype, int n, float* values) {
+  for (int j = 0; j < n; ++j) {
+    if (dtype == RowDtype::kFloat16) values[j] = HalfToFloat(FloatToHalf(values[j]));
+    if (dtype == RowDtype::kBfloat16) values[j] = Bfloat16ToFloat(FloatToBfloat16(values[j]));
+  }
+}
+
+void Decode(RowDtype dtype, int n, const float* storage, float* out) {
+  if (dtype == RowDtype::kFloat32) {
+    std::memcpy(out, storage, sizeof(float) * n);
+    return;
+  }
+  const auto* in = reinterpret_cast<const unsigned char*>(storage);
+  for (int j = 0; j < n; ++j) {
+    uint16_t h;
+    std::memcpy(&h, in + 2 * j, sizeof(h));
+    out[j] = dtype == RowDtype::kFloat16 ? HalfToFloat(h) : Bfloat16ToFloat(h);
+  }
+}
 
 // Row bit sets of the change tracking: one word per arena chunk.
 static_assert(kChunkRows == 64, "one 64-bit word of a row bit set per arena chunk");
@@ -110,7 +148,13 @@ Table::Table(const TableOptions& options) : options_(options) {
   options_.Validate();
   num_slots_ = options_.optimizer.NumSlots();
   tracks_use_ = options_.eviction.kind != EvictionKind::kNone;
-  row_floats_ = options_.dim * (1 + num_slots_) + 2 + (tracks_use_ ? 1 : 0);
+  const RowDtype values = options_.row_dtype;
+  const bool ftrl = options_.optimizer.kind == OptimizerKind::kFtrl;
+  slot_dtype_ = values == RowDtype::kFloat32 || ftrl ? RowDtype::kFloat32 : RowDtype::kBfloat16;
+  compact_ = values != RowDtype::kFloat32;
+  value_words_ = StorageWords(values, options_.dim);
+  slot_words_ = StorageWords(slot_dtype_, options_.dim * num_slots_);
+  row_floats_ = value_words_ + slot_words_ + 2 + (tracks_use_ ? 1 : 0);
   arena_ = std::make_unique<ChunkAllocator>(sizeof(float) * kChunkRows * row_floats_);
   const int shards = 1 << options_.shard_bits;
   shards_.reserve(shards);
@@ -182,13 +226,28 @@ void Table::SetPulledAt(float* row, uint32_t step) const {
   if (tracks_use_) SetWord(row + row_floats_ - 3, step);
 }
 
+void Table::ReadValue(const float* row, float* value) const {
+  Decode(options_.row_dtype, options_.dim, row, value);
+}
+
+void Table::WriteValue(float* row, const float* value) const {
+  Encode(options_.row_dtype, options_.dim, value, row);
+}
+
+void Table::ReadSlots(const float* row, float* slots) const {
+  Decode(slot_dtype_, num_slots_ * options_.dim, row + value_words_, slots);
+}
+
+void Table::WriteSlots(float* row, const float* slots) const {
+  Encode(slot_dtype_, num_slots_ * options_.dim, slots, row + value_words_);
+}
+
 void Table::CopyRow(const Shard& s, int64_t key, uint32_t row, ExportedRows& out, int64_t i) const {
   const int dim = options_.dim;
-  const int slot_floats = num_slots_ * dim;
   const float* r = Row(s, row);
   out.keys[i] = key;
-  std::memcpy(&out.values[i * dim], r, sizeof(float) * dim);
-  std::memcpy(out.slots.data() + i * slot_floats, r + dim, sizeof(float) * slot_floats);
+  ReadValue(r, &out.values[i * dim]);
+  ReadSlots(r, out.slots.data() + i * num_slots_ * dim);
   out.last_step[i] = GetWord(r + row_floats_ - 2);
   out.update_count[i] = GetWord(r + row_floats_ - 1);
 }
@@ -203,8 +262,18 @@ void Table::ResizeRows(ExportedRows& out, int64_t m) const {
 
 void Table::InitRow(int64_t key, float* row) const {
   const int dim = options_.dim;
-  InitialValue(options_.initializer, key, dim, row);
-  options_.optimizer.InitSlots(dim, row + dim);
+  if (compact_) {
+    thread_local std::vector<float> value, slots;
+    value.resize(dim);
+    slots.resize(static_cast<size_t>(num_slots_) * dim);
+    InitialValue(options_.initializer, key, dim, value.data());
+    options_.optimizer.InitSlots(dim, slots.data());
+    WriteValue(row, value.data());
+    WriteSlots(row, slots.data());
+  } else {
+    InitialValue(options_.initializer, key, dim, row);
+    options_.optimizer.InitSlots(dim, row + dim);
+  }
   SetPulledAt(row, 0);
   SetWord(row + row_floats_ - 2, 0);
   SetWord(row + row_floats_ - 1, 0);
@@ -262,7 +331,12 @@ void Table::Pull(int64_t n, const int64_t* keys, float* out, bool train) {
       }
       float* dst = out + b.pos[k] * dim;
       if (rows[k] == kNoRow) {
+        // The value an insert would store (rounded to the row's storage).
         InitialValue(options_.initializer, b.keys[k], dim, dst);
+        if (compact_) Round(options_.row_dtype, dim, dst);
+      } else if (compact_) {
+        ReadValue(Row(s, rows[k]), dst);
+        if (mark_use) SetPulledAt(Row(s, rows[k]), use);
       } else {
         std::memcpy(dst, Row(s, rows[k]), sizeof(float) * dim);
         if (mark_use) SetPulledAt(Row(s, rows[k]), use);
@@ -281,7 +355,7 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
     thread_local std::vector<uint32_t> scratch;
     thread_local std::vector<uint64_t> by_row;
-    thread_local std::vector<float> sum;
+    thread_local std::vector<float> sum, value, slots;
     LookupRows(s, b, /*insert=*/!admission, scratch);
     uint32_t* rows = scratch.data();
     if (admission) Admit(s, b, rows);
@@ -312,7 +386,17 @@ void Table::Push(int64_t n, const int64_t* keys, const float* grads, float learn
         grad = sum.data();
       }
       float* r = Row(s, row);
-      ApplyUpdate(rule, dim, grad, r, r + dim);
+      if (compact_) {  // in float32, then rounded back
+        value.resize(dim);
+        slots.resize(static_cast<size_t>(num_slots_) * dim);
+        ReadValue(r, value.data());
+        ReadSlots(r, slots.data());
+        ApplyUpdate(rule, dim, grad, value.data(), slots.data());
+        WriteValue(r, value.data());
+        WriteSlots(r, slots.data());
+      } else {
+        ApplyUpdate(rule, dim, grad, r, r + dim);
+      }
       SetWord(r + row_floats_ - 2, static_cast<uint32_t>(step));
       SetWord(r + row_floats_ - 1, GetWord(r + row_floats_ - 1) + 1);
       MarkChanged(s, row);
@@ -429,16 +513,19 @@ void Table::Import(int64_t n, const int64_t* keys, const float* values, const fl
   const int dim = options_.dim;
   const int slot_floats = num_slots_ * dim;
   ForEachShard(n, keys, [&](Shard& s, const ShardBatch& b) {
+    thread_local std::vector<float> initial;
     for (int64_t k = 0; k < b.count; ++k) {
       const int64_t i = b.pos[k];
       const uint32_t row = FindOrInsert(s, b.keys[k], b.hashes[k]);
       MarkChanged(s, row);
       float* r = Row(s, row);
-      std::memcpy(r, values + i * dim, sizeof(float) * dim);
+      WriteValue(r, values + i * dim);
       if (slots != nullptr) {
-        std::memcpy(r + dim, slots + i * slot_floats, sizeof(float) * slot_floats);
+        WriteSlots(r, slots + i * slot_floats);
       } else {
-        options_.optimizer.InitSlots(dim, r + dim);
+        initial.resize(slot_floats);
+        options_.optimizer.InitSlots(dim, initial.data());
+        WriteSlots(r, initial.data());
       }
       SetPulledAt(r, 0);
       SetWord(r + row_floats_ - 2, last_step != nullptr ? last_step[i] : 0);

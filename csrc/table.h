@@ -7,7 +7,8 @@
 // fixed number of rows and are never moved or freed while the table lives, so
 // a row's address is stable; a row holds [value (dim) | slots (num_slots *
 // dim) | pulled_at (u32, with eviction only) | last_step (u32) | update_count
-// (u32)] side by side.
+// (u32)] side by side, values and slots in float32 or, with a 16-bit
+// row_dtype, packed two to a 32-bit word.
 //
 // Thread safety: every public method may be called from any number of threads
 // at once. Batch methods block, split their keys by shard and run the shards
@@ -75,10 +76,18 @@ struct EvictionOptions {
   int64_t protect_steps = 1;
 };
 
+// How a row's values are stored (elastic_emb Table(row_dtype=...)). With a
+// 16-bit type, updates still compute in float32: a push decodes the row,
+// applies the optimizer, and rounds the result to nearest even. The
+// optimizer's slots are then stored as bfloat16 (float32's range), except
+// FTRL's, which stay float32.
+enum class RowDtype { kFloat32, kFloat16, kBfloat16 };
+
 struct TableOptions {
   int dim = 8;
   InitializerOptions initializer;
   OptimizerOptions optimizer;
+  RowDtype row_dtype = RowDtype::kFloat32;
   AdmissionOptions admission;
   EvictionOptions eviction;
   int shard_bits = 6;  // 64 internal shards
@@ -224,6 +233,11 @@ class Table {
   void CopyRow(const Shard& s, int64_t key, uint32_t row, ExportedRows& out, int64_t i) const;
   void ResizeRows(ExportedRows& out, int64_t m) const;
   void InitRow(int64_t key, float* row) const;
+  // A row's value and slots as float32, and back (rounded to their storage).
+  void ReadValue(const float* row, float* value) const;
+  void WriteValue(float* row, const float* value) const;
+  void ReadSlots(const float* row, float* slots) const;
+  void WriteSlots(float* row, const float* slots) const;
   // Removes a present key's row (with change tracking); false if absent.
   bool EraseKey(Shard& s, int64_t key, uint64_t hash);
   // Admission at a push: gives the batch's absent keys (rows[k] == kNoRow)
@@ -239,6 +253,9 @@ class Table {
   int num_slots_;
   int row_floats_;                         // floats per arena row, metadata words included
   bool tracks_use_;                        // rows hold a pulled_at word (eviction)
+  RowDtype slot_dtype_;                    // how slots are stored (see RowDtype)
+  bool compact_;                           // values or slots in 16 bits
+  int value_words_, slot_words_;           // 32-bit words of a row's value and slots
   std::unique_ptr<ChunkAllocator> arena_;  // before shards_: outlives them
   std::vector<std::unique_ptr<Shard>> shards_;
   uint64_t change_sets_ = 0;       // ExportChanges calls so far; guarded by every shard's mutex

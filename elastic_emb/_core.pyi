@@ -84,6 +84,18 @@ class AdmissionOptions:
     sketch_depth: int
     def __init__(self) -> None: ...
 
+class RowDtype:
+    float32: ClassVar[RowDtype]
+    float16: ClassVar[RowDtype]
+    bfloat16: ClassVar[RowDtype]
+    __members__: ClassVar[dict[str, RowDtype]]
+    def __init__(self, value: int) -> None: ...
+    def __int__(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
+
 class EvictionKind:
     none: ClassVar[EvictionKind]
     ttl: ClassVar[EvictionKind]
@@ -108,6 +120,7 @@ class TableOptions:
     dim: int
     initializer: InitializerOptions
     optimizer: OptimizerOptions
+    row_dtype: RowDtype
     admission: AdmissionOptions
     eviction: EvictionOptions
     shard_bits: int

@@ -769,7 +769,7 @@ def table_config(name: str, entry: dict[str, Any]) -> dict[str, Any]:
     """The `Table.config()` of a checkpointed table (policies when it has them)."""
     required = {k: entry[k] for k in ("dim", "seed", "optimizer", "initializer")}
     policies: dict[str, Any] = {
-        k: entry[k] for k in ("nonfinite", "admission", "eviction") if k in entry
+        k: entry[k] for k in ("nonfinite", "row_dtype", "admission", "eviction") if k in entry
     }
     return {"name": name, **required, **policies}
 

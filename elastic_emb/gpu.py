@@ -154,11 +154,13 @@ class GpuTable(LocalTable):
     device = "gpu"
 
     def __init__(self, config: TableConfig) -> None:
-        unsupported = [k for k in ("admission", "eviction") if getattr(config, k) is not None]
+        policies = config.policies()
+        unsupported = [k for k in ("admission", "eviction", "row_dtype") if k in policies]
         if unsupported:
             raise ValueError(
                 f"device='gpu' tables have no {' or '.join(unsupported)} yet: use a CPU table "
-                f"(device='cpu') for table {config.name!r}, or leave {unsupported[0]}=None"
+                f"(device='cpu') for table {config.name!r}, or leave {unsupported[0]} at its "
+                "default"
             )
         if not _core.with_cuda:
             raise RuntimeError(

@@ -79,6 +79,8 @@ class Embedding(keras.layers.Layer):
             `fit`), or is skipped by the table and counted in
             `layer.table.nonfinite_pushes`. The table is left unchanged either
             way (`ee.Table(nonfinite=...)`).
+        row_dtype: "float32" (default), "float16" or "bfloat16": how the
+            table stores its rows (`ee.Table(row_dtype=...)`, docs/storage.md).
         admission: None (default) or an `ee.admission` policy: which ids get
             a row (`ee.Table(admission=...)`, docs/storage.md).
         eviction: None (default) or an `ee.eviction` policy: which rows the
@@ -115,6 +117,7 @@ class Embedding(keras.layers.Layer):
         nonfinite: str = "raise",
         admission: Any = None,
         eviction: Any = None,
+        row_dtype: str = "float32",
         **kwargs: Any,
     ) -> None:
         for unsupported in ("embeddings_regularizer", "embeddings_constraint"):
@@ -168,6 +171,8 @@ class Embedding(keras.layers.Layer):
         self.supports_jit = False
         policies = {"nonfinite": nonfinite, "admission": admission, "eviction": eviction}
         extra = {k: v for k, v in policies.items() if v not in (None, "raise")}
+        if row_dtype != "float32":
+            extra["row_dtype"] = row_dtype
         self.table = Table(
             dim=output_dim,
             optimizer=optimizer,
@@ -252,6 +257,7 @@ class Embedding(keras.layers.Layer):
             "input_dim": self.input_dim,
             "device": self.device,
             "nonfinite": self.table.nonfinite,
+            "row_dtype": self.table.row_dtype,
             "admission": _policy_config(self.table.admission),
             "eviction": _policy_config(self.table.eviction),
         }

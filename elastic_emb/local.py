@@ -37,6 +37,7 @@ def core_options(config: TableConfig, shard_bits: int | None = None) -> _core.Ta
     options.dim = config.dim
     options.initializer = init
     options.optimizer = opt
+    options.row_dtype = _core.RowDtype.__members__[config.row_dtype]
     if config.admission is not None:
         options.admission.min_count = config.admission.min_count
         options.admission.sketch_bytes = config.admission.sketch_bytes

@@ -60,10 +60,11 @@ def create_table(
     nonfinite: str = "raise",
     admission: Any = None,
     eviction: Any = None,
+    row_dtype: str = "float32",
 ) -> Table:
     """`Table(...)`: a new table, placed and registered (arguments as `Table`)."""
     config = TableConfig.make(
-        dim, optimizer, initializer, name, seed, nonfinite, admission, eviction
+        dim, optimizer, initializer, name, seed, nonfinite, admission, eviction, row_dtype
     )
     if device == "gpu":
         from elastic_emb.gpu import GpuTable

@@ -25,6 +25,7 @@ from elastic_emb import initializers, optimizers
 __all__ = [
     "NONFINITE_POLICIES",
     "POLICY_COUNTS",
+    "ROW_STORAGE_DTYPES",
     "StepFusion",
     "Table",
     "TableConfig",
@@ -35,6 +36,9 @@ __all__ = [
     "check_rows",
     "sum_counts",
 ]
+
+# How a table may store its rows' values in training (`row_dtype=`).
+ROW_STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 # What `Table.policy_counts()` counts.
 POLICY_COUNTS = ("evicted_rows", "evicted_bytes", "admitted_keys", "rejected_updates")
@@ -67,6 +71,7 @@ class TableConfig:
     name: str
     seed: int
     nonfinite: str = "raise"  # one of NONFINITE_POLICIES
+    row_dtype: str = "float32"  # one of ROW_STORAGE_DTYPES
     admission: admission_module.Frequency | None = None
     eviction: eviction_module.TTL | eviction_module.LRU | eviction_module.LFU | None = None
 
@@ -81,6 +86,7 @@ class TableConfig:
         nonfinite: Any = "raise",
         admission: Any = None,
         eviction: Any = None,
+        row_dtype: Any = "float32",
     ) -> TableConfig:
         """Checks and converts constructor arguments (optimizer and initializer names...).
 
@@ -94,6 +100,11 @@ class TableConfig:
         if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0):
             raise ValueError(f"`seed` must be a non-negative integer. Received: seed={seed!r}")
         check_nonfinite_policy(nonfinite)
+        if not isinstance(row_dtype, str) or row_dtype not in ROW_STORAGE_DTYPES:
+            raise ValueError(
+                f"`row_dtype` must be one of {ROW_STORAGE_DTYPES} (int8 is for export: "
+                f"ee.export_rows). Received: row_dtype={row_dtype!r}"
+            )
         return cls(
             dim=int(dim),
             optimizer=optimizers.get(
@@ -103,6 +114,7 @@ class TableConfig:
             name=name,
             seed=default_seed(name) if seed is None else int(seed),
             nonfinite=nonfinite,
+            row_dtype=row_dtype,
             admission=admission_module.get(admission),
             eviction=eviction_module.get(eviction),
         )
@@ -112,6 +124,8 @@ class TableConfig:
         out: dict[str, Any] = {}
         if self.nonfinite != "raise":
             out["nonfinite"] = self.nonfinite
+        if self.row_dtype != "float32":
+            out["row_dtype"] = self.row_dtype
         if self.admission is not None:
             out["admission"] = self.admission
         if self.eviction is not None:
@@ -132,7 +146,11 @@ class TableConfig:
             },
             "nonfinite": self.nonfinite,
             # Policies only when set: configs without them read as before.
-            **{k: v.to_dict() for k, v in self.policies().items() if k != "nonfinite"},
+            **{
+                k: v if isinstance(v, str) else v.to_dict()
+                for k, v in self.policies().items()
+                if k != "nonfinite"
+            },
         }
 
     @classmethod
@@ -147,6 +165,7 @@ class TableConfig:
             nonfinite=config.get("nonfinite", "raise"),
             admission=config.get("admission"),
             eviction=config.get("eviction"),
+            row_dtype=config.get("row_dtype", "float32"),
         )
 
 
@@ -368,6 +387,10 @@ class Table(metaclass=_Placed):
             hold NaN or ±Inf does. "raise": `ValueError`, nothing applied.
             "skip": nothing applied, counted in `nonfinite_pushes`. Either
             way the table is unchanged (rows, slots, metadata, `iterations`).
+        row_dtype: "float32" (default), "float16" or "bfloat16": how the
+            rows' values are stored. 16-bit rows are updated in float32 and
+            rounded to nearest even; their optimizer slots are stored as
+            bfloat16 (FTRL's stay float32). See `docs/storage.md`.
         admission: None (default: every id gets a row) or an
             `elastic_emb.admission` policy, e.g. `Frequency(min_count=2)`.
         eviction: None (default: rows stay) or an `elastic_emb.eviction`
@@ -395,6 +418,7 @@ class Table(metaclass=_Placed):
             nonfinite: str = "raise",
             admission: Any = None,
             eviction: Any = None,
+            row_dtype: str = "float32",
         ) -> None: ...
 
     @property
@@ -421,6 +445,11 @@ class Table(metaclass=_Placed):
     def nonfinite(self) -> str:
         """What a push with NaN or ±Inf gradients does: "raise" or "skip"."""
         return self._config.nonfinite
+
+    @property
+    def row_dtype(self) -> str:
+        """How the rows' values are stored: "float32", "float16" or "bfloat16"."""
+        return self._config.row_dtype
 
     @property
     def admission(self) -> admission_module.Frequency | None:
