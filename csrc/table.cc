@@ -448,16 +448,25 @@ void Table::Evict(int64_t step) {
     return std::max<int64_t>(PulledAt(r), last_step(r)) < protected_from;
   };
   int64_t evicted = 0;
+  ExportedRows kept;  // with keep_evicted: the erased rows, whole
+  const auto erase = [&](Shard& s, int64_t key, uint64_t hash, uint32_t row) {
+    if (ev.keep_evicted) {
+      const auto i = static_cast<int64_t>(kept.keys.size());
+      ResizeRows(kept, i + 1);
+      CopyRow(s, key, row, kept, i);
+    }
+    evicted += EraseKey(s, key, hash);
+  };
   if (ev.kind == EvictionKind::kTtl) {
     const int64_t expired_before = step - ev.ttl_steps;
     for (auto& s : shards_) {
       std::lock_guard<std::mutex> lock(s->mu);
-      std::vector<int64_t> keys;
+      std::vector<std::pair<int64_t, uint32_t>> expired;
       s->index.ForEach([&](int64_t key, uint32_t row) {
         const float* r = Row(*s, row);
-        if (last_step(r) < expired_before && evictable(r)) keys.push_back(key);
+        if (last_step(r) < expired_before && evictable(r)) expired.emplace_back(key, row);
       });
-      for (const int64_t key : keys) evicted += EraseKey(*s, key, KeyHash(key));
+      for (const auto& [key, row] : expired) erase(*s, key, KeyHash(key), row);
     }
   } else {
     const int64_t size = Size();
@@ -501,12 +510,37 @@ void Table::Evict(int64_t step) {
       for (const int64_t key : by_shard[i]) {
         const uint64_t hash = KeyHash(key);
         const uint32_t row = s.index.Find(key, hash);
-        if (row != kNoRow && evictable(Row(s, row))) evicted += EraseKey(s, key, hash);
+        if (row != kNoRow && evictable(Row(s, row))) erase(s, key, hash, row);
       }
     }
   }
   evicted_rows_.fetch_add(evicted, std::memory_order_relaxed);
+  if (!kept.keys.empty()) {
+    std::lock_guard<std::mutex> lock(evicted_mu_);
+    if (evicted_.keys.empty()) {
+      evicted_ = std::move(kept);
+    } else {
+      const auto n = static_cast<int64_t>(evicted_.keys.size());
+      ResizeRows(evicted_, n + static_cast<int64_t>(kept.keys.size()));
+      std::copy(kept.keys.begin(), kept.keys.end(), evicted_.keys.begin() + n);
+      std::copy(kept.values.begin(), kept.values.end(), evicted_.values.begin() + n * options_.dim);
+      std::copy(kept.slots.begin(), kept.slots.end(),
+                evicted_.slots.begin() + n * num_slots_ * options_.dim);
+      std::copy(kept.last_step.begin(), kept.last_step.end(), evicted_.last_step.begin() + n);
+      std::copy(kept.update_count.begin(), kept.update_count.end(),
+                evicted_.update_count.begin() + n);
+    }
+  }
 }
+
+ExportedRows Table::TakeEvicted() {
+  std::lock_guard<std::mutex> lock(evicted_mu_);
+  ExportedRows out;
+  std::swap(out, evicted_);
+  return out;
+}
+
+void Table::EvictNow() { Evict(clock_.load(std::memory_order_relaxed) + 1); }
 
 void Table::Import(int64_t n, const int64_t* keys, const float* values, const float* slots,
                    const uint32_t* last_step, const uint32_t* update_count) {

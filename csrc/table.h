@@ -74,6 +74,8 @@ struct EvictionOptions {
   int64_t ttl_steps = 0;
   int64_t max_rows = 0;
   int64_t protect_steps = 1;
+  // Erased rows are kept, whole, for TakeEvicted (a disk tier demotes them).
+  bool keep_evicted = false;
 };
 
 // How a row's values are stored (elastic_emb Table(row_dtype=...)). With a
@@ -194,6 +196,11 @@ class Table {
   void ImportCounts(int64_t n, const uint8_t* counts, bool add);
   int64_t NumCounts() const;
 
+  // The rows eviction erased since the last call (with keep_evicted), and
+  // an eviction pass now, as after a push that used no row.
+  ExportedRows TakeEvicted();
+  void EvictNow();
+
   // Sets the step that pulls count as using rows at minus one (eviction):
   // the step of the table's last push, after a restore.
   void SetClock(int64_t step);
@@ -261,6 +268,8 @@ class Table {
   uint64_t change_sets_ = 0;       // ExportChanges calls so far; guarded by every shard's mutex
   std::atomic<int64_t> clock_{0};  // the step of the last push (eviction)
   std::mutex evict_mu_;            // one eviction pass at a time
+  std::mutex evicted_mu_;          // guards evicted_
+  ExportedRows evicted_;           // rows erased by eviction, kept (keep_evicted)
   std::atomic<int64_t> evicted_rows_{0}, admitted_keys_{0}, rejected_updates_{0};
 };
 

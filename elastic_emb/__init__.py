@@ -49,6 +49,7 @@ _PLAIN_SUBMODULES = {
         "optimizers",
         "placement",
         "sharding",
+        "storage",
         "table",
     )
 }
@@ -146,6 +147,7 @@ if TYPE_CHECKING:
         optimizers,
         placement,
         sharding,
+        storage,
     )
     from elastic_emb.checkpoint import CheckpointError, restore, save
     from elastic_emb.examples import criteo as data
@@ -178,4 +180,5 @@ __all__ = [
     "save",
     "sharding",
     "shutdown",
+    "storage",
 ]

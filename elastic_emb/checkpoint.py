@@ -313,11 +313,12 @@ _chain_lock = threading.Lock()
 
 def _check_tracks_changes(tables: dict[str, Table]) -> None:
     for name, table in sorted(tables.items()):
-        if table.device != "cpu" or not callable(getattr(table, "export_changes", None)):
+        tracks = callable(getattr(table, "export_changes", None))
+        if table.device != "cpu" or not tracks or not getattr(table, "tracks_changes", True):
             raise NotImplementedError(
-                f"ee.save(incremental=True) needs tables that track changed rows (in-process CPU "
-                f"tables); table {name!r} is a {type(table).__name__} on {table.device!r}: save "
-                "it with incremental=False"
+                "ee.save(incremental=True) needs tables that track changed rows (in-process CPU "
+                f"tables without a disk tier); table {name!r} is a {type(table).__name__} on "
+                f"{table.device!r}: save it with incremental=False"
             )
 
 
@@ -769,7 +770,9 @@ def table_config(name: str, entry: dict[str, Any]) -> dict[str, Any]:
     """The `Table.config()` of a checkpointed table (policies when it has them)."""
     required = {k: entry[k] for k in ("dim", "seed", "optimizer", "initializer")}
     policies: dict[str, Any] = {
-        k: entry[k] for k in ("nonfinite", "row_dtype", "admission", "eviction") if k in entry
+        k: entry[k]
+        for k in ("nonfinite", "row_dtype", "admission", "eviction", "storage")
+        if k in entry
     }
     return {"name": name, **required, **policies}
 

@@ -155,7 +155,9 @@ class GpuTable(LocalTable):
 
     def __init__(self, config: TableConfig) -> None:
         policies = config.policies()
-        unsupported = [k for k in ("admission", "eviction", "row_dtype") if k in policies]
+        unsupported = [
+            k for k in ("admission", "eviction", "row_dtype", "storage") if k in policies
+        ]
         if unsupported:
             raise ValueError(
                 f"device='gpu' tables have no {' or '.join(unsupported)} yet: use a CPU table "

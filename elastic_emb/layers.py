@@ -85,6 +85,8 @@ class Embedding(keras.layers.Layer):
             a row (`ee.Table(admission=...)`, docs/storage.md).
         eviction: None (default) or an `ee.eviction` policy: which rows the
             table lets go (`ee.Table(eviction=...)`).
+        storage: None (default) or `ee.storage.Tiered(ram_rows, path)`: the
+            table's coldest rows on local disk (`ee.Table(storage=...)`).
 
     Call arguments:
         inputs: ids (int32/int64, or string with `key_dtype="string"`).
@@ -118,6 +120,7 @@ class Embedding(keras.layers.Layer):
         admission: Any = None,
         eviction: Any = None,
         row_dtype: str = "float32",
+        storage: Any = None,
         **kwargs: Any,
     ) -> None:
         for unsupported in ("embeddings_regularizer", "embeddings_constraint"):
@@ -169,7 +172,12 @@ class Embedding(keras.layers.Layer):
         self.supports_masking = self.mask_zero
         # The table is reached through tf.numpy_function, which XLA cannot compile.
         self.supports_jit = False
-        policies = {"nonfinite": nonfinite, "admission": admission, "eviction": eviction}
+        policies = {
+            "nonfinite": nonfinite,
+            "admission": admission,
+            "eviction": eviction,
+            "storage": storage,
+        }
         extra = {k: v for k, v in policies.items() if v not in (None, "raise")}
         if row_dtype != "float32":
             extra["row_dtype"] = row_dtype
@@ -260,6 +268,7 @@ class Embedding(keras.layers.Layer):
             "row_dtype": self.table.row_dtype,
             "admission": _policy_config(self.table.admission),
             "eviction": _policy_config(self.table.eviction),
+            "storage": _policy_config(self.table.storage),
         }
         return {**base_config, **config}
 

@@ -67,6 +67,7 @@ class LocalTable(Table):
     """
 
     device = "cpu"
+    tracks_changes = True  # export_changes works (incremental checkpoints)
 
     def __init__(self, config: TableConfig, core: Any = None) -> None:
         self._config = config

@@ -24,8 +24,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from elastic_emb import table as table_module
-from elastic_emb.local import LocalTable
 from elastic_emb.table import Table, TableConfig
+from elastic_emb.tiered import make_local_table
 
 if TYPE_CHECKING:
     from elastic_emb.ps.cluster import Cluster
@@ -61,10 +61,11 @@ def create_table(
     admission: Any = None,
     eviction: Any = None,
     row_dtype: str = "float32",
+    storage: Any = None,
 ) -> Table:
     """`Table(...)`: a new table, placed and registered (arguments as `Table`)."""
     config = TableConfig.make(
-        dim, optimizer, initializer, name, seed, nonfinite, admission, eviction, row_dtype
+        dim, optimizer, initializer, name, seed, nonfinite, admission, eviction, row_dtype, storage
     )
     if device == "gpu":
         from elastic_emb.gpu import GpuTable
@@ -73,7 +74,7 @@ def create_table(
     elif device == "cpu":
         cluster = current_cluster()
         if cluster is None:
-            table = LocalTable(config)
+            table = make_local_table(config)
         else:
             from elastic_emb.ps.remote_table import RemoteTable
 

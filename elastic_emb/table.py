@@ -21,6 +21,7 @@ import numpy as np
 from elastic_emb import admission as admission_module
 from elastic_emb import eviction as eviction_module
 from elastic_emb import initializers, optimizers
+from elastic_emb import storage as storage_module
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -74,6 +75,7 @@ class TableConfig:
     row_dtype: str = "float32"  # one of ROW_STORAGE_DTYPES
     admission: admission_module.Frequency | None = None
     eviction: eviction_module.TTL | eviction_module.LRU | eviction_module.LFU | None = None
+    storage: storage_module.Tiered | None = None
 
     @classmethod
     def make(
@@ -87,6 +89,7 @@ class TableConfig:
         admission: Any = None,
         eviction: Any = None,
         row_dtype: Any = "float32",
+        storage: Any = None,
     ) -> TableConfig:
         """Checks and converts constructor arguments (optimizer and initializer names...).
 
@@ -100,6 +103,12 @@ class TableConfig:
         if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0):
             raise ValueError(f"`seed` must be a non-negative integer. Received: seed={seed!r}")
         check_nonfinite_policy(nonfinite)
+        if storage is not None and eviction is not None:
+            raise ValueError(
+                "A table takes `storage=ee.storage.Tiered(...)` or `eviction`, not both yet "
+                f"(the RAM tier evicts to disk itself). Received: storage={storage!r}, "
+                f"eviction={eviction!r}"
+            )
         if not isinstance(row_dtype, str) or row_dtype not in ROW_STORAGE_DTYPES:
             raise ValueError(
                 f"`row_dtype` must be one of {ROW_STORAGE_DTYPES} (int8 is for export: "
@@ -117,6 +126,7 @@ class TableConfig:
             row_dtype=row_dtype,
             admission=admission_module.get(admission),
             eviction=eviction_module.get(eviction),
+            storage=storage_module.get(storage),
         )
 
     def policies(self) -> dict[str, Any]:
@@ -130,6 +140,8 @@ class TableConfig:
             out["admission"] = self.admission
         if self.eviction is not None:
             out["eviction"] = self.eviction
+        if self.storage is not None:
+            out["storage"] = self.storage
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,6 +178,7 @@ class TableConfig:
             admission=config.get("admission"),
             eviction=config.get("eviction"),
             row_dtype=config.get("row_dtype", "float32"),
+            storage=config.get("storage"),
         )
 
 
@@ -397,6 +410,9 @@ class Table(metaclass=_Placed):
             policy: `TTL(steps=...)`, `LRU(max_rows=...)`, `LFU(max_rows=...)`.
             Both run where the rows are (see `docs/storage.md`); GPU tables
             have neither yet.
+        storage: None (default: all rows in RAM) or
+            `ee.storage.Tiered(ram_rows=..., path=...)`: the hottest rows
+            in RAM, the rest on local disk (not with `eviction`).
 
     Raises:
         ValueError: on an invalid argument.
@@ -419,6 +435,7 @@ class Table(metaclass=_Placed):
             admission: Any = None,
             eviction: Any = None,
             row_dtype: str = "float32",
+            storage: Any = None,
         ) -> None: ...
 
     @property
@@ -450,6 +467,11 @@ class Table(metaclass=_Placed):
     def row_dtype(self) -> str:
         """How the rows' values are stored: "float32", "float16" or "bfloat16"."""
         return self._config.row_dtype
+
+    @property
+    def storage(self) -> storage_module.Tiered | None:
+        """Where the rows live (`elastic_emb.storage`); None: all in RAM."""
+        return self._config.storage
 
     @property
     def admission(self) -> admission_module.Frequency | None:

@@ -119,6 +119,8 @@ FORBIDDEN = {
     "elastic_emb.rows": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
     "elastic_emb.admission": {"tensorflow", "keras", "grpc", "numpy", "elastic_emb."},
     "elastic_emb.eviction": {"tensorflow", "keras", "grpc", "numpy", "elastic_emb."},
+    "elastic_emb.storage": {"tensorflow", "keras", "grpc", "numpy", "elastic_emb."},
+    "elastic_emb.tiered": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
     # The PS never needs TensorFlow or Keras, nor the layer.
     "elastic_emb.ps": {
         "tensorflow",

@@ -50,13 +50,13 @@ import numpy as np
 
 from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.local import LocalTable
 from elastic_emb.ps import membership, protocol
 from elastic_emb.ps.client import GRPC_OPTIONS
 from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, LeaseLost
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group, Move
 from elastic_emb.ps.shard import Ranges, RequestError, Shard
 from elastic_emb.table import TableConfig, TableState
+from elastic_emb.tiered import make_local_table
 
 __all__ = ["REPLICATED_METHODS", "Replica"]
 
@@ -1015,7 +1015,7 @@ class _Snapshot:
             ]
             tables = []
             for config, messages in parts.values():
-                table = LocalTable(TableConfig.from_dict(config))
+                table = make_local_table(TableConfig.from_dict(config))
                 states = [protocol.read_state(m, table.dim, table.num_slots) for m in messages]
                 table.load_state(type(states[0]).concatenate(states))
                 tables.append(table)

@@ -21,6 +21,7 @@ import numpy as np
 from elastic_emb import checkpoint, sharding
 from elastic_emb.local import LocalTable
 from elastic_emb.table import TableConfig, TableState, check_finite_gradients
+from elastic_emb.tiered import make_local_table
 
 __all__ = ["MAX_PUSHES_IN_FLIGHT", "Ranges", "RequestError", "Shard"]
 
@@ -211,7 +212,7 @@ class Shard:
                     chosen[existing.name] = existing
                     continue
                 try:
-                    table = LocalTable(TableConfig.from_dict(config))
+                    table = make_local_table(TableConfig.from_dict(config))
                 except (ValueError, KeyError, TypeError) as e:
                     raise invalid(f"Table {name!r}: invalid configuration {config}: {e}") from e
                 chosen[table.name] = table
