@@ -111,6 +111,8 @@ def init(
     coordinator: str | None = None,
     failover_timeout: float = 60.0,
     read_from_backups: bool = False,
+    cache_rows: int = 0,
+    cache_staleness: int = 0,
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
@@ -143,6 +145,16 @@ def init(
             of `ps`. None reads `ELASTIC_EMB_COORDINATOR`. The groups'
             primaries are found there; after a primary fails, calls follow
             the new one (see docs/fault-tolerance.md).
+        cache_rows: rows of remote tables this worker keeps, the ones it
+            pulls most often (0, the default: no cache). Pushes still go to
+            the shards. See `elastic_emb.ps.row_cache` and docs/storage.md.
+        cache_staleness: steps a cached row may be served without asking
+            its shard. 0 (default): every pull asks, sending the versions of
+            the cached rows, and the shard sends only rows that changed; the
+            rows are exactly those without a cache, in fewer bytes. Above 0
+            (not with mode="sync"): a row fetched or confirmed at most that
+            many steps ago is served as is; it may lack the updates of the
+            last `cache_staleness` steps (the worker's own included).
         failover_timeout: with a coordinator, seconds a call keeps waiting
             for a group's new primary before raising `ConnectionError`.
         read_from_backups: with a coordinator, pulls with `train=False`
@@ -195,7 +207,8 @@ def init(
         try:
             _cluster = Cluster(
                 addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
-                connect_timeout, routing, failover_timeout, read_from_backups,
+                connect_timeout, routing, failover_timeout, read_from_backups, cache_rows,
+                cache_staleness,
             )  # fmt: skip
         except BaseException:
             if routing is not None:

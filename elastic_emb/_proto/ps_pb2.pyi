@@ -118,14 +118,16 @@ class JoinResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class TableKeys(_message.Message):
-    __slots__ = ("table", "keys", "key_encoding")
+    __slots__ = ("table", "keys", "key_encoding", "versions")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
     key_encoding: KeyEncoding
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_encoding: _Optional[_Union[KeyEncoding, str]] = ...) -> None: ...
+    versions: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_encoding: _Optional[_Union[KeyEncoding, str]] = ..., versions: _Optional[bytes] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker", "step", "train", "encoding", "timeout_ms", "tables", "range")
@@ -146,12 +148,16 @@ class PullRequest(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., step: _Optional[int] = ..., train: bool = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ..., range: _Optional[int] = ...) -> None: ...
 
 class TableValues(_message.Message):
-    __slots__ = ("table", "values")
+    __slots__ = ("table", "values", "versions", "unchanged")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     table: str
     values: bytes
-    def __init__(self, table: _Optional[str] = ..., values: _Optional[bytes] = ...) -> None: ...
+    versions: bytes
+    unchanged: bytes
+    def __init__(self, table: _Optional[str] = ..., values: _Optional[bytes] = ..., versions: _Optional[bytes] = ..., unchanged: _Optional[bytes] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("encoding", "tables")

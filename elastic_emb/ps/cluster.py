@@ -23,6 +23,7 @@ import numpy as np
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps import protocol
 from elastic_emb.ps.client import NotPrimary, RangeChanged, ShardClient
+from elastic_emb.ps.row_cache import RowCache
 from elastic_emb.sharding import RangeLayout
 
 if TYPE_CHECKING:
@@ -99,6 +100,8 @@ class Cluster:
         routing: Routing | None = None,
         failover_timeout: float = 60.0,
         read_from_backups: bool = False,
+        cache_rows: int = 0,
+        cache_staleness: int = 0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
@@ -126,6 +129,20 @@ class Cluster:
         if read_from_backups and routing is None:
             raise ValueError("`read_from_backups` needs a coordinator (replicated groups)")
         self.read_from_backups = read_from_backups
+        for name, value in (("cache_rows", cache_rows), ("cache_staleness", cache_staleness)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"`{name}` must be a non-negative integer. Received: {name}={value!r}"
+                )
+        if cache_staleness and (mode == "sync" or not cache_rows):
+            raise ValueError(
+                "`cache_staleness` > 0 serves rows without asking the shards: it needs "
+                "cache_rows > 0 and mode 'async' (sync steps read every row as of the step "
+                f"before). Received: cache_staleness={cache_staleness}, cache_rows={cache_rows}, "
+                f"mode={mode!r}"
+            )
+        # The worker's cache of pulled rows (`ee.init(cache_rows=...)`), or None.
+        self.cache = RowCache(cache_rows, cache_staleness) if cache_rows else None
         self._reads = itertools.count()  # round robin over a group's replicas
         self._layout_lock = threading.Lock()
         if routing is None:
@@ -347,6 +364,8 @@ class Cluster:
     def restore_tables(self, directory: str, names: list[str]) -> None:
         """Each shard loads the rows it owns of the named tables from a checkpoint."""
         self.flush()
+        if self.cache is not None:  # restored rows may carry the versions of cached ones
+            self.cache.clear()
         self._per_range(
             "Restore",
             lambda layout: [protocol.restore_request(directory, names, s) for s in layout.slots],
@@ -388,36 +407,67 @@ class Cluster:
         return self._pull(tables, insert, step)
 
     def _pull(self, tables: _Tables, insert: bool, step: int) -> list[np.ndarray]:
+        cache = self.cache
+        # With a cache: the keys it serves, and for the others the versions it holds.
+        plans = []
+        if cache is not None:
+            plans = [cache.plan(name, dim, keys, step) for name, dim, keys in tables]
+        asked = (
+            [(n, d, k[~p[0]]) for (n, d, k), p in zip(tables, plans, strict=True)]
+            if cache is not None
+            else tables
+        )
         split: list[list[np.ndarray]] = []
 
         def make(layout: RangeLayout) -> list[Any]:
-            split[:] = [layout.split(keys) for _, _, keys in tables]
-            requests = []
+            split[:] = [layout.split(keys) for _, _, keys in asked]
+            requests: list[Any] = []
             for shard in range(len(layout.ids)):
-                entries = [
-                    (name, keys[split[i][shard]])
-                    for i, (name, _, keys) in enumerate(tables)
-                    if len(split[i][shard])
-                ]
-                requests.append(
-                    protocol.pull_request(
-                        self.worker_index, step, insert, self._encoding, self.timeout, entries
-                    )
-                    if entries
-                    else None
+                mine = [i for i in range(len(asked)) if len(split[i][shard])]
+                entries = [(asked[i][0], asked[i][2][split[i][shard]]) for i in mine]
+                held = [plans[i][2][split[i][shard]] for i in mine] if plans else None
+                if not entries:
+                    requests.append(None)
+                    continue
+                request = protocol.pull_request(
+                    self.worker_index, step, insert, self._encoding, self.timeout, entries, held
                 )
+                requests.append(request)
             return requests
 
         _, responses = self._per_range("Pull", make, again_if_changed=False)
-        out = [np.empty((len(keys), dim), np.float32) for _, dim, keys in tables]
+        out = [np.empty((len(keys), dim), np.float32) for _, dim, keys in asked]
+        versions = [np.zeros(len(keys), np.uint32) for _, _, keys in asked]
+        unchanged = [np.zeros(len(keys), bool) for _, _, keys in asked]
         for shard, response in enumerate(responses):
             if response is None:
                 continue
-            asked = [i for i in range(len(tables)) if len(split[i][shard])]
-            shapes = [(tables[i][0], len(split[i][shard]), tables[i][1]) for i in asked]
-            for i, rows in zip(asked, protocol.pulled_rows(response, shapes), strict=True):
-                out[i][split[i][shard]] = rows
-        return out
+            mine = [i for i in range(len(asked)) if len(split[i][shard])]
+            shapes = [(asked[i][0], len(split[i][shard]), asked[i][1]) for i in mine]
+            for i, (rows, now, same) in zip(
+                mine, protocol.pulled_rows(response, shapes), strict=True
+            ):
+                at = split[i][shard]
+                if same is None or now is None:
+                    out[i][at] = rows
+                    continue
+                out[i][at[~same]] = rows
+                versions[i][at[~same]] = now
+                unchanged[i][at] = same
+        if not plans:
+            return out
+        assert cache is not None
+        whole = []
+        for i, ((name, dim, keys), (served, served_rows, _, held_rows)) in enumerate(
+            zip(tables, plans, strict=True)
+        ):
+            rows = np.empty((len(keys), dim), np.float32)
+            rows[served] = served_rows
+            rows[~served] = cache.answer(
+                name, asked[i][2], out[i], versions[i], unchanged[i], held_rows, step
+            )
+            whole.append(rows)
+        return whole
 
     def push(self, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]) -> None:
         """One training step of this worker for many tables: {name: (dim, keys, grads)}."""

@@ -218,12 +218,22 @@ def pull_request(
     enc: Any,
     timeout: float,
     tables: Sequence[tuple[str, np.ndarray]],
+    versions: Sequence[np.ndarray | None] | None = None,
 ) -> ps_pb2.PullRequest:
-    """A Pull of the ascending `keys` of each (name, keys) of `tables`."""
+    """A Pull of the ascending `keys` of each (name, keys) of `tables`; with `versions`
+    (a worker cache), the version of each key's cached row (0: none), per table."""
     entries = []
-    for name, keys in tables:
+    for i, (name, keys) in enumerate(tables):
         raw, key_encoding = encode_keys_compact(keys)
-        entries.append(ps_pb2.TableKeys(table=name, keys=raw, key_encoding=key_encoding))
+        held = None if versions is None else versions[i]
+        entries.append(
+            ps_pb2.TableKeys(
+                table=name,
+                keys=raw,
+                key_encoding=key_encoding,
+                versions=b"" if held is None else _uint_bytes(held, "<u4"),
+            )
+        )
     return ps_pb2.PullRequest(
         worker=worker,
         step=step,
@@ -241,25 +251,69 @@ def pulled_keys(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:
     ]
 
 
-def pull_response(enc: Any, rows: Sequence[tuple[str, np.ndarray]]) -> ps_pb2.PullResponse:
+def held_versions(request: ps_pb2.PullRequest) -> list[np.ndarray | None]:
+    """The cached rows' versions a Pull sends, per table (None: no cache)."""
+    out: list[np.ndarray | None] = []
+    for t in request.tables:
+        if not t.versions:
+            out.append(None)
+            continue
+        n = len(decode_keys(t.keys, f"keys of {t.table}", t.key_encoding))
+        out.append(decode_uint(t.versions, n, "<u4", f"versions of {t.table}"))
+    return out
+
+
+def pull_response(
+    enc: Any,
+    rows: Sequence[tuple[str, np.ndarray, np.ndarray | None]],
+    held: Sequence[np.ndarray | None] | None = None,
+) -> ps_pb2.PullResponse:
+    """The answer to a Pull: each (name, rows, versions now) of `rows`; with `held`
+    versions, rows whose version is the worker's are left out and marked unchanged,
+    and the others go with their versions."""
     if enc not in _WIRE_DTYPES:
         raise WireError(f"Unknown encoding {enc}")
-    return ps_pb2.PullResponse(
-        encoding=enc,
-        tables=[ps_pb2.TableValues(table=n, values=encode_floats(v, enc)) for n, v in rows],
-    )
+    tables = []
+    for i, (name, values, now) in enumerate(rows):
+        mine = None if held is None else held[i]
+        if now is None or mine is None:
+            tables.append(ps_pb2.TableValues(table=name, values=encode_floats(values, enc)))
+            continue
+        same = (now == mine) & (now != 0)
+        tables.append(
+            ps_pb2.TableValues(
+                table=name,
+                values=encode_floats(values[~same], enc),
+                versions=_uint_bytes(now[~same], "<u4"),
+                unchanged=np.packbits(same).tobytes(),
+            )
+        )
+    return ps_pb2.PullResponse(encoding=enc, tables=tables)
 
 
 def pulled_rows(
     response: ps_pb2.PullResponse, shapes: Sequence[tuple[str, int, int]]
-) -> list[np.ndarray]:
-    """The float32 rows of a Pull's tables, given each (name, rows, dim) asked for."""
+) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
+    """Per table of a Pull, given each (name, rows, dim) asked for: (float32 rows, their
+    versions, which rows are unchanged). With a worker cache the rows and versions are
+    those of the changed rows only; without, all the rows and (rows, None, None)."""
     if len(response.tables) != len(shapes):
         raise WireError(f"a Pull of {len(shapes)} tables answered {len(response.tables)}")
-    return [
-        decode_floats(values.values, response.encoding, n, dim, f"rows of {name}")
-        for values, (name, n, dim) in zip(response.tables, shapes, strict=True)
-    ]
+    out: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = []
+    for values, (name, n, dim) in zip(response.tables, shapes, strict=True):
+        if not values.unchanged:
+            rows = decode_floats(values.values, response.encoding, n, dim, f"rows of {name}")
+            out.append((rows, None, None))
+            continue
+        bits = np.frombuffer(values.unchanged, np.uint8)
+        if len(bits) != (n + 7) // 8:
+            raise WireError(f"`unchanged` of {name} holds {len(bits) * 8} bits; {n} expected")
+        same = np.unpackbits(bits, count=n).astype(bool)
+        changed = n - int(np.count_nonzero(same))
+        rows = decode_floats(values.values, response.encoding, changed, dim, f"rows of {name}")
+        versions = decode_uint(values.versions, changed, "<u4", f"versions of {name}")
+        out.append((rows, versions, same))
+    return out
 
 
 def push_request(

@@ -128,6 +128,8 @@ class RemoteTable(Table):
 
     def load_state(self, state: TableState) -> None:
         s = state.checked(self.dim, self.num_slots)
+        if self.cluster.cache is not None:  # loaded rows may carry cached rows' versions
+            self.cluster.cache.clear()
         self.cluster.by_range(
             "ImportRows",
             s.keys,

@@ -172,10 +172,16 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         if request.encoding not in protocol.ENCODINGS.values():
             raise invalid(f"Unknown encoding {request.encoding}")
         timeout = request.timeout_ms / 1000 if request.timeout_ms > 0 else 3600.0
+        held = protocol.held_versions(request)
         rows = shard.pull(
-            request.worker, request.step, request.train, timeout, protocol.pulled_keys(request)
+            request.worker,
+            request.step,
+            request.train,
+            timeout,
+            protocol.pulled_keys(request),
+            [v is not None for v in held],
         )
-        return protocol.pull_response(request.encoding, rows)
+        return protocol.pull_response(request.encoding, rows, held)
 
     @_rpc
     def Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:

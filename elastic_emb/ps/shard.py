@@ -299,8 +299,16 @@ class Shard:
         train: bool,
         timeout: float,
         keys: list[tuple[str, np.ndarray]],
-    ) -> list[tuple[str, np.ndarray]]:
-        """(name, rows) per (name, keys), once the mode lets `worker` read `step`."""
+        versions: list[bool] | None = None,
+    ) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+        """(name, rows, versions) per (name, keys), once the mode lets `worker` read `step`.
+
+        The rows' versions (`row_versions`) only for the tables
+        `versions` flags (a worker cache), else None. They are read before
+        the rows, so a push landing in between makes a version older than
+        its row, never newer: a cache holding that row re-fetches it next
+        time instead of keeping a stale row under a current version.
+        """
         self._check_worker(worker, step)
         self.check_keys([k for _, k in keys])
         s = self._steps
@@ -314,7 +322,11 @@ class Shard:
         work = [(self.table(name), k) for name, k in keys]
         with s.cond:
             s.wait_for(worker, step, timeout)
-        return [(table.name, table.pull(k, train=train)) for table, k in work]
+        out: list[tuple[str, np.ndarray, np.ndarray | None]] = []
+        for i, (table, k) in enumerate(work):
+            now = row_versions(table, k) if versions is not None and versions[i] else None
+            out.append((table.name, table.pull(k, train=train), now))
+        return out
 
     def push(self, worker: int, step: int, gradients: list[tuple[str, Any, Any]]) -> int:
         """Applies (SYNC: queues until every worker pushed) one step; the shard's step."""
@@ -612,6 +624,20 @@ class Shard:
             table.load_state(state)
             restored.append(table)
         return restored
+
+
+def row_versions(table: LocalTable, keys: np.ndarray) -> np.ndarray:
+    """The versions of `keys`' rows in `table`, uint32: the step of the row's last push
+    (`Table.metadata`), 0 for rows never pushed or absent (a version that never matches).
+
+    A row's value changes only by a push, which gives it the table's new step
+    (one per push), or by `import_rows`, which sets its update count to 0,
+    and so its version; after an eviction a new row's first push gives it a
+    later step. So equal versions mean equal values (a restore is the
+    exception: a worker clears its cache when it restores).
+    """
+    last_step, update_count = table.metadata(keys)
+    return np.where(update_count > 0, last_step, 0).astype(np.uint32)
 
 
 def _slot_filter(slots: tuple[int, int]) -> Any:
