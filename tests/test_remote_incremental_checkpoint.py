@@ -203,7 +203,7 @@ def test_a_held_sync_save_applies_no_later_step_until_it_is_written(tmp_path, mo
     (state,) = checkpoint.read_shards([tmp_path], ["t"])[1].values()
     initial = Shard().create([SGD_TABLE])[0].pull(keys)
     np.testing.assert_array_equal(state.values, initial - 2.0)  # step 1 only
-    ((_, rows),) = pulled[0]
+    ((_, rows, _),) = pulled[0]
     np.testing.assert_array_equal(rows, initial - 4.0)  # steps 1 and 2
     with pytest.raises(RequestError, match="cannot hold at step 1: step 2 is applied"):
         shard.save(str(tmp_path), [], after_step=1, hold=True)
