@@ -73,6 +73,26 @@ def make_data(
     return arrays, [int(v) for v in info["vocab_sizes"]]
 
 
+def train_and_test(num_train: int, num_test: int, seed: int) -> tuple[Any, Any, dict[str, Any]]:
+    """Planted-signal training and test data for `model.fit` / `model.predict` of the
+    demo's DLRM (`criteo.model_inputs`): ((inputs, labels), (inputs, labels), the
+    generator's info, e.g. `oracle_auc`); the test examples are other samples of the
+    same hidden model."""
+    from elastic_emb.examples import criteo
+
+    with tempfile.TemporaryDirectory(prefix="ee-bench-") as tmp:
+        train_path, test_path = os.path.join(tmp, "train.tsv"), os.path.join(tmp, "test.tsv")
+        info = criteo.generate_criteo(train_path, num_train, seed=seed)
+        criteo.generate_criteo(test_path, num_test, seed=seed, sample_seed=seed + 1)
+        train = criteo.read_criteo(train_path)
+        test = criteo.read_criteo(test_path)
+    return (
+        (criteo.model_inputs(*train[:2]), train[2]),
+        (criteo.model_inputs(*test[:2]), test[2]),
+        info,
+    )
+
+
 def parse_vocab(text: str) -> int | None:
     """A `--vocab` value: "default" (None) or the vocabulary size of every feature."""
     if text == "default":

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -49,15 +47,7 @@ def main() -> None:
     from elastic_emb.examples import criteo as data
     from elastic_emb.examples.dlrm import build_dlrm
 
-    with tempfile.TemporaryDirectory() as tmp:
-        info = data.generate_criteo(Path(tmp) / "train.tsv", args.examples, seed=args.seed)
-        data.generate_criteo(
-            Path(tmp) / "test.tsv", args.test_examples, seed=args.seed, sample_seed=args.seed + 1
-        )
-        train_arrays = data.read_criteo(Path(tmp) / "train.tsv")
-        test_arrays = data.read_criteo(Path(tmp) / "test.tsv")
-    train = data.model_inputs(*train_arrays[:2]), train_arrays[2]
-    test = data.model_inputs(*test_arrays[:2]), test_arrays[2]
+    train, test, info = c.train_and_test(args.examples, args.test_examples, args.seed)
     batch = 4096
     steps = -(-args.examples // batch)
 

@@ -26,10 +26,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -46,17 +44,7 @@ def main() -> None:
     parser.add_argument("--part", choices=("formats", "policies", "all"), default="all")
     args = parser.parse_args()
 
-    from elastic_emb.examples import criteo as data
-
-    with tempfile.TemporaryDirectory() as tmp:
-        info = data.generate_criteo(Path(tmp) / "train.tsv", args.examples, seed=args.seed)
-        data.generate_criteo(
-            Path(tmp) / "test.tsv", args.test_examples, seed=args.seed, sample_seed=args.seed + 1
-        )
-        train_arrays = data.read_criteo(Path(tmp) / "train.tsv")
-        test_arrays = data.read_criteo(Path(tmp) / "test.tsv")
-    train = data.model_inputs(*train_arrays[:2]), train_arrays[2]
-    test = data.model_inputs(*test_arrays[:2]), test_arrays[2]
+    train, test, info = c.train_and_test(args.examples, args.test_examples, args.seed)
     setting = (
         f"{args.examples:,} training and {args.test_examples:,} test examples, {args.epochs} "
         f"epoch(s), 26 tables of dim 16; best reachable AUC {info['oracle_auc']:.4f}; "

@@ -24,22 +24,32 @@ evicted before its push, which then starts it again from its initial value.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["LFU", "LRU", "TTL", "get"]
 
 
-def _check(policy: Any, field: str) -> None:
-    value = getattr(policy, field)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 1 << 62:
-        raise ValueError(
-            f"{type(policy).__name__} `{field}` must be a positive integer. "
-            f"Received: {field}={value!r}"
-        )
+@dataclasses.dataclass(frozen=True)
+class _Policy:
+    """What the policies share: positive integer fields, and a `to_dict()` with their kind."""
+
+    KIND: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 1 << 62:
+                raise ValueError(
+                    f"{type(self).__name__} `{field.name}` must be a positive integer. "
+                    f"Received: {field.name}={value!r}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.KIND, **dataclasses.asdict(self)}
 
 
 @dataclasses.dataclass(frozen=True)
-class TTL:
+class TTL(_Policy):
     """Rows not updated for `steps` steps are removed.
 
     Checked every `max(1, steps // 4)` steps. So a row last updated at step
@@ -47,19 +57,13 @@ class TTL:
     That is at most `steps // 4` steps late.
     """
 
+    KIND: ClassVar[str] = "ttl"
     steps: int
     protect_steps: int = 1
 
-    def __post_init__(self) -> None:
-        _check(self, "steps")
-        _check(self, "protect_steps")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "ttl", **dataclasses.asdict(self)}
-
 
 @dataclasses.dataclass(frozen=True)
-class LRU:
+class LRU(_Policy):
     """At most `max_rows` rows after each push, the least recently used evicted first.
 
     When a push leaves more than `max_rows` rows, unprotected rows are
@@ -70,37 +74,25 @@ class LRU:
     `max_rows` rows leaves the table above the limit until they age.
     """
 
+    KIND: ClassVar[str] = "lru"
     max_rows: int
     protect_steps: int = 1
 
-    def __post_init__(self) -> None:
-        _check(self, "max_rows")
-        _check(self, "protect_steps")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "lru", **dataclasses.asdict(self)}
-
 
 @dataclasses.dataclass(frozen=True)
-class LFU:
+class LFU(_Policy):
     """At most `max_rows` rows after each push, the least frequently updated evicted first.
 
     Like `LRU`, ranked by update count (the pushes that updated the row, as
     `Table.metadata` reports), then last step, then key, smallest first.
     """
 
+    KIND: ClassVar[str] = "lfu"
     max_rows: int
     protect_steps: int = 1
 
-    def __post_init__(self) -> None:
-        _check(self, "max_rows")
-        _check(self, "protect_steps")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "lfu", **dataclasses.asdict(self)}
-
-
-_KINDS: dict[str, Any] = {"ttl": TTL, "lru": LRU, "lfu": LFU}
+_KINDS: dict[str, Any] = {policy.KIND: policy for policy in (TTL, LRU, LFU)}
 
 
 def get(value: Any) -> TTL | LRU | LFU | None:

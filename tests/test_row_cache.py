@@ -103,6 +103,7 @@ def test_the_cache_keeps_its_row_budget_and_the_most_pulled_rows():
         unchanged = held == versions  # nothing changes from a step to the next here
         rows[unchanged] = 0
         cache.answer("t", keys, rows, versions, unchanged, held_rows, step)
+        cache.fit(step)
         assert len(cache) <= 50
     rows_cached = cache._tables["t"].keys
     assert set(hot) <= set(rows_cached.tolist())  # pulled every step: kept

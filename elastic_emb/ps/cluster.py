@@ -467,6 +467,7 @@ class Cluster:
                 name, asked[i][2], out[i], versions[i], unchanged[i], held_rows, step
             )
             whole.append(rows)
+        cache.fit(step)
         return whole
 
     def push(self, tables: dict[str, tuple[int, np.ndarray, np.ndarray]]) -> None:

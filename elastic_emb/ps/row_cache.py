@@ -14,8 +14,9 @@ A pull then:
 
 Pushes are not affected: they go to the shards.
 
-At most `capacity` rows are cached: beyond, the least valuable go, fewest
-pulls first, then the oldest, the current pull's rows last. Pulls are
+At most `capacity` rows are cached once a pull is answered: beyond, the
+least valuable go, down to `capacity - capacity // 8`, fewest pulls first,
+then the oldest, the current pull's rows last. Pulls are
 counted for every key, cached or not, in a fixed array of counters indexed
 by a hash of the key (4 per cached row; collisions only raise a count), and
 halved after every `8 * capacity` pulled keys, so old popularity fades.
@@ -113,7 +114,8 @@ class RowCache:
         with self._lock:
             rows = self._tables.setdefault(name, _Rows(dim))
             at, cached = rows.find(keys)
-            np.add.at(self._pulls, self._counter(name, keys), 1)
+            counters, pulls = np.unique(self._counter(name, keys), return_counts=True)
+            self._pulls[counters] += pulls.astype(np.uint32)
             self._since_aging += len(keys)
             age = step - rows.gather("fetched", at)
             fresh = cached & (age <= self.staleness) & (self.staleness > 0)
@@ -159,7 +161,6 @@ class RowCache:
             new = update & ~cached
             if np.any(new):
                 self._add(rows, keys[new], out[new], versions[new], step)
-            self._fit(step)
             return out
 
     def _add(
@@ -177,21 +178,34 @@ class RowCache:
         mixed = (keys.astype(np.uint64) ^ np.uint64(salt)) * np.uint64(0x9E3779B97F4A7C15)
         return ((mixed >> np.uint64(32)) % np.uint64(len(self._pulls))).astype(np.int64)
 
+    def fit(self, step: int) -> None:
+        """Drops the least valuable rows beyond `capacity`: once a pull at `step` is
+        answered (its rows count as the most valuable)."""
+        with self._lock:
+            self._fit(step)
+
     def _fit(self, step: int) -> None:
-        """Drops the least valuable rows beyond `capacity` (caller holds the lock)."""
+        """`fit` (caller holds the lock)."""
         if self._since_aging >= 8 * self.capacity:
             self._pulls //= 2
             self._since_aging = 0
         total = sum(len(t.keys) for t in self._tables.values())
         if total <= self.capacity:
             return
+        # Down to 7/8 of the capacity: a ranking pass per capacity / 8 new rows.
+        keep = self.capacity - self.capacity // 8
         names = list(self._tables)
+        sizes = [len(self._tables[n].keys) for n in names]
         pulls = np.concatenate([self._pulls[self._counter(n, self._tables[n].keys)] for n in names])
         fetched = np.concatenate([self._tables[n].fetched for n in names])
-        owner = np.concatenate([np.full(len(self._tables[n].keys), i) for i, n in enumerate(names)])
-        # Fewest pulls first, then oldest; this pull's rows last.
-        ranked = np.lexsort((fetched, pulls, fetched >= step))
+        # One number per row, smallest least valuable: this pull's rows last,
+        # then by pulls, then by age (steps and pulls stay far below 2^30).
+        value = (
+            ((fetched >= step).astype(np.int64) << 62)
+            | (np.minimum(pulls, (1 << 30) - 1).astype(np.int64) << 31)
+            | np.minimum(fetched, (1 << 31) - 1)
+        )
         drop = np.zeros(total, bool)
-        drop[ranked[: total - self.capacity]] = True
-        for i, n in enumerate(names):
-            self._tables[n].keep(~drop[owner == i])
+        drop[np.argpartition(value, total - keep - 1)[: total - keep]] = True
+        for n, mine in zip(names, np.split(~drop, np.cumsum(sizes)[:-1]), strict=True):
+            self._tables[n].keep(mine)
