@@ -163,7 +163,7 @@ class LocalTable(Table):
         if hasattr(self._core, "set_clock"):
             self._core.set_clock(self._iterations)
 
-    def check_counts(self, counts: np.ndarray | None) -> None:
+    def _check_counts(self, counts: np.ndarray | None) -> None:
         """ValueError unless `counts` (a state's) fits this table's admission sketch."""
         if counts is None or self._config.admission is None:
             return
@@ -198,7 +198,7 @@ class LocalTable(Table):
 
     def load_state(self, state: TableState) -> None:
         s = state.checked(self.dim, self.num_slots)
-        self.check_counts(s.counts)
+        self._check_counts(s.counts)
         with self._step_lock:
             current, *_ = self._core.export_rows()
             self._core.erase(current)
@@ -210,7 +210,7 @@ class LocalTable(Table):
         """Adds rows with their optimizer slots and metadata (the other rows stay), and
         takes the state's step count: a table received in parts."""
         s = state.checked(self.dim, self.num_slots)
-        self.check_counts(s.counts)
+        self._check_counts(s.counts)
         with self._step_lock:
             self._core.import_rows(s.keys, s.values, s.slots, s.last_step, s.update_count)
             self._iterations = s.iterations

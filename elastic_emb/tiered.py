@@ -4,8 +4,9 @@
 this process or on each PS shard. The RAM tier is the C++ table with LRU
 eviction that keeps what it evicts (`keep_evicted`). After each push the
 evicted rows are written to an LMDB database, whole (value, slots,
-metadata). A training pull or a push first moves the disk rows it needs
-back to RAM. So every update happens in RAM on the row's exact state, and a
+metadata), by a background thread; the table's next call finishes the
+writing first if it is not done. A training pull or a push first moves the
+disk rows it needs back to RAM. So every update happens in RAM on the row's exact state, and a
 tiered table trains bit for bit like an all-in-RAM one.
 
 `make_local_table(config)` is how every in-process table of a config is
@@ -14,11 +15,14 @@ built (placement, PS shards, snapshots).
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import re
 import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,19 @@ def _lmdb() -> Any:
             '(pip install "elastic-emb[disk]")'
         ) from e
     return lmdb
+
+
+_writer_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_writer_lock = threading.Lock()
+
+
+def _writer() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread that writes demoted rows to disk, for every tiered table."""
+    global _writer_pool
+    with _writer_lock:
+        if _writer_pool is None:
+            _writer_pool = concurrent.futures.ThreadPoolExecutor(1, "ee-disk-tier")
+        return _writer_pool
 
 
 def _close(env: Any, directory: str) -> None:
@@ -179,6 +196,7 @@ class TieredTable(LocalTable):
         options.eviction.keep_evicted = True
         super().__init__(config, core=_core.Table(options))
         self._tier_lock = threading.RLock()
+        self._pending: list[TableState] = []  # demoted, not on disk yet (tier lock)
         self._disk = DiskRows(tier.path, config.name, config.dim, self.num_slots)
         self._ram_hits = 0  # distinct existing rows a training call found in RAM
         self._disk_hits = 0  # ... and on disk
@@ -194,7 +212,7 @@ class TieredTable(LocalTable):
         """`ram_rows`, `disk_rows`, `disk_bytes`, the rows moved to disk so far
         (`demoted_rows`), and the rows training calls found in each tier so far
         (`ram_hits`, `disk_hits`; distinct rows per call)."""
-        with self._tier_lock:
+        with self._tiers():
             return {
                 "ram_rows": int(self._core.size()),
                 "disk_rows": self._disk.count,
@@ -222,10 +240,29 @@ class TieredTable(LocalTable):
             found.keys, found.values, found.slots, found.last_step, found.update_count
         )
 
+    @contextlib.contextmanager
+    def _tiers(self) -> Iterator[None]:
+        """The tier lock, with every demoted row on disk: rows the background writer has
+        not written yet are written here first."""
+        with self._tier_lock:
+            self._write_pending()
+            yield
+
+    def _write_pending(self) -> None:
+        """Writes the demoted rows not on disk yet (a batch that fails stays pending, and
+        the next call raises)."""
+        with self._tier_lock:
+            while self._pending:
+                self._disk.put(self._pending[0])
+                self._pending.pop(0)
+
     def _demote(self) -> None:
-        """Writes the rows the RAM tier evicted to disk (caller holds the tier lock)."""
+        """Hands the rows the RAM tier evicted to the background writer (caller holds the
+        tier lock)."""
         keys, values, slots, last_step, update_count = self._core.take_evicted()
-        self._disk.put(TableState(keys, values, slots, last_step, update_count, 0))
+        if len(keys):
+            self._pending.append(TableState(keys, values, slots, last_step, update_count, 0))
+            _writer().submit(self._write_pending)
 
     def _fit_ram(self) -> None:
         """Evicts (to disk) what exceeds the RAM budget now (caller holds the tier lock)."""
@@ -234,7 +271,7 @@ class TieredTable(LocalTable):
 
     def pull(self, keys: Any, train: bool = True) -> Any:
         k = check_keys(keys)
-        with self._tier_lock:
+        with self._tiers():
             if train:
                 self._promote(k)
                 return self._core.pull(k, True)
@@ -253,7 +290,7 @@ class TieredTable(LocalTable):
         host_grads: Any = None,
         finite: bool = False,
     ) -> None:
-        with self._tier_lock:
+        with self._tiers():
             self._promote(keys)
             super()._push(keys, grads, apply, host_grads, finite)
             self._demote()
@@ -261,7 +298,7 @@ class TieredTable(LocalTable):
     def import_rows(self, keys: Any, values: Any) -> None:
         k = check_keys(keys)
         v = check_rows(values, "values", k.shape[0], self.dim)
-        with self._tier_lock:
+        with self._tiers():
             self._disk.erase(k)
             self._core.import_rows(k, v)
             self._fit_ram()
@@ -272,12 +309,12 @@ class TieredTable(LocalTable):
 
     def erase(self, keys: Any) -> int:
         k = check_keys(keys)
-        with self._tier_lock:
+        with self._tiers():
             return int(self._core.erase(k)) + self._disk.erase(k)
 
     def metadata(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         k = check_keys(keys)
-        with self._tier_lock:
+        with self._tiers():
             last_step, update_count = self._core.metadata(k)
             if self._disk.count:
                 absent = np.flatnonzero(last_step < 0)
@@ -286,18 +323,18 @@ class TieredTable(LocalTable):
             return last_step, update_count
 
     def __len__(self) -> int:
-        with self._tier_lock:
+        with self._tiers():
             return int(self._core.size()) + self._disk.count
 
     def export_state(self) -> TableState:
-        with self._tier_lock:
+        with self._tiers():
             ram = super().export_state()
             disk = self._disk.all()
             disk.iterations, disk.counts = ram.iterations, None
             return TableState.concatenate([ram, disk])
 
     def export_slots(self, slots: tuple[int, int]) -> TableState:
-        with self._tier_lock:
+        with self._tiers():
             ram = super().export_slots(slots)
             disk = self._disk.all()
             slot = sharding.slot_of(disk.keys)
@@ -306,7 +343,7 @@ class TieredTable(LocalTable):
             return TableState.concatenate([ram, disk])
 
     def erase_slots(self, slots: tuple[int, int]) -> int:
-        with self._tier_lock:
+        with self._tiers():
             disk = self._disk.all().keys
             slot = sharding.slot_of(disk)
             inside = disk[(slot >= slots[0]) & (slot < slots[1])]
@@ -314,7 +351,7 @@ class TieredTable(LocalTable):
 
     def load_state(self, state: TableState) -> None:
         s = state.checked(self.dim, self.num_slots)
-        with self._tier_lock:
+        with self._tiers():
             # The most recently updated rows to RAM, as the RAM tier ranks them.
             order = np.lexsort((s.keys, s.last_step))[::-1]
             ram = s.select(order[: self.storage.ram_rows])  # type: ignore[union-attr]
@@ -324,7 +361,7 @@ class TieredTable(LocalTable):
             self._disk.put(disk)
 
     def add_state(self, state: TableState) -> None:
-        with self._tier_lock:
+        with self._tiers():
             self._disk.erase(check_keys(state.keys))
             super().add_state(state)
             self._fit_ram()

@@ -152,3 +152,22 @@ def test_shards_keep_their_own_disk_tiers(tmp_path):
     np.testing.assert_array_equal(got.keys[g], want.keys[w])
     np.testing.assert_array_equal(got.values[g], want.values[w])
     np.testing.assert_array_equal(got.slots[g], want.slots[w])
+
+
+def test_a_failed_background_write_is_raised_by_the_next_call_and_loses_nothing(tmp_path):
+    plain, tiered = _pair(tmp_path, "diskfull", ram_rows=16)
+    real_put = tiered._disk.put
+
+    def full(state):
+        raise OSError(28, "No space left on device")
+
+    tiered._disk.put = full
+    keys = np.arange(200)
+    for t in (plain, tiered):
+        t.push(keys, np.ones((200, 4), np.float32))
+        t.push(keys[:20], np.ones((20, 4), np.float32))  # demotes 180 rows: the write fails
+    with pytest.raises(OSError, match="No space left"):
+        len(tiered)
+    tiered._disk.put = real_put  # space again: the pending rows are written
+    assert len(tiered) == 200
+    _assert_same_state(plain, tiered)
