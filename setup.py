@@ -137,6 +137,8 @@ setup(
         "grpcio-health-checking>=1.59",
         "protobuf>=4.25.1,<8",
         "ml_dtypes>=0.3.1",
+        # The servers' Prometheus metrics (elastic-emb serve --metrics-port).
+        "prometheus_client>=0.17",
     ],
     extras_require={
         "tensorflow": ["tensorflow>=2.16,<2.22"],

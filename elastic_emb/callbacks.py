@@ -1,4 +1,5 @@
-"""Keras callbacks: save tables and dense weights together, and resume."""
+"""Keras callbacks: save tables and dense weights together, and resume; log what the
+tables cost."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import keras
 
 from elastic_emb import checkpoint, placement
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "Metrics"]
 
 _LATEST = "latest"
 
@@ -173,11 +174,7 @@ class Checkpoint(keras.callbacks.Callback):
         )
 
     def _tables(self) -> list[Any]:
-        """The tables of the model's elastic_emb layers."""
-        from elastic_emb.layers import Embedding
-
-        layers = self.model._flatten_layers(include_self=False, recursive=True)
-        return [layer.table for layer in layers if isinstance(layer, Embedding)]
+        return _tables(self.model)
 
     def _prune(self, keep: Path) -> None:
         def step(p: Path) -> int:
@@ -190,3 +187,108 @@ class Checkpoint(keras.callbacks.Callback):
         for old in saved[: max(0, len(saved) - self.max_to_keep)]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+class Metrics(keras.callbacks.Callback):
+    """Logs what the model's embedding tables cost: rows, and for remote tables the
+    bytes on the wire and the pull and push time per training step.
+
+    At the end of each epoch it adds to the Keras logs (so `History`,
+    `CSVLogger` and a `TensorBoard` callback listed after it record them):
+
+    - `ee_rows`: rows of the model's `ee.Embedding` tables;
+    - `ee_bytes_per_step`: bytes sent and received per step, over the epoch
+      (remote tables; 0 in-process);
+    - `ee_pull_ms`, `ee_push_ms`: milliseconds per step of the pull and the
+      push round over the shards (remote tables). A push overlaps the next
+      step, so its time is not all on the step's critical path.
+
+    With `log_dir`, it also writes these as TensorBoard scalars every
+    `every` steps (`tf.summary`, under `log_dir/ee`).
+
+    Args:
+        log_dir: str or None, a TensorBoard log directory.
+        every: int >= 1, steps between TensorBoard points.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str] | None = None, every: int = 100) -> None:
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"`every` must be a positive integer. Received: every={every!r}")
+        self.log_dir = None if log_dir is None else Path(log_dir)
+        self.every = every
+        self._writer: Any = None
+        self._step = 0
+        self._epoch_start: dict[str, float] = {}
+        self._point_start: dict[str, float] = {}
+
+    def _counts(self) -> dict[str, float]:
+        """Totals so far: steps, bytes, pulls and pushes and their seconds."""
+        cluster = placement.current_cluster()
+        counts = {"steps": float(self._step)}
+        if cluster is None:
+            return counts
+        stats = cluster.stats()
+        counts["bytes"] = float(sum(s["bytes_sent"] + s["bytes_received"] for s in stats))
+        counts.update(cluster.timings())
+        return counts
+
+    def _values(self, start: dict[str, float]) -> dict[str, float]:
+        """The logged values since the totals `start`."""
+        now = self._counts()
+        steps = max(now["steps"] - start["steps"], 1.0)
+
+        def per_step(key: str, scale: float = 1.0) -> float:
+            return scale * (now.get(key, 0.0) - start.get(key, 0.0)) / steps
+
+        rows = sum(len(t) for t in _tables(self.model))
+        return {
+            "ee_rows": float(rows),
+            "ee_bytes_per_step": per_step("bytes"),
+            "ee_pull_ms": per_step("pull_seconds", 1000.0),
+            "ee_push_ms": per_step("push_seconds", 1000.0),
+        }
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self.log_dir is not None and self._writer is None:
+            import tensorflow as tf
+
+            self._writer = tf.summary.create_file_writer(str(self.log_dir / "ee"))
+        self._point_start = self._counts()
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch_start = self._counts()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._step += 1
+        if self._writer is None or self._step % self.every:
+            return
+        import tensorflow as tf
+        from tensorflow.core.framework import summary_pb2
+
+        values = self._values(self._point_start)
+        self._point_start = self._counts()
+        # What tf.summary.scalar writes, without needing the tensorboard package.
+        scalar = summary_pb2.SummaryMetadata(
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+        )
+        with self._writer.as_default(step=self._step):
+            for name, value in values.items():
+                tf.summary.write(name, tf.constant(value, tf.float32), metadata=scalar)
+        self._writer.flush()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if logs is not None:
+            logs.update(self._values(self._epoch_start))
+
+    def on_train_end(self, logs: Any = None) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+
+def _tables(model: Any) -> list[Any]:
+    """The tables of `model`'s elastic_emb layers."""
+    from elastic_emb.layers import Embedding
+
+    layers = model._flatten_layers(include_self=False, recursive=True)
+    return [layer.table for layer in layers if isinstance(layer, Embedding)]

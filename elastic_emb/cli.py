@@ -24,6 +24,9 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(port: int) -> None:
         print(f"elastic-emb serve: listening on {args.host}:{port}", flush=True)
 
+    def metrics_ready(port: int) -> None:
+        print(f"elastic-emb serve: metrics on http://{args.host}:{port}/metrics", flush=True)
+
     return server.serve(
         args.port,
         host=args.host,
@@ -38,6 +41,8 @@ def _serve(args: argparse.Namespace) -> int:
         advertise=args.advertise,
         lease_seconds=args.lease_seconds,
         move_pause=args.move_pause,
+        metrics_port=args.metrics_port,
+        metrics_ready=metrics_ready,
     )
 
 
@@ -203,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--lease-seconds", type=int, default=2, help="liveness lease TTL with a coordinator"
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port)",
     )
     serve.add_argument(  # fault tests: a window to kill a server in the middle of a move
         "--move-pause", type=float, default=0.0, help=argparse.SUPPRESS

@@ -163,13 +163,15 @@ def _demo_args() -> Any:
 
 def test_every_document_is_a_named_kubernetes_object():
     names = {path.name for path in MANIFESTS.glob("*.yaml")}
-    assert {"ps.yaml", "workers.yaml", "pvc.yaml"} <= names
+    assert {"ps.yaml", "workers.yaml", "pvc.yaml", "prometheus.yaml"} <= names
     for file, doc in _documents():
         assert isinstance(doc.get("apiVersion"), str), file
         assert isinstance(doc.get("kind"), str), file
         assert isinstance(doc.get("metadata", {}).get("name"), str), file
     kinds = sorted(d["kind"] for _, d in _documents())
-    assert kinds == ["Job", "PersistentVolumeClaim", "Service", "Service", "StatefulSet"]
+    assert kinds == [
+        "ConfigMap", "Job", "PersistentVolumeClaim", "Service", "Service", "StatefulSet"
+    ]  # fmt: skip
 
 
 def test_services_are_headless_and_select_pods():
@@ -227,7 +229,8 @@ def test_ps_port_matches_the_service_probes_and_worker_addresses():
     (port,) = service["spec"]["ports"]
     assert port["port"] == serve.port
     (container,) = sts["spec"]["template"]["spec"]["containers"]
-    assert [p["containerPort"] for p in container["ports"]] == [serve.port]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": serve.port, "metrics": serve.metrics_port}
     for probe in ("readinessProbe", "livenessProbe"):
         # Kubernetes' gRPC probe asks the standard health service on the PS port.
         assert container[probe]["grpc"]["port"] == serve.port
@@ -237,6 +240,26 @@ def test_ps_port_matches_the_service_probes_and_worker_addresses():
     expected = [f"{name}-{i}.{service['metadata']['name']}:{serve.port}" for i in range(replicas)]
     assert demo.ps.split(",") == expected
     assert demo.mode == "sync"
+
+
+def test_prometheus_scrapes_the_ps_pods_metrics_port():
+    sts, _, _ = _ps_parts()
+    (config,) = [d for f, d in _documents() if f == "prometheus.yaml"]
+    (job,) = yaml.safe_load(config["data"]["prometheus.yml"])["scrape_configs"]
+    keep = {
+        r["source_labels"][0]: r["regex"]
+        for r in job["relabel_configs"]
+        if r.get("action") == "keep"
+    }
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert (
+        keep["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
+        == labels["app.kubernetes.io/component"]
+    )
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert keep["__meta_kubernetes_pod_container_port_name"] in {
+        p["name"] for p in container["ports"]
+    }
 
 
 def test_ps_shutdown_fits_the_grace_period_and_saves_per_pod():

@@ -171,6 +171,8 @@ class Cluster:
         self._read_ahead: tuple[int, _Tables, concurrent.futures.Future[list[Any]]] | None = None
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ee-ahead")
         self.steps_read_ahead = 0  # training steps whose rows were read ahead (`prefetch`)
+        # Guarded by _lock: see `timings`.
+        self._timings = dict.fromkeys(("pulls", "pull_seconds", "pushes", "push_seconds"), 0.0)
         # Guarded by _in_flight_lock: queued pushes, oldest first.
         self._in_flight_lock = threading.Lock()
         self._in_flight: collections.deque[concurrent.futures.Future[None]] = collections.deque()
@@ -435,7 +437,9 @@ class Cluster:
                 requests.append(request)
             return requests
 
+        start = time.perf_counter()
         _, responses = self._per_range("Pull", make, again_if_changed=False)
+        self._time("pulls", "pull_seconds", time.perf_counter() - start)
         out = [np.empty((len(keys), dim), np.float32) for _, dim, keys in asked]
         versions = [np.zeros(len(keys), np.uint32) for _, _, keys in asked]
         unchanged = [np.zeros(len(keys), bool) for _, _, keys in asked]
@@ -514,7 +518,20 @@ class Cluster:
                 for shard in range(len(layout.ids))
             ]
 
+        start = time.perf_counter()
         self._per_range("Push", make)
+        self._time("pushes", "push_seconds", time.perf_counter() - start)
+
+    def _time(self, count: str, total: str, seconds: float) -> None:
+        with self._lock:
+            self._timings[count] += 1
+            self._timings[total] += seconds
+
+    def timings(self) -> dict[str, float]:
+        """Pulls and pushes made so far (steps' Pull and Push rounds over the shards, each
+        counted once) and their seconds, from send to the last shard's answer."""
+        with self._lock:
+            return dict(self._timings)
 
     def _raise_push_errors(self, wait_all: bool = False) -> None:
         """Surfaces failed background pushes; bounds (or drains) those in flight."""

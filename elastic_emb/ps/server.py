@@ -41,6 +41,8 @@ def serve(
     advertise: str | None = None,
     lease_seconds: int = 2,
     move_pause: float = 0.0,
+    metrics_port: int | None = None,
+    metrics_ready: Callable[[int], None] | None = None,
 ) -> int:
     """Runs one shard until SIGTERM or SIGINT; returns an exit status.
 
@@ -54,6 +56,10 @@ def serve(
     cluster (`elastic_emb.ps.replication`) as "host:port" `advertise`
     (default: `host`, or 127.0.0.1 for 0.0.0.0, and the bound port), with
     `replicas` replicas per group.
+
+    With `metrics_port` (0: any free port), Prometheus metrics are served
+    over HTTP at `host:metrics_port/metrics` (`elastic_emb.ps.metrics`);
+    `metrics_ready` gets the bound port.
     """
     servicer = Servicer()
     health_servicer = health.HealthServicer()
@@ -103,6 +109,18 @@ def serve(
             changes=lambda: servicer.changes,
         )  # fmt: skip
         periodic.start()
+    if metrics_port is not None:
+        from elastic_emb.ps.metrics import start_metrics_server
+
+        try:
+            metrics = start_metrics_server(servicer, host, metrics_port)
+        except OSError as e:
+            log.error("cannot serve metrics on %s:%d: %s", host, metrics_port, e)
+            server.stop(0)
+            return 1
+        log.info("metrics on http://%s:%d/metrics", host, metrics.server_port)
+        if metrics_ready is not None:
+            metrics_ready(metrics.server_port)
     if ready is not None:
         ready(bound)
     stop = threading.Event()

@@ -11,7 +11,9 @@ applied in part.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import copy
 import logging
 import threading
 import time
@@ -35,10 +37,16 @@ log = logging.getLogger("elastic_emb.server")
 _VALIDATION_ERRORS = (protocol.WireError, _core.InvalidArgument)
 
 
+# Upper bounds (seconds) of the RPC latency histogram's buckets (`metrics`).
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
 class _MethodStats:
     def __init__(self) -> None:
         self.calls = self.errors = self.request_bytes = self.response_bytes = 0
         self.seconds = self.max_seconds = 0.0
+        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket, then above the last
+        self.codes: collections.Counter[str] = collections.Counter()  # errors by status code
 
 
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,18 +56,22 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     def handler(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
         start = time.perf_counter()
         response = None
+        code = "UNKNOWN"  # what an exception that is none of these leaves (context.abort's)
         try:
             response = method(self, request)
             return response
         except RequestError as e:
+            code = e.code
             context.abort(grpc.StatusCode[e.code], str(e))
         except _VALIDATION_ERRORS as e:
+            code = "INVALID_ARGUMENT"
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:  # a bug: the shard keeps serving
+            code = "INTERNAL"
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
-            self._record(name, time.perf_counter() - start, request, response)
+            self._record(name, time.perf_counter() - start, None if response else code)
 
     handler.__name__ = name
     return handler
@@ -85,13 +97,22 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             _MethodStats
         )  # guarded by _stats_lock
 
-    def _record(self, method: str, elapsed: float, request: Any, response: Any) -> None:
+    def _record(self, method: str, elapsed: float, error: str | None) -> None:
+        """Counts a call: its latency, and its status code if it failed."""
         with self._stats_lock:
             stats = self._stats[method]
             stats.calls += 1
-            stats.errors += response is None
             stats.seconds += elapsed
             stats.max_seconds = max(stats.max_seconds, elapsed)
+            stats.latency[bisect.bisect_left(LATENCY_BUCKETS, elapsed)] += 1
+            if error is not None:
+                stats.errors += 1
+                stats.codes[error] += 1
+
+    def method_stats(self) -> dict[str, _MethodStats]:
+        """A copy of each method's counts (`metrics`)."""
+        with self._stats_lock:
+            return {name: copy.deepcopy(m) for name, m in self._stats.items()}
 
     def count_bytes(self, method: str, received: int = 0, sent: int = 0) -> None:
         """Adds to a method's request and response bytes (see `add_to_server`)."""

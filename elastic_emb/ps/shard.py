@@ -401,6 +401,12 @@ class Shard:
             s.applied += 1
             s.cond.notify_all()
 
+    def worker_steps(self) -> dict[int, int]:
+        """The last step each worker that joined pushed."""
+        s = self._steps
+        with s.cond:
+            return {} if s.mode is None else {w: s.pushed.get(w, 0) for w in s.workers()}
+
     def mode_name(self) -> str | None:
         """ "sync" or "async" once a worker joined, else None."""
         mode = self._steps.mode
