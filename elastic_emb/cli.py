@@ -1,11 +1,15 @@
-"""The `elastic-emb` command line: `demo`, `serve`, `cluster`, `health` and `bench`."""
+"""The `elastic-emb` command line: `demo`, `serve`, `cluster`, `health`, `audit` and `bench`."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -14,12 +18,38 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import logging
+class JsonFormatter(logging.Formatter):
+    """One JSON object per log record: `time` (ISO 8601, UTC), `level`, `logger`,
+    `message`, the fields passed as `extra=`, and `exception` when there is one."""
 
+    _STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(
+                record.created, datetime.timezone.utc
+            ).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._STANDARD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def _serve(args: argparse.Namespace) -> int:
     from elastic_emb.ps import server
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    handler = logging.StreamHandler()
+    if args.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+    logging.basicConfig(level=args.log_level, handlers=[handler])
 
     def ready(port: int) -> None:
         print(f"elastic-emb serve: listening on {args.host}:{port}", flush=True)
@@ -43,6 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
         move_pause=args.move_pause,
         metrics_port=args.metrics_port,
         metrics_ready=metrics_ready,
+        audit_log=args.audit_log,
     )
 
 
@@ -109,6 +140,18 @@ def _cluster_local(args: argparse.Namespace) -> int:
         stop.wait()
     finally:
         cluster.stop()
+    return 0
+
+
+def _audit_verify(args: argparse.Namespace) -> int:
+    from elastic_emb.ps.audit import AuditError, verify
+
+    try:
+        records, digest = verify(args.file)
+    except (OSError, AuditError) as e:
+        print(f"{args.file}: NOT intact: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: intact, {records} records, last hash {digest}")
     return 0
 
 
@@ -199,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING"))
     serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
+        help="json: one JSON object per line (time, level, logger, message, and any fields "
+        "the event carries), for log collectors",
+    )
+    serve.add_argument(
         "--coordinator",
         help="etcd://HOST:PORT: join a replicated cluster (docs/fault-tolerance.md)",
     )
@@ -214,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port)",
+    )
+    serve.add_argument(
+        "--audit-log",
+        metavar="FILE",
+        help="append every administrative call to this hash-chained log "
+        "(check it with: elastic-emb audit verify FILE)",
     )
     serve.add_argument(  # fault tests: a window to kill a server in the middle of a move
         "--move-pause", type=float, default=0.0, help=argparse.SUPPRESS
@@ -243,6 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds")
     health.set_defaults(run=_health)
+
+    audit = sub.add_parser("audit", help="a server's audit log (serve --audit-log)")
+    audit_sub = audit.add_subparsers(dest="audit_command", required=True)
+    audit_verify = audit_sub.add_parser(
+        "verify", help="exit 0 if the log is intact (no record edited, removed or cut off)"
+    )
+    audit_verify.add_argument("file", help="the --audit-log FILE")
+    audit_verify.set_defaults(run=_audit_verify)
 
     bench = sub.add_parser("bench", help="run a benchmark of bench/ (source checkout)")
     bench.add_argument("which", nargs="?", default="table_bench", help="table_bench or e2e")

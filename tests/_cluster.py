@@ -39,7 +39,7 @@ class Shard:
             assert self.process.stdout is not None
             for line in self.process.stdout:
                 self.output.append(line)
-                if "listening on" in line and not ready.is_set():
+                if line.startswith("elastic-emb serve: listening on") and not ready.is_set():
                     self.address = line.rsplit(" ", 1)[-1].strip()
                     ready.set()
             ready.set()

@@ -48,3 +48,31 @@ def test_demo_trains_on_a_given_criteo_file(tmp_path):
     auc = float(re.search(r"test AUC\s+([0-9.]+)", result.stdout).group(1))
     assert 0.5 < auc < 1.0
     assert "best reachable" not in result.stdout  # unknown for real data
+
+
+def test_serve_logs_one_json_object_per_line():
+    import json
+    import signal
+
+    exe = shutil.which("elastic-emb")
+    cmd = [exe] if exe else [sys.executable, "-m", "elastic_emb.cli"]
+    server = subprocess.Popen(
+        [*cmd, "serve", "--port", "0", "--host", "127.0.0.1", "--log-format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().startswith("elastic-emb serve: listening on")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, stderr = server.communicate(timeout=120)
+    records = [json.loads(line) for line in stderr.splitlines()]
+    assert records and all({"time", "level", "logger", "message"} <= set(r) for r in records), (
+        stderr
+    )
+    messages = [r["message"] for r in records]
+    assert any("listening on 127.0.0.1:" in m for m in messages)
+    assert any(m.startswith("stopping") for m in messages)
+    assert server.returncode == 0

@@ -43,6 +43,7 @@ def serve(
     move_pause: float = 0.0,
     metrics_port: int | None = None,
     metrics_ready: Callable[[int], None] | None = None,
+    audit_log: str | None = None,
 ) -> int:
     """Runs one shard until SIGTERM or SIGINT; returns an exit status.
 
@@ -59,9 +60,18 @@ def serve(
 
     With `metrics_port` (0: any free port), Prometheus metrics are served
     over HTTP at `host:metrics_port/metrics` (`elastic_emb.ps.metrics`);
-    `metrics_ready` gets the bound port.
+    `metrics_ready` gets the bound port. With `audit_log`, administrative
+    calls are appended to that hash-chained file (`elastic_emb.ps.audit`).
     """
     servicer = Servicer()
+    if audit_log:
+        from elastic_emb.ps.audit import AuditError, AuditLog
+
+        try:
+            servicer.audit = AuditLog(audit_log)
+        except (OSError, AuditError) as e:
+            log.error("cannot use the audit log %s: %s", audit_log, e)
+            return 1
     health_servicer = health.HealthServicer()
     # No SO_REUSEPORT: a second server on a port in use must fail, not share its traffic.
     options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]

@@ -25,6 +25,7 @@ import grpc
 from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol
+from elastic_emb.ps.audit import AuditLog, summary
 from elastic_emb.ps.shard import Ranges, RequestError, Shard, invalid
 
 if TYPE_CHECKING:
@@ -36,6 +37,13 @@ log = logging.getLogger("elastic_emb.server")
 
 _VALIDATION_ERRORS = (protocol.WireError, _core.InvalidArgument)
 
+
+# The calls an audit log records (`elastic_emb.ps.audit`): the administrative
+# ones that change what a server holds or how it trains.
+AUDITED = frozenset(
+    ("CreateTables", "Join", "Leave", "ImportRows", "EraseRows", "Save", "Restore",
+     "InstallSnapshot", "MoveIn")
+)  # fmt: skip
 
 # Upper bounds (seconds) of the RPC latency histogram's buckets (`metrics`).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -72,6 +80,8 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
             context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             self._record(name, time.perf_counter() - start, None if response else code)
+            if self.audit is not None and name in AUDITED:
+                self._audit(name, request, context, "OK" if response is not None else code)
 
     handler.__name__ = name
     return handler
@@ -91,6 +101,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self) -> None:
         self.ranges = Ranges()
         self.replica: Replica | None = None  # set once, before the server starts
+        self.audit: AuditLog | None = None  # set once, before the server starts
         self.changes = 0  # change requests applied (guarded by _stats_lock)
         self._stats_lock = threading.Lock()
         self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
@@ -108,6 +119,15 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             if error is not None:
                 stats.errors += 1
                 stats.codes[error] += 1
+
+    def _audit(self, method: str, request: Any, context: Any, result: str) -> None:
+        """Records an administrative call in the audit log (never fails the call)."""
+        try:
+            args = summary(request) if hasattr(request, "ListFields") else {"stream": True}
+            assert self.audit is not None
+            self.audit.record(method, context.peer(), "anonymous", args, result)
+        except Exception:  # the call's outcome stands; the operator sees the failure
+            log.exception("cannot write the audit record of %s", method)
 
     def method_stats(self) -> dict[str, _MethodStats]:
         """A copy of each method's counts (`metrics`)."""
