@@ -1,4 +1,5 @@
-"""The `elastic-emb` command line: `demo`, `serve`, `cluster`, `health`, `audit` and `bench`."""
+"""The `elastic-emb` command line: `demo`, `serve`, `cluster`, `health`, `top`, `audit`,
+`bench`."""
 
 from __future__ import annotations
 
@@ -141,6 +142,24 @@ def _cluster_local(args: argparse.Namespace) -> int:
     finally:
         cluster.stop()
     return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    from elastic_emb.ps.top import render, sample
+
+    if args.interval <= 0:
+        print("elastic-emb top: --interval must be positive", file=sys.stderr)
+        return 2
+    clear = sys.stdout.isatty() and not args.json and not args.once
+    try:
+        while True:
+            rows = sample(args.addresses, args.interval, args.timeout)
+            text = json.dumps(rows, sort_keys=True) if args.json else render(rows)
+            print(("\x1b[H\x1b[2J" if clear else "") + text, flush=True)
+            if args.once:
+                return 1 if any("error" in r for r in rows) else 0
+    except KeyboardInterrupt:
+        return 0
 
 
 def _audit_verify(args: argparse.Namespace) -> int:
@@ -299,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds")
     health.set_defaults(run=_health)
+
+    top = sub.add_parser("top", help="a live view of PS servers: rows, memory, QPS, latency")
+    top.add_argument("addresses", nargs="+", metavar="ADDR", help="host:port of each server")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="one refresh, then exit")
+    top.add_argument("--json", action="store_true", help="one JSON list per refresh")
+    top.add_argument("--timeout", type=float, default=5.0, help="seconds per server call")
+    top.set_defaults(run=_top)
 
     audit = sub.add_parser("audit", help="a server's audit log (serve --audit-log)")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True)

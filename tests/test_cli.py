@@ -76,3 +76,48 @@ def test_serve_logs_one_json_object_per_line():
     assert any("listening on 127.0.0.1:" in m for m in messages)
     assert any(m.startswith("stopping") for m in messages)
     assert server.returncode == 0
+
+
+def test_top_shows_each_servers_rows_and_traffic():
+    import json
+    import threading
+
+    import numpy as np
+    from _cluster import shards
+
+    import elastic_emb as ee
+
+    with shards(2) as ps:
+        addresses = [s.address for s in ps]
+        cluster = ee.init(ps=addresses, mode="async")
+        try:
+            t = ee.Table(4, ee.optimizers.SGD(0.1), name="topped", seed=0)
+            t.push(np.arange(1000), np.ones((1000, 4), np.float32))
+            stop = threading.Event()
+
+            def train() -> None:
+                while not stop.is_set():
+                    t.pull(np.arange(100))
+
+            worker = threading.Thread(target=train)
+            worker.start()
+            try:
+                done = _cli("top", *addresses, "--once", "--json", "--interval", "1")
+                text = _cli("top", *addresses, "--once", "--interval", "0.2")
+            finally:
+                stop.set()
+                worker.join()
+            infos = cluster.describe("topped")  # the table's part on each shard, in order
+            per_shard = {a: int(i.rows) for a, i in zip(addresses, infos, strict=True)}
+        finally:
+            ee.shutdown()
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [r["address"] for r in rows] == addresses
+    assert {r["address"]: r["rows"] for r in rows} == per_shard
+    assert sum(per_shard.values()) == 1000
+    assert all(r["calls_per_s"] > 0 and r["pull_ms"] > 0 for r in rows)
+    assert text.returncode == 0 and "calls/s" in text.stdout
+    assert all(a in text.stdout for a in addresses)
+    unreachable = _cli("top", "127.0.0.1:1", "--once", "--interval", "0.1", "--timeout", "1")
+    assert unreachable.returncode == 1 and "unreachable" in unreachable.stdout
