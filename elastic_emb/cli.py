@@ -75,6 +75,10 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_ready=metrics_ready,
         audit_log=args.audit_log,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        auth_tokens=args.auth_tokens,
     )
 
 
@@ -145,15 +149,21 @@ def _cluster_local(args: argparse.Namespace) -> int:
 
 
 def _top(args: argparse.Namespace) -> int:
+    from elastic_emb.ps.security import ClientSecurity
     from elastic_emb.ps.top import render, sample
 
     if args.interval <= 0:
         print("elastic-emb top: --interval must be positive", file=sys.stderr)
         return 2
+    try:
+        security = ClientSecurity.make(args.tls_ca, args.tls_cert, args.tls_key, args.token)
+    except ValueError as e:
+        print(f"elastic-emb top: {e}", file=sys.stderr)
+        return 2
     clear = sys.stdout.isatty() and not args.json and not args.once
     try:
         while True:
-            rows = sample(args.addresses, args.interval, args.timeout)
+            rows = sample(args.addresses, args.interval, args.timeout, security)
             text = json.dumps(rows, sort_keys=True) if args.json else render(rows)
             print(("\x1b[H\x1b[2J" if clear else "") + text, flush=True)
             if args.once:
@@ -290,6 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="append every administrative call to this hash-chained log "
         "(check it with: elastic-emb audit verify FILE)",
     )
+    serve.add_argument("--tls-cert", metavar="FILE", help="serve TLS: this certificate (PEM)")
+    serve.add_argument("--tls-key", metavar="FILE", help="with --tls-cert: its private key (PEM)")
+    serve.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="with --tls-cert: require client certificates this CA signed (mutual TLS)",
+    )
+    serve.add_argument(
+        "--auth-tokens",
+        metavar="FILE",
+        help="require a token on every call: lines of `TOKEN ROLE [NAME]`, ROLE worker or admin",
+    )
     serve.add_argument(  # fault tests: a window to kill a server in the middle of a move
         "--move-pause", type=float, default=0.0, help=argparse.SUPPRESS
     )
@@ -325,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="one refresh, then exit")
     top.add_argument("--json", action="store_true", help="one JSON list per refresh")
     top.add_argument("--timeout", type=float, default=5.0, help="seconds per server call")
+    top.add_argument("--tls-ca", metavar="FILE", help="servers' CA certificate: connect over TLS")
+    top.add_argument("--tls-cert", metavar="FILE", help="client certificate (mutual TLS)")
+    top.add_argument("--tls-key", metavar="FILE", help="the client certificate's key")
+    top.add_argument("--token", help="a token of servers started with --auth-tokens")
     top.set_defaults(run=_top)
 
     audit = sub.add_parser("audit", help="a server's audit log (serve --audit-log)")

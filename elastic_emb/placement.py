@@ -113,6 +113,10 @@ def init(
     read_from_backups: bool = False,
     cache_rows: int = 0,
     cache_staleness: int = 0,
+    tls_ca: str | os.PathLike[str] | None = None,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
+    token: str | None = None,
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
@@ -155,6 +159,14 @@ def init(
             (not with mode="sync"): a row fetched or confirmed at most that
             many steps ago is served as is; it may lack the updates of the
             last `cache_staleness` steps (the worker's own included).
+        tls_ca: PEM file of the CA that signed the servers' certificates:
+            connect over TLS (servers started with `--tls-cert`). None:
+            plaintext.
+        tls_cert, tls_key: with `tls_ca`, this worker's certificate and key
+            (PEM files), for servers that require client certificates
+            (`--tls-client-ca`: mutual TLS).
+        token: sent with every call (`authorization: Bearer TOKEN`), for
+            servers started with `--auth-tokens` (docs/operations.md).
         failover_timeout: with a coordinator, seconds a call keeps waiting
             for a group's new primary before raising `ConnectionError`.
         read_from_backups: with a coordinator, pulls with `train=False`
@@ -198,6 +210,9 @@ def init(
 
             fix_keras_multi_worker()
         from elastic_emb.ps.cluster import Cluster
+        from elastic_emb.ps.security import ClientSecurity
+
+        security = ClientSecurity.make(tls_ca, tls_cert, tls_key, token)
 
         routing = None
         if coordinator is not None:
@@ -208,7 +223,7 @@ def init(
             _cluster = Cluster(
                 addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
                 connect_timeout, routing, failover_timeout, read_from_backups, cache_rows,
-                cache_staleness,
+                cache_staleness, security,
             )  # fmt: skip
         except BaseException:
             if routing is not None:

@@ -20,6 +20,8 @@ from typing import Any
 import grpc
 
 from elastic_emb._proto import ps_pb2_grpc
+from elastic_emb.ps import security
+from elastic_emb.ps.security import ClientSecurity
 
 __all__ = ["GRPC_OPTIONS", "NotPrimary", "RangeChanged", "ShardClient", "ShardStats", "error_of"]
 
@@ -98,16 +100,24 @@ class ShardClient:
         timeout: default seconds a call may take.
         retry: retry idempotent calls that found a shard unavailable (off
             when the caller re-routes them itself).
+        security: TLS and a token (`elastic_emb.ps.security`); None: plaintext.
 
     Raises:
         ValueError: malformed addresses.
     """
 
-    def __init__(self, addresses: list[str], timeout: float, retry: bool = True) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        timeout: float,
+        retry: bool = True,
+        security: ClientSecurity | None = None,
+    ) -> None:
         if not addresses or not all(isinstance(a, str) and ":" in a for a in addresses):
             raise ValueError(f'`ps` must list "host:port" addresses. Received: {addresses!r}')
         self.timeout = float(timeout)
         self._options = CLIENT_OPTIONS if retry else NO_RETRY_OPTIONS
+        self._security = security
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}  # by address; guarded by _lock
         self._stubs = [self._stub(a) for a in addresses]  # guarded by _lock
@@ -126,8 +136,8 @@ class ShardClient:
     def _stub(self, address: str) -> Any:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(
-                address, options=self._options
+            channel = self._channels[address] = security.channel(
+                address, self._options, self._security
             )
         return ps_pb2_grpc.ParameterServerStub(channel)
 
@@ -268,6 +278,8 @@ def error_of(address: str, method: str, e: grpc.RpcError) -> Exception:
         return ConnectionError(f"{message} (parameter server {address} unreachable)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(message)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return PermissionError(f"{message} ({code.name})")
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.NOT_FOUND,

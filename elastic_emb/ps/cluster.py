@@ -24,6 +24,7 @@ from elastic_emb._proto import ps_pb2
 from elastic_emb.ps import protocol
 from elastic_emb.ps.client import NotPrimary, RangeChanged, ShardClient
 from elastic_emb.ps.row_cache import RowCache
+from elastic_emb.ps.security import ClientSecurity
 from elastic_emb.sharding import RangeLayout
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class Cluster:
         read_from_backups: bool = False,
         cache_rows: int = 0,
         cache_staleness: int = 0,
+        security: ClientSecurity | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
@@ -151,7 +153,10 @@ class Cluster:
             self._layout = routing.layout()
             addresses = [routing.primary_of(r) for r in self._layout.ids]
         self.shards = ShardClient(
-            addresses, timeout=self.timeout + _RPC_MARGIN_SECONDS, retry=routing is None
+            addresses,
+            timeout=self.timeout + _RPC_MARGIN_SECONDS,
+            retry=routing is None,
+            security=security,
         )
         # Pushes leave in order, one step at a time, off the training thread.
         self._pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ee-push")

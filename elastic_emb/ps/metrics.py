@@ -139,10 +139,19 @@ def _bound(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
 
 
-def start_metrics_server(servicer: Servicer, host: str, port: int) -> Any:
-    """Serves `/metrics` for `servicer` over HTTP on host:port (0: any free port) in a
-    daemon thread; returns the HTTP server (its `server_port` is the bound port)."""
+def start_metrics_server(
+    servicer: Servicer,
+    host: str,
+    port: int,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+) -> Any:
+    """Serves `/metrics` for `servicer` on host:port (0: any free port) in a daemon
+    thread, over HTTPS with a certificate and key, else HTTP; returns the HTTP server
+    (its `server_port` is the bound port)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServerCollector(servicer))
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    server, _ = start_http_server(
+        port, addr=host, registry=registry, certfile=certfile, keyfile=keyfile
+    )
     return server

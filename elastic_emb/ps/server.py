@@ -20,11 +20,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from elastic_emb import checkpoint
 from elastic_emb.ps.checkpointer import PeriodicCheckpoints
 from elastic_emb.ps.client import GRPC_OPTIONS, SERVICE
+from elastic_emb.ps.security import Tokens, server_credentials
 from elastic_emb.ps.servicer import Servicer, add_to_server
 
 __all__ = ["serve"]
 
 log = logging.getLogger("elastic_emb.server")
+
+# Addresses that only this machine reaches.
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(
@@ -44,6 +48,10 @@ def serve(
     metrics_port: int | None = None,
     metrics_ready: Callable[[int], None] | None = None,
     audit_log: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_client_ca: str | None = None,
+    auth_tokens: str | None = None,
 ) -> int:
     """Runs one shard until SIGTERM or SIGINT; returns an exit status.
 
@@ -62,8 +70,37 @@ def serve(
     over HTTP at `host:metrics_port/metrics` (`elastic_emb.ps.metrics`);
     `metrics_ready` gets the bound port. With `audit_log`, administrative
     calls are appended to that hash-chained file (`elastic_emb.ps.audit`).
+
+    With `tls_cert` and `tls_key` (PEM files) the server speaks TLS only
+    (its metrics too), and with `tls_client_ca` it requires client
+    certificates that CA signed. With `auth_tokens` it requires a token on
+    every call (`elastic_emb.ps.security`). Neither works with a
+    coordinator yet.
     """
     servicer = Servicer()
+    credentials = None
+    try:
+        if (tls_cert is None) != (tls_key is None) or (tls_client_ca and not tls_cert):
+            raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+        if coordinator and (tls_cert or auth_tokens):
+            raise ValueError(
+                "--tls-cert and --auth-tokens do not work with --coordinator yet (the servers "
+                "of a replicated cluster talk to each other in plaintext)"
+            )
+        if tls_cert and tls_key:
+            credentials = server_credentials(tls_cert, tls_key, tls_client_ca)
+        if auth_tokens:
+            servicer.tokens = Tokens(auth_tokens)
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
+    if credentials is None and servicer.tokens is None and host not in _LOOPBACK:
+        log.warning(
+            "listening on %s without TLS or tokens: anyone who reaches this port can read and "
+            "change every table. Use --tls-cert/--tls-key and --auth-tokens (docs/operations.md"
+            "#security), or --host 127.0.0.1",
+            host,
+        )
     if audit_log:
         from elastic_emb.ps.audit import AuditError, AuditLog
 
@@ -79,7 +116,10 @@ def serve(
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError:  # grpcio >= 1.60 raises where older versions returned 0
         bound = 0
     if bound == 0:
@@ -123,7 +163,7 @@ def serve(
         from elastic_emb.ps.metrics import start_metrics_server
 
         try:
-            metrics = start_metrics_server(servicer, host, metrics_port)
+            metrics = start_metrics_server(servicer, host, metrics_port, tls_cert, tls_key)
         except OSError as e:
             log.error("cannot serve metrics on %s:%d: %s", host, metrics_port, e)
             server.stop(0)

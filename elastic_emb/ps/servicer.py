@@ -26,6 +26,7 @@ from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol
 from elastic_emb.ps.audit import AuditLog, summary
+from elastic_emb.ps.security import Caller, Tokens
 from elastic_emb.ps.shard import Ranges, RequestError, Shard, invalid
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ AUDITED = frozenset(
     ("CreateTables", "Join", "Leave", "ImportRows", "EraseRows", "Save", "Restore",
      "InstallSnapshot", "MoveIn")
 )  # fmt: skip
+
+# Refusals of access control, audited whatever the call.
+_AUTH_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
 
 # Upper bounds (seconds) of the RPC latency histogram's buckets (`metrics`).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -65,7 +69,11 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
         start = time.perf_counter()
         response = None
         code = "UNKNOWN"  # what an exception that is none of these leaves (context.abort's)
+        caller = None
         try:
+            if self.tokens is not None:
+                caller = self._caller(name, context)
+                self._authorize(caller, name, request)
             response = method(self, request)
             return response
         except RequestError as e:
@@ -80,8 +88,9 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
             context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             self._record(name, time.perf_counter() - start, None if response else code)
-            if self.audit is not None and name in AUDITED:
-                self._audit(name, request, context, "OK" if response is not None else code)
+            if self.audit is not None and (name in AUDITED or code in _AUTH_CODES):
+                who = "anonymous" if caller is None else caller.name
+                self._audit(name, request, context, who, "OK" if response is not None else code)
 
     handler.__name__ = name
     return handler
@@ -102,6 +111,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         self.ranges = Ranges()
         self.replica: Replica | None = None  # set once, before the server starts
         self.audit: AuditLog | None = None  # set once, before the server starts
+        self.tokens: Tokens | None = None  # set once, before the server starts
         self.changes = 0  # change requests applied (guarded by _stats_lock)
         self._stats_lock = threading.Lock()
         self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
@@ -120,12 +130,38 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
                 stats.errors += 1
                 stats.codes[error] += 1
 
-    def _audit(self, method: str, request: Any, context: Any, result: str) -> None:
+    def _caller(self, method: str, context: Any) -> Caller:
+        """The caller whose token a call carries; RequestError without a valid one."""
+        assert self.tokens is not None
+        caller = self.tokens.caller(context.invocation_metadata())
+        if caller is None:
+            raise RequestError(
+                "UNAUTHENTICATED",
+                f"{method}: no valid token; this server requires one (ee.init(token=...))",
+            )
+        return caller
+
+    def _authorize(self, caller: Caller, method: str, request: Any) -> None:
+        """RequestError unless the caller's role allows the call."""
+
+        def creates_nothing() -> bool:
+            shard = self.ranges.find(request.range)
+            return shard is not None and all(shard.has_table(t.name) for t in request.tables)
+
+        if not Tokens.allows(caller, method, creates_nothing):
+            raise RequestError(
+                "PERMISSION_DENIED",
+                f"{method} needs the admin role; {caller.name!r} has the {caller.role} role "
+                "(workers may train on tables that exist; an admin creates, imports, erases, "
+                "saves and restores them)",
+            )
+
+    def _audit(self, method: str, request: Any, context: Any, caller: str, result: str) -> None:
         """Records an administrative call in the audit log (never fails the call)."""
         try:
             args = summary(request) if hasattr(request, "ListFields") else {"stream": True}
             assert self.audit is not None
-            self.audit.record(method, context.peer(), "anonymous", args, result)
+            self.audit.record(method, context.peer(), caller, args, result)
         except Exception:  # the call's outcome stands; the operator sees the failure
             log.exception("cannot write the audit record of %s", method)
 

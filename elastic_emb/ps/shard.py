@@ -180,6 +180,9 @@ class Shard:
             )
         return table
 
+    def has_table(self, name: str) -> bool:
+        return name in self._tables
+
     def tables(self, names: list[str] | None = None) -> list[LocalTable]:
         """The named tables (all, sorted by name, for None)."""
         if not names:

@@ -15,14 +15,17 @@ import grpc
 
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps.client import GRPC_OPTIONS
+from elastic_emb.ps.security import ClientSecurity, channel
 
 __all__ = ["render", "sample", "snapshot"]
 
 
-def snapshot(address: str, timeout: float) -> dict[str, Any]:
+def snapshot(
+    address: str, timeout: float, security: ClientSecurity | None = None
+) -> dict[str, Any]:
     """One server's counters now: `Stats` and `Health`, or {"error": ...}."""
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-        stub = ps_pb2_grpc.ParameterServerStub(channel)
+    with channel(address, GRPC_OPTIONS, security) as chan:
+        stub = ps_pb2_grpc.ParameterServerStub(chan)
         try:
             stats = stub.Stats(ps_pb2.StatsRequest(), timeout=timeout)
             health = stub.Health(ps_pb2.HealthRequest(), timeout=timeout)
@@ -51,11 +54,16 @@ def _counts(m: Any) -> tuple[int, int, float, int, int]:
     )
 
 
-def sample(addresses: list[str], interval: float, timeout: float = 5.0) -> list[dict[str, Any]]:
+def sample(
+    addresses: list[str],
+    interval: float,
+    timeout: float = 5.0,
+    security: ClientSecurity | None = None,
+) -> list[dict[str, Any]]:
     """Each server's state and its rates over `interval` seconds (JSON-ready)."""
-    before = [snapshot(a, timeout) for a in addresses]
+    before = [snapshot(a, timeout, security) for a in addresses]
     time.sleep(interval)
-    after = [snapshot(a, timeout) for a in addresses]
+    after = [snapshot(a, timeout, security) for a in addresses]
     return [_rates(b, a) for b, a in zip(before, after, strict=True)]
 
 

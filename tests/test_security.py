@@ -1,0 +1,145 @@
+"""TLS, mutual TLS and tokens between workers and a real `elastic-emb serve`.
+
+Certificates are made at run time (`_certs`); every refused call must leave
+the tables exactly as they were, and the audit log must name the attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+from _certs import Authority
+from _cluster import Shard, serve_command, shards
+
+import elastic_emb as ee
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pki")
+    ca, stranger = Authority(directory, "ca"), Authority(directory, "stranger-ca")
+    return {
+        "ca": ca.path,
+        "server": ca.issue("server", server=True),
+        "client": ca.issue("client", server=False),
+        "stranger": stranger.issue("stranger", server=False),
+        "stranger_ca": stranger.path,
+    }
+
+
+def _train_a_step() -> np.ndarray:
+    t = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="secure", seed=0)
+    t.push(np.arange(5), np.ones((5, 4), np.float32))
+    return t.pull(np.arange(5))
+
+
+def test_tls_carries_training_and_refuses_plaintext_and_strangers(pki):
+    cert, key = pki["server"]
+    with shards(1, ["--tls-cert", str(cert), "--tls-key", str(key)]) as (ps,):
+        ee.init(ps=[ps.address], tls_ca=pki["ca"], connect_timeout=10)
+        try:
+            np.testing.assert_array_equal(_train_a_step(), np.full((5, 4), -0.5))
+        finally:
+            ee.shutdown()
+        with pytest.raises(ConnectionError, match="unreachable"):
+            ee.init(ps=[ps.address], connect_timeout=2)  # plaintext to a TLS server
+        with pytest.raises(ConnectionError, match="unreachable"):
+            ee.init(ps=[ps.address], tls_ca=pki["stranger_ca"], connect_timeout=2)
+
+
+def test_mutual_tls_requires_a_client_certificate_the_ca_signed(pki):
+    cert, key = pki["server"]
+    args = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(pki["ca"])]
+    with shards(1, args) as (ps,):
+        client_cert, client_key = pki["client"]
+        ee.init(ps=[ps.address], tls_ca=pki["ca"], tls_cert=client_cert, tls_key=client_key)
+        try:
+            np.testing.assert_array_equal(_train_a_step(), np.full((5, 4), -0.5))
+        finally:
+            ee.shutdown()
+        with pytest.raises(ConnectionError):
+            ee.init(ps=[ps.address], tls_ca=pki["ca"], connect_timeout=2)  # no certificate
+        stranger_cert, stranger_key = pki["stranger"]
+        with pytest.raises(ConnectionError):
+            ee.init(
+                ps=[ps.address], tls_ca=pki["ca"], tls_cert=stranger_cert,
+                tls_key=stranger_key, connect_timeout=2,
+            )  # fmt: skip
+
+
+def test_tokens_give_workers_training_and_admins_the_rest(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# token role name\ns3cret-admin admin ops\nw0rker worker trainer-7\n")
+    log = tmp_path / "audit.jsonl"
+    with shards(1, ["--auth-tokens", str(tokens), "--audit-log", str(log)]) as (ps,):
+        ee.init(ps=[ps.address], token="s3cret-admin")  # the admin creates the table
+        try:
+            expected = _train_a_step()
+        finally:
+            ee.shutdown()
+        ee.init(ps=[ps.address], token="w0rker")
+        try:
+            t = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="secure", seed=0)
+            np.testing.assert_array_equal(t.pull(np.arange(5)), expected)  # trains on it
+            with pytest.raises(PermissionError, match="PERMISSION_DENIED"):
+                t.import_rows(np.arange(5), np.ones((5, 4), np.float32))
+            with pytest.raises(PermissionError, match="needs the admin role"):
+                ee.Table(4, name="new_table")  # creating is the admin's
+            with pytest.raises(PermissionError):
+                t.erase(np.arange(5))
+            np.testing.assert_array_equal(t.pull(np.arange(5)), expected)  # nothing changed
+        finally:
+            ee.shutdown()
+        for token in (None, "guess"):
+            with pytest.raises(PermissionError, match="UNAUTHENTICATED"):
+                ee.init(ps=[ps.address], token=token)
+            ee.shutdown()
+        top = [*serve_command(), "top", ps.address, "--once", "--json", "--interval", "0.1"]
+        done = subprocess.run([*top, "--token", "w0rker"], capture_output=True, text=True)
+        assert done.returncode == 0 and json.loads(done.stdout)[0]["rows"] == 5, done.stderr
+        done = subprocess.run(top, capture_output=True, text=True)
+        assert done.returncode == 1 and "UNAUTHENTICATED" in done.stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    refused = [(r["call"], r["caller"], r["result"]) for r in records if r["result"] != "OK"]
+    assert refused == [
+        ("ImportRows", "trainer-7", "PERMISSION_DENIED"),
+        ("CreateTables", "trainer-7", "PERMISSION_DENIED"),
+        ("EraseRows", "trainer-7", "PERMISSION_DENIED"),
+        ("Join", "anonymous", "UNAUTHENTICATED"),
+        ("Join", "anonymous", "UNAUTHENTICATED"),
+        ("Stats", "anonymous", "UNAUTHENTICATED"),  # top without a token
+        ("Stats", "anonymous", "UNAUTHENTICATED"),
+    ]
+    assert ("CreateTables", "ops", "OK") in [(r["call"], r["caller"], r["result"]) for r in records]
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    """`elastic-emb serve ...` expected to stop at once (a bad flag or file)."""
+    return subprocess.run(
+        [*serve_command(), "serve", "--port", "0", *args], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_bad_security_settings_are_refused_clearly(tmp_path, pki):
+    bad = tmp_path / "tokens"
+    bad.write_text("t1 superuser\n")
+    done = _serve("--host", "127.0.0.1", "--auth-tokens", str(bad))
+    assert done.returncode == 1 and "role 'superuser' is not one of" in done.stderr
+    done = _serve("--host", "127.0.0.1", "--tls-cert", str(pki["server"][0]))
+    assert done.returncode == 1 and "--tls-cert and --tls-key go together" in done.stderr
+    with pytest.raises(ValueError, match="tls_cert` needs `tls_ca"):
+        ee.init(ps=["127.0.0.1:1"], tls_cert="c.pem", tls_key="k.pem")
+    with pytest.raises(ValueError, match="token"):
+        ee.init(ps=["127.0.0.1:1"], token="has spaces")
+
+
+def test_an_open_server_off_loopback_warns():
+    shard = Shard(["--host", "0.0.0.0"])
+    try:
+        assert any("without TLS or tokens" in line for line in shard.output)
+    finally:
+        shard.stop()
