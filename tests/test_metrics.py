@@ -6,10 +6,13 @@ and its own byte counts of every message.
 
 from __future__ import annotations
 
+import json
+import re
 import socket
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +20,8 @@ from _cluster import serve_command, shards
 from prometheus_client.parser import text_string_to_metric_families
 
 import elastic_emb as ee
+
+DOCS = Path(__file__).parent.parent / "docs"
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -89,6 +94,18 @@ def test_a_server_exports_what_it_did():
     assert value("worker_step", range="0", worker="0") == 3
     assert value("worker_lag_steps", range="0", worker="0") == 0
     assert value("range_step", range="0") == 3
+
+    # The Grafana dashboard asks for metrics the server has (replica_sequence:
+    # only servers of a replicated cluster have it).
+    dashboard = json.loads((DOCS / "kubernetes" / "grafana-dashboard.json").read_text())
+    asked = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"elastic_emb_[a-z_]+", target["expr"])
+    }
+    scraped = {name for name, _ in m}
+    assert asked - scraped == {"elastic_emb_replica_sequence"}
 
 
 def test_a_metrics_port_in_use_is_refused_clearly():
