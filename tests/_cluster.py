@@ -18,6 +18,17 @@ def serve_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "elastic_emb.cli"]
 
 
+def serve_once(*args: str) -> subprocess.CompletedProcess:
+    """`elastic-emb serve --port 0 --host 127.0.0.1 ARGS`, for settings that must make
+    it stop at once (its output captured)."""
+    return subprocess.run(
+        [*serve_command(), "serve", "--port", "0", "--host", "127.0.0.1", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 class Shard:
     """One running PS shard; its output is kept for failure messages."""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _cluster import serve_command, shards
+from _cluster import serve_command, serve_once, shards
 
 import elastic_emb as ee
 from elastic_emb._proto import ps_pb2
@@ -104,10 +104,6 @@ def test_a_restarted_server_extends_its_log_and_refuses_a_broken_one(audited):
     assert _verify(audited).returncode == 0
 
     audited.write_text(audited.read_text().replace('"Save"', '"Drop"'))
-    done = subprocess.run(
-        [*serve_command(), "serve", "--port", "0", "--host", "127.0.0.1",
-         "--audit-log", str(audited)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = serve_once("--audit-log", str(audited))
     assert done.returncode == 1
     assert "cannot use the audit log" in done.stdout + done.stderr

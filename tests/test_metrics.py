@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _cluster import serve_command, shards
+from _cluster import serve_once, shards
 from prometheus_client.parser import text_string_to_metric_families
 
 import elastic_emb as ee
@@ -113,11 +112,7 @@ def test_a_metrics_port_in_use_is_refused_clearly():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run(
-            [*serve_command(), "serve", "--port", "0", "--host", "127.0.0.1",
-             "--metrics-port", str(port)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        done = serve_once("--metrics-port", str(port))
     assert done.returncode == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}" in done.stderr + done.stdout
 

@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 from _certs import Authority
-from _cluster import Shard, serve_command, shards
+from _cluster import Shard, serve_command, serve_once, shards
 
 import elastic_emb as ee
 
@@ -116,20 +116,12 @@ def test_tokens_give_workers_training_and_admins_the_rest(tmp_path):
     assert ("CreateTables", "ops", "OK") in [(r["call"], r["caller"], r["result"]) for r in records]
 
 
-def _serve(*args: str) -> subprocess.CompletedProcess:
-    """`elastic-emb serve ...` expected to stop at once (a bad flag or file)."""
-    return subprocess.run(
-        [*serve_command(), "serve", "--port", "0", *args], capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
-
-
 def test_bad_security_settings_are_refused_clearly(tmp_path, pki):
     bad = tmp_path / "tokens"
     bad.write_text("t1 superuser\n")
-    done = _serve("--host", "127.0.0.1", "--auth-tokens", str(bad))
+    done = serve_once("--auth-tokens", str(bad))
     assert done.returncode == 1 and "role 'superuser' is not one of" in done.stderr
-    done = _serve("--host", "127.0.0.1", "--tls-cert", str(pki["server"][0]))
+    done = serve_once("--tls-cert", str(pki["server"][0]))
     assert done.returncode == 1 and "--tls-cert and --tls-key go together" in done.stderr
     with pytest.raises(ValueError, match="tls_cert` needs `tls_ca"):
         ee.init(ps=["127.0.0.1:1"], tls_cert="c.pem", tls_key="k.pem")
