@@ -201,7 +201,10 @@ class Metrics(keras.callbacks.Callback):
       (remote tables; 0 in-process);
     - `ee_pull_ms`, `ee_push_ms`: milliseconds per step of the pull and the
       push round over the shards (remote tables). A push overlaps the next
-      step, so its time is not all on the step's critical path.
+      step, so its time is not all on the step's critical path;
+    - `ee_cache_hit_rate` (with `ee.init(cache_rows=...)`): the share of
+      pulled keys whose values did not cross the wire (served by the cache,
+      or confirmed unchanged).
 
     With `log_dir`, it also writes these as TensorBoard scalars every
     `every` steps (`tf.summary`, under `log_dir/ee`).
@@ -231,6 +234,10 @@ class Metrics(keras.callbacks.Callback):
         stats = cluster.stats()
         counts["bytes"] = float(sum(s["bytes_sent"] + s["bytes_received"] for s in stats))
         counts.update(cluster.timings())
+        if cluster.cache is not None:
+            cache = cluster.cache.counts()
+            for kind in ("served", "confirmed", "fetched"):
+                counts[f"cache_{kind}"] = float(cache[kind])
         return counts
 
     def _values(self, start: dict[str, float]) -> dict[str, float]:
@@ -242,12 +249,16 @@ class Metrics(keras.callbacks.Callback):
             return scale * (now.get(key, 0.0) - start.get(key, 0.0)) / steps
 
         rows = sum(len(t) for t in _tables(self.model))
-        return {
+        values = {
             "ee_rows": float(rows),
             "ee_bytes_per_step": per_step("bytes"),
             "ee_pull_ms": per_step("pull_seconds", 1000.0),
             "ee_push_ms": per_step("push_seconds", 1000.0),
         }
+        if "cache_served" in now:  # a worker cache: the share of pulled keys it answered
+            kinds = [per_step(f"cache_{k}") for k in ("served", "confirmed", "fetched")]
+            values["ee_cache_hit_rate"] = (kinds[0] + kinds[1]) / max(sum(kinds), 1e-12)
+        return values
 
     def on_train_begin(self, logs: Any = None) -> None:
         if self.log_dir is not None and self._writer is None:

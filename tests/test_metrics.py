@@ -181,6 +181,34 @@ def test_the_metrics_callback_measures_the_wire_of_remote_tables():
     assert history.history["ee_pull_ms"][0] > 0 and history.history["ee_push_ms"][0] > 0
 
 
+def test_the_metrics_callback_reports_the_worker_caches_hit_rate():
+    import keras
+
+    with shards(1) as (ps,):
+        cluster = ee.init(ps=[ps.address], mode="async", cache_rows=10_000, cache_staleness=3)
+        try:
+            model, _ = _model("cb_cache")
+            x = np.random.default_rng(2).integers(0, 50, size=(640, 2))  # few ids: hot rows
+            at_epoch_end = []
+            history = model.fit(
+                x, np.ones((640, 1)), batch_size=64, epochs=2, verbose=0,
+                callbacks=[
+                    ee.callbacks.Metrics(),
+                    keras.callbacks.LambdaCallback(
+                        on_epoch_end=lambda *_: at_epoch_end.append(cluster.cache.counts())
+                    ),
+                ],
+            )  # fmt: skip
+        finally:
+            ee.shutdown()
+    before, after = at_epoch_end
+    delta = {k: after[k] - before[k] for k in ("served", "confirmed", "fetched")}
+    expected = (delta["served"] + delta["confirmed"]) / sum(delta.values())
+    rates = history.history["ee_cache_hit_rate"]
+    assert rates[1] == pytest.approx(expected, rel=1e-9)
+    assert 0 < rates[0] < rates[1] < 1  # the first epoch fetched every row once
+
+
 def test_the_metrics_callback_refuses_a_bad_interval():
     with pytest.raises(ValueError, match="every"):
         ee.callbacks.Metrics(every=0)
