@@ -37,6 +37,7 @@ _TF_SUBMODULES = {
     "layers": "elastic_emb.layers",
     "models": "elastic_emb.examples.dlrm",
     "serving": "elastic_emb.serving",
+    "serving_delta": "elastic_emb.serving_delta",
 }
 _PLAIN_SUBMODULES = {
     name: f"elastic_emb.{name}"
@@ -60,6 +61,8 @@ _NAMES = {
     "save": "elastic_emb.checkpoint",
     "DistributedEmbedding": "elastic_emb.multi_feature",
     "Embedding": "elastic_emb.layers",
+    "apply_delta": "elastic_emb.serving_delta",
+    "export_delta": "elastic_emb.serving_delta",
     "export_saved_model": "elastic_emb.layers",
     "export_rows": "elastic_emb.rows",
     "init": "elastic_emb.placement",
@@ -155,6 +158,7 @@ if TYPE_CHECKING:
     from elastic_emb.layers import Embedding, export_saved_model, lookahead
     from elastic_emb.placement import init, shutdown
     from elastic_emb.rows import export_rows
+    from elastic_emb.serving_delta import apply_delta, export_delta
 
 __all__ = [
     "CheckpointError",
@@ -163,10 +167,12 @@ __all__ = [
     "Table",
     "__version__",
     "admission",
+    "apply_delta",
     "build_info",
     "callbacks",
     "data",
     "eviction",
+    "export_delta",
     "export_rows",
     "export_saved_model",
     "init",

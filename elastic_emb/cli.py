@@ -184,6 +184,18 @@ def _audit_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _apply_delta(args: argparse.Namespace) -> int:
+    from elastic_emb.serving_delta import apply_delta
+
+    try:
+        output = apply_delta(args.base, args.delta, args.output)
+    except ValueError as e:
+        print(f"elastic-emb apply-delta: {e}", file=sys.stderr)
+        return 1
+    print(output)
+    return 0
+
+
 def _health(args: argparse.Namespace) -> int:
     """Asks the standard gRPC health service (grpc.health.v1), as Kubernetes' probes do."""
     import grpc
@@ -360,6 +372,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit_verify.add_argument("file", help="the --audit-log FILE")
     audit_verify.set_defaults(run=_audit_verify)
+
+    apply = sub.add_parser(
+        "apply-delta", help="write the next version of an exported model from a delta"
+    )
+    apply.add_argument("base", help="the SavedModel version the delta was made from")
+    apply.add_argument("delta", help="a directory written by ee.export_delta")
+    apply.add_argument(
+        "--output", help="the version directory to write (default: the next number beside BASE)"
+    )
+    apply.set_defaults(run=_apply_delta)
 
     bench = sub.add_parser("bench", help="run a benchmark of bench/ (source checkout)")
     bench.add_argument("which", nargs="?", default="table_bench", help="table_bench or e2e")

@@ -33,6 +33,7 @@ several workers.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import warnings
 from collections.abc import Callable
@@ -80,16 +81,22 @@ def refuse_legacy_h5(has_tables: Callable[[keras.Model], bool]) -> None:
     _save_wrapped = True
 
 
-def export_through_serving(serving: Callable[[keras.Model], AbstractContextManager[Any]]) -> None:
-    """Runs `model.export(...)` within `serving(model)` (idempotent)."""
+def export_through_serving(
+    serving: Callable[[keras.Model, Any], AbstractContextManager[Any]],
+) -> None:
+    """Runs `model.export(filepath, format, ...)` within `serving(model, path)`, path the
+    SavedModel directory (None for other formats) (idempotent)."""
     global _export_wrapped
     if _export_wrapped:
         return
     keras_export = keras.Model.export
+    signature = inspect.signature(keras_export)
 
     @functools.wraps(keras_export)
     def export(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
-        with serving(self):
+        call = signature.bind_partial(self, *args, **kwargs).arguments
+        format = call.get("format", signature.parameters["format"].default)
+        with serving(self, call.get("filepath") if format == "tf_saved_model" else None):
             return keras_export(self, *args, **kwargs)
 
     keras.Model.export = export

@@ -463,9 +463,13 @@ def export_saved_model(
             lookups turn them back into float32.
         **kwargs: passed to `model.export`.
 
+    The SavedModel carries a manifest (`assets.extra/elastic_emb.json`)
+    that lets `ee.export_delta` and `ee.apply_delta` write its next
+    versions from the rows changed since.
+
     Raises:
-        ValueError: a table has more than `elastic_emb.serving.MAX_EXPORT_ROWS` rows,
-            an unknown `row_dtype`, or rows holding NaN or Inf with a compact `row_dtype`.
+        ValueError: an unknown `row_dtype`, or rows holding NaN or Inf with a
+            compact `row_dtype`.
     """
     serving.export(
         model, embedding_layers(model), path, input_signature, verbose, row_dtype, **kwargs
@@ -515,7 +519,9 @@ def embedding_layers(model: keras.Model) -> list[Embedding]:
 
 
 # `model.export(...)` writes these layers' tables as stock TensorFlow ops.
-keras_patches.export_through_serving(lambda model: serving.serving(embedding_layers(model)))
+keras_patches.export_through_serving(
+    lambda model, path: serving.serving(model, embedding_layers(model), path=path)
+)
 # `model.save("m.h5")` (legacy format, no rows) refuses them.
 keras_patches.refuse_legacy_h5(lambda model: bool(embedding_layers(model)))
 # A Functional model looks up the rows of all its layers in one call. (Looked up

@@ -3,8 +3,8 @@
 `ee.export_saved_model(model, path)` and `model.export(path)` (routed here
 by `keras_patches`) snapshot each `ee.Embedding` table into built-in ops:
 
-- a `tf.lookup.StaticHashTable` from key to row index,
-- a `tf.Variable` holding the rows (one extra zero row for ids not found),
+- a `tf.Variable` of the sorted keys, searched with `tf.searchsorted`,
+- a `tf.Variable` holding the rows in that order,
 - for ids never trained, their initial value, computed by the same formulas
   as the C++ initializer (`csrc/initializer.cc`) in TensorFlow ops, so the
   SavedModel predicts like `model.predict` on seen and unseen ids.
@@ -12,30 +12,52 @@ by `keras_patches`) snapshot each `ee.Embedding` table into built-in ops:
 The layer's own code (key hashing, combiners, masks, ragged and sparse ids)
 runs unchanged around the lookup. The SavedModel needs neither elastic_emb
 nor any custom op: TF Serving loads it as it is.
+
+Every table and dense weight is a variable, so the whole state of the model
+is in its `variables/` checkpoint. `assets.extra/elastic_emb.json` (the
+manifest; TF Serving ignores `assets.extra`) names the checkpoint entry of
+each, so that `elastic_emb.serving_delta` can write a later version of the
+model by rewriting that checkpoint alone.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
+import hashlib
+import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 
 from elastic_emb.initializers import InitializerSpec
-from elastic_emb.rows import export_rows
+from elastic_emb.rows import CompactRows, export_rows
 
 if TYPE_CHECKING:
     import keras
 
     from elastic_emb.layers import Embedding  # (for types only: layers imports this module)
 
-__all__ = ["MAX_EXPORT_ROWS", "ServingTable", "export", "initial_rows", "serving"]
+__all__ = [
+    "MANIFEST",
+    "ServingTable",
+    "export",
+    "initial_rows",
+    "read_manifest",
+    "serving",
+    "serving_arrays",
+]
 
-# The key -> index map is a graph constant (16 bytes a row), and a GraphDef
-# must stay below 2 GiB: above this many rows per table the export refuses.
-MAX_EXPORT_ROWS = 64 << 20
+MANIFEST = Path("assets.extra") / "elastic_emb.json"
+FORMAT, VERSION = "elastic_emb.saved_model", 1
+SERVING_SCOPE = "elastic_emb_serving"  # the name of each ServingTable variable starts so
+SENTINEL = np.iinfo(np.int64).max  # the last key of every table, found by no lookup
+OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"  # the checkpoint's own entry
 
 _U64 = tf.uint64
 
@@ -95,73 +117,89 @@ def initial_rows(keys: tf.Tensor, spec: InitializerSpec, seed: int, dim: int) ->
 
 
 class ServingTable(tf.Module):
-    """A snapshot of a table as stock ops: key -> index hash table, rows variable, initializer.
+    """A snapshot of a table as stock ops: sorted keys, rows, initializer.
 
-    `row_dtype` (`elastic_emb.rows.ROW_DTYPES`): how the rows variable stores
-    the rows; float16, bfloat16 and int8 (with a float32 scale and bias per
-    row) are turned back into float32 by the lookup.
+    The keys are a sorted int64 variable ending in a sentinel (the largest
+    int64) and the rows a variable in the same order ending in a zero row;
+    a lookup binary-searches the keys (`tf.searchsorted`). Both are
+    variables of unknown length, so a delta (`elastic_emb.serving_delta`)
+    can change the rows of an exported model by rewriting its variables
+    only. `row_dtype` (`elastic_emb.rows.ROW_DTYPES`): how the rows
+    variable stores the rows; float16, bfloat16 and int8 (with a float32
+    scale and bias per row) are turned back into float32 by the lookup.
     """
 
-    def __init__(self, layer: Embedding, row_dtype: str = "float32") -> None:
+    def __init__(self, layer: Embedding, number: int, row_dtype: str = "float32") -> None:
         super().__init__(name=f"{layer.name}_serving")
         table = layer.table
-        compact = export_rows(table, row_dtype)
-        keys, values = compact.keys, compact.values
-        if len(keys) > MAX_EXPORT_ROWS:
-            raise ValueError(
-                f"Table {table.name!r} has {len(keys):,} rows; a SavedModel's key index holds at "
-                f"most elastic_emb.serving.MAX_EXPORT_ROWS = {MAX_EXPORT_ROWS:,} (a GraphDef "
-                "stays below 2 GiB). Serve larger tables from PS shards (docs/keras.md)."
+        self.layer_name, self.table_name = layer.name, table.name
+        self.row_dtype = row_dtype
+        arrays = serving_arrays(export_rows(table, row_dtype))
+        self.num_rows = len(arrays["keys"]) - 1
+        self.variable_names = {field: f"{SERVING_SCOPE}/{number}/{field}" for field in arrays}
+        variables = {
+            field: tf.Variable(
+                array,
+                shape=tf.TensorShape([None, *array.shape[1:]]),
+                trainable=False,
+                name=self.variable_names[field],
             )
-        m = len(keys)
-        indices = np.arange(m, dtype=np.int64)
-        if m == 0:  # a hash table cannot be empty: one entry that reads as "not found"
-            keys, indices = np.zeros(1, np.int64), np.zeros(1, np.int64)
-        self.index = tf.lookup.StaticHashTable(
-            tf.lookup.KeyValueTensorInitializer(tf.constant(keys), tf.constant(indices)),
-            default_value=m,  # index m: not found (the extra zero row)
-        )
-        self.rows = tf.Variable(
-            np.concatenate([values, np.zeros((1, table.dim), values.dtype)]),
-            trainable=False,
-            name="rows",
-        )
-        self.scale = self.bias = None
-        if compact.scale is not None and compact.bias is not None:  # int8
-            self.scale = tf.Variable(
-                np.append(compact.scale, np.float32(0)), trainable=False, name="scale"
-            )
-            self.bias = tf.Variable(
-                np.append(compact.bias, np.float32(0)), trainable=False, name="bias"
-            )
-        self.num_rows = m
+            for field, array in arrays.items()
+        }
+        self.keys, self.rows = variables["keys"], variables["rows"]
+        self.scale, self.bias = variables.get("scale"), variables.get("bias")
         self.initializer = table.initializer
         self.seed = table.seed
         self.dim = table.dim
 
     def lookup(self, flat_ids: tf.Tensor) -> tf.Tensor:
         """Rows of int64 ids (n,) -> float32 (n, dim): trained rows, else initial values."""
-        index = self.index.lookup(flat_ids)
-        found = index < self.num_rows
-        rows = tf.cast(tf.gather(self.rows, index), tf.float32)
+        position = tf.searchsorted(self.keys, flat_ids, side="left", out_type=tf.int64)
+        sentinel = tf.shape(self.keys, out_type=tf.int64)[0] - 1
+        position = tf.minimum(position, sentinel)
+        found = (tf.gather(self.keys, position) == flat_ids) & (position < sentinel)
+        rows = tf.cast(tf.gather(self.rows, position), tf.float32)
         if self.scale is not None and self.bias is not None:  # int8 levels -> values
-            rows = (rows + 128.0) * tf.gather(self.scale, index)[:, None] + tf.gather(
-                self.bias, index
-            )[:, None]
+            scale = tf.gather(self.scale, position)[:, None]
+            rows = (rows + 128.0) * scale + tf.gather(self.bias, position)[:, None]
         initial = initial_rows(flat_ids, self.initializer, self.seed, self.dim)
         return tf.where(found[:, None], rows, initial)
 
 
+def serving_arrays(compact: CompactRows) -> dict[str, np.ndarray]:
+    """The variables of a `ServingTable` holding `compact`: keys sorted, then the sentinel
+    (keys), rows in that order, then a zero row (rows; scale and bias for int8)."""
+    order = np.argsort(compact.keys, kind="stable")
+    columns = {"keys": compact.keys, "rows": compact.values}
+    if compact.scale is not None and compact.bias is not None:
+        columns |= {"scale": compact.scale, "bias": compact.bias}
+    pads = {"keys": np.array([SENTINEL], np.int64)}
+    return {
+        field: np.concatenate(
+            [column[order], pads.get(field, np.zeros((1, *column.shape[1:]), column.dtype))]
+        )
+        for field, column in columns.items()
+    }
+
+
 @contextlib.contextmanager
-def serving(layers: list[Embedding], row_dtype: str = "float32") -> Iterator[None]:
-    """Within: these ee.Embedding layers look rows up in stock-op snapshots."""
+def serving(
+    model: keras.Model, layers: list[Embedding], row_dtype: str = "float32", path: Any = None
+) -> Iterator[None]:
+    """Within: these ee.Embedding layers look rows up in stock-op snapshots.
+
+    With `path`, a SavedModel written there within gets its manifest on
+    leaving (by the outermost of nested contexts, the one that took them).
+    """
     attached = []
     try:
-        for layer in layers:
+        for number, layer in enumerate(layers):
             if layer.serving_table is None:
-                layer.serving_table = ServingTable(layer, row_dtype)
+                layer.serving_table = ServingTable(layer, number, row_dtype)
                 attached.append(layer)
         yield
+        if attached and path is not None and (Path(path) / "saved_model.pb").exists():
+            write_manifest(Path(path), model, [layer.serving_table for layer in attached])
     finally:
         for layer in attached:
             layer.serving_table = None
@@ -182,7 +220,7 @@ def export(
         for spec in tf.nest.flatten(input_signature or [])
         if isinstance(spec, tf.TypeSpec) and not isinstance(spec, tf.TensorSpec)
     ]
-    with serving(layers, row_dtype):
+    with serving(model, layers, row_dtype, path):
         if not composite:
             model.export(path, format="tf_saved_model", input_signature=input_signature,
                          verbose=verbose, **kwargs)  # fmt: skip
@@ -196,3 +234,120 @@ def export(
         serve.get_concrete_function(*input_signature)
         archive.add_endpoint("serve", serve)
         archive.write_out(str(path), verbose=verbose)
+
+
+# The manifest.
+
+
+def variables_prefix(path: Path) -> str:
+    """The checkpoint prefix of the SavedModel at `path`."""
+    return str(path / "variables" / "variables")
+
+
+def variables_digest(path: Path) -> str:
+    """SHA-256 of the SavedModel's `variables/` files (names and contents)."""
+    digest = hashlib.sha256()
+    for file in sorted((path / "variables").iterdir()):
+        digest.update(file.name.encode() + b"\0")
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def graph_digest(path: Path) -> str:
+    """SHA-256 of the SavedModel's graph (`saved_model.pb`)."""
+    return hashlib.sha256((path / "saved_model.pb").read_bytes()).hexdigest()
+
+
+def checkpoint_entries(reader: Any) -> list[tuple[str, str, str]]:
+    """(checkpoint key, attribute, full name) of each entry of a TF2 checkpoint."""
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH))
+    attributes = [a for node in graph.nodes for a in node.attributes]
+    return [(a.checkpoint_key, a.name, a.full_name) for a in attributes]
+
+
+def write_manifest(path: Path, model: keras.Model, tables: list[ServingTable]) -> None:
+    """Writes the manifest of the SavedModel just exported at `path`.
+
+    Each entry of its checkpoint is either a variable of a `ServingTable`
+    or, by its full name (the Keras path), one variable of `model` holding
+    the same value; anything else (another resource, an ambiguous path)
+    makes the model one that deltas cannot update, with the reason kept.
+    """
+    reader = tf.train.load_checkpoint(variables_prefix(path))
+    by_path = collections.defaultdict(list)
+    for variable in model.variables:
+        by_path[variable.path].append(variable)
+    served, dense, problems = {}, {}, []
+    for key, attribute, name in checkpoint_entries(reader):
+        if attribute == "VARIABLE_VALUE" and name.startswith(SERVING_SCOPE + "/"):
+            served[name] = key
+            continue
+        owners = by_path.get(name, []) if attribute == "VARIABLE_VALUE" else []
+        if len(owners) == 1 and _same(reader.get_tensor(key), np.asarray(owners[0].value)):
+            dense[key] = name
+        else:
+            problems.append(f"checkpoint entry {key!r} ({name!r}) is not one variable of the model")
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "variables_sha256": variables_digest(path),
+        "graph_sha256": graph_digest(path),
+        "tables": {
+            table.layer_name: {
+                "table": table.table_name,
+                "dim": table.dim,
+                "row_dtype": table.row_dtype,
+                "initializer": dataclasses.asdict(table.initializer),
+                "seed": table.seed,
+                "rows": table.num_rows,
+                "entries": {f: served[name] for f, name in table.variable_names.items()},
+            }
+            for table in tables
+        },
+        "dense": dense,
+        "not_updatable": problems[0] if problems else None,
+        "history": [],
+    }
+    save_manifest(path, manifest)
+
+
+def save_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Writes `manifest` into the SavedModel at `path` (atomically)."""
+    target = path / MANIFEST
+    target.parent.mkdir(exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, target)
+
+
+def read_manifest(path: Any) -> dict[str, Any]:
+    """The manifest of the SavedModel at `path`.
+
+    Raises:
+        ValueError: `path` is no SavedModel written by `ee.export_saved_model`
+            or `model.export` of this elastic_emb (or its manifest is damaged).
+    """
+    path = Path(path)
+    if not (path / "saved_model.pb").exists():
+        raise ValueError(f"{str(path)!r} is not a SavedModel directory (no saved_model.pb)")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if manifest["format"] != FORMAT or manifest["version"] != VERSION:
+            raise ValueError(f"format {manifest['format']!r} version {manifest['version']!r}")
+        return dict(manifest)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"The SavedModel {str(path)!r} has no elastic_emb manifest ({MANIFEST}) of version "
+            f"{VERSION} ({err}): it was not exported by ee.export_saved_model or model.export "
+            "of this elastic_emb. Export a full model first."
+        ) from None
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal shapes, dtypes and bytes (NaNs included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()

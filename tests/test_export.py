@@ -5,99 +5,21 @@ in a fresh process where importing elastic_emb is blocked.
 
 from __future__ import annotations
 
-import textwrap
-from pathlib import Path
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _processes import run_python
+from _saved_models import check_in_fresh_process, features_model, inputs
 
 import elastic_emb as ee
 from elastic_emb import serving
-
-_LOAD = textwrap.dedent(
-    """
-    import sys
-
-    class Blocked:
-        def find_spec(self, name, path=None, target=None):
-            if name == "elastic_emb" or name.startswith("elastic_emb."):
-                raise ImportError("elastic_emb is blocked in this process")
-
-    sys.meta_path.insert(0, Blocked())
-    import numpy as np
-    import tensorflow as tf
-
-    loaded = tf.saved_model.load("model")
-    cases = np.load("cases.npz", allow_pickle=True)
-    worst = 0.0
-    for name in cases["names"]:
-        inputs = cases[f"{name}_inputs"].item()
-        if "ragged" in inputs:
-            arg = tf.RaggedTensor.from_row_lengths(inputs["values"], inputs["lengths"])
-        else:
-            arg = {k: tf.constant(v) for k, v in inputs.items()}
-        got = loaded.serve(arg).numpy()
-        worst = max(worst, float(np.abs(got - cases[f"{name}_expected"]).max()))
-        if "ragged" not in inputs:  # TF Serving's signature too
-            signature = loaded.signatures["serving_default"]
-            (out,) = signature(**arg).values()
-            worst = max(worst, float(np.abs(out.numpy() - cases[f"{name}_expected"]).max()))
-    print("WORST", worst)
-    """
-)
-
-
-def _check_in_fresh_process(directory: Path, cases: dict[str, tuple[dict, np.ndarray]]) -> float:
-    arrays: dict[str, object] = {"names": np.array(list(cases))}
-    for name, (inputs, expected) in cases.items():
-        arrays[f"{name}_inputs"] = np.array(inputs, dtype=object)
-        arrays[f"{name}_expected"] = expected
-    np.savez(directory / "cases.npz", **arrays)
-    out = run_python("-c", _LOAD, cwd=directory)
-    return float(out.split("WORST")[1])
-
-
-def _features_model() -> keras.Model:
-    """An int64 id, a (batch, 3) id list with a mean combiner, a string id and two floats."""
-    user = keras.Input((), dtype="int64", name="user")
-    items = keras.Input((3,), dtype="int64", name="items")
-    city = keras.Input((), dtype="string", name="city")
-    counts = keras.Input((2,), dtype="float32", name="counts")
-    embedded = [
-        ee.Embedding(4, embeddings_initializer="uniform", name="exp_user")(user),
-        ee.Embedding(
-            4, embeddings_initializer="truncated_normal", combiner="mean", name="exp_items"
-        )(items),
-        ee.Embedding(
-            3, embeddings_initializer="normal", key_dtype="string", name="exp_city", seed=5
-        )(city),
-        counts,
-    ]
-    out = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=3))(
-        keras.layers.Concatenate()(embedded)
-    )
-    model = keras.Model({"user": user, "items": items, "city": city, "counts": counts}, out)
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    return model
-
-
-def _inputs(rng: np.random.Generator, n: int, lo: int, hi: int) -> dict[str, np.ndarray]:
-    return {
-        "user": rng.integers(lo, hi, n).astype(np.int64),
-        "items": rng.integers(lo, hi, (n, 3)).astype(np.int64),
-        "city": np.array([f"city{i}" for i in rng.integers(lo, hi, n)], dtype=object),
-        "counts": rng.normal(size=(n, 2)).astype(np.float32),
-    }
 
 
 @pytest.mark.parametrize("how", ["model.export", "ee.export_saved_model"])
 def test_exported_model_serves_with_stock_ops_like_predict(tmp_path, how):
     rng = np.random.default_rng(0)
-    model = _features_model()
-    train = _inputs(rng, 256, 0, 40)
+    model = features_model()
+    train = inputs(rng, 256, 0, 40)
     model.fit(train, rng.normal(size=(256, 1)), batch_size=32, epochs=2, verbose=0)
     if how == "model.export":
         model.export(tmp_path / "model", verbose=False)
@@ -106,16 +28,16 @@ def test_exported_model_serves_with_stock_ops_like_predict(tmp_path, how):
     for name in ("exp_user", "exp_items", "exp_city"):
         assert model.get_layer(name).serving_table is None  # the live model is live again
     seen = {k: v[:32] for k, v in train.items()}
-    unseen = _inputs(rng, 32, 10**9, 10**12)  # never trained: initial values
+    unseen = inputs(rng, 32, 10**9, 10**12)  # never trained: initial values
     cases = {
         "seen": (seen, model.predict(seen, verbose=0)),
         "unseen": (unseen, model.predict(unseen, verbose=0)),
     }
-    assert _check_in_fresh_process(tmp_path, cases) <= 1e-6
+    assert check_in_fresh_process(tmp_path, cases) <= 1e-6
     # The check can fail: the live model after more training predicts otherwise.
     model.fit(train, rng.normal(size=(256, 1)), batch_size=32, epochs=1, verbose=0)
     moved = {"seen": (seen, model.predict(seen, verbose=0))}
-    assert _check_in_fresh_process(tmp_path, moved) > 1e-4
+    assert check_in_fresh_process(tmp_path, moved) > 1e-4
 
 
 def test_ragged_ids_export_through_ee_export_saved_model(tmp_path):
@@ -143,20 +65,32 @@ def test_ragged_ids_export_through_ee_export_saved_model(tmp_path):
             model.predict(unseen, verbose=0),
         ),
     }
-    assert _check_in_fresh_process(tmp_path, cases) <= 1e-6
+    assert check_in_fresh_process(tmp_path, cases) <= 1e-6
 
 
-def test_tf_saved_model_save_refuses_loudly_and_export_refuses_huge_tables(tmp_path, monkeypatch):
+def test_tf_saved_model_save_refuses_loudly(tmp_path):
     ids = keras.Input((), dtype="int64")
     model = keras.Model(ids, ee.Embedding(2, name="exp_refuse")(ids))
     model.predict(np.arange(5), verbose=0)
     with pytest.raises(ValueError, match=r"ee\.export_saved_model"):
         tf.saved_model.save(model, str(tmp_path / "raw"))
-    model.get_layer("exp_refuse").table.pull(np.arange(10))  # 10 rows
-    monkeypatch.setattr(serving, "MAX_EXPORT_ROWS", 5)
-    with pytest.raises(ValueError, match="MAX_EXPORT_ROWS"):
-        model.export(tmp_path / "big", verbose=False)
     assert model.get_layer("exp_refuse").serving_table is None
+
+
+def test_empty_tables_and_extreme_keys_export(tmp_path):
+    """No rows at all, then rows at both ends of int64 (the largest is also the sentinel's)."""
+    ids = keras.Input((), dtype="int64", name="ids")
+    model = keras.Model({"ids": ids}, ee.Embedding(3, name="exp_extremes")(ids))
+    probe = {"ids": np.array([0, 7, -(2**63), 2**63 - 1], np.int64)}
+    model.export(tmp_path / "model", verbose=False)  # nothing trained: no rows
+    cases = {"empty": (probe, model.predict(probe, verbose=0))}
+    table = model.get_layer("exp_extremes").table
+    table.import_rows(probe["ids"][2:], np.full((2, 3), 5.0, np.float32))
+    model.export(tmp_path / "extremes", verbose=False)
+    expected = model.predict(probe, verbose=0)
+    assert (expected[2:] == 5.0).all() and (np.abs(expected[:2]) < 1).all()
+    assert check_in_fresh_process(tmp_path, cases) == 0.0
+    assert check_in_fresh_process(tmp_path, {"rows": (probe, expected)}, "extremes") == 0.0
 
 
 @pytest.mark.parametrize(
@@ -173,13 +107,13 @@ def test_initial_rows_in_tensorflow_ops_equal_the_cores(kind):
 @pytest.mark.parametrize("row_dtype", ["float16", "bfloat16", "int8"])
 def test_compact_rows_serve_like_the_model_holding_those_rows(tmp_path, row_dtype):
     rng = np.random.default_rng(2)
-    model = _features_model()
-    train = _inputs(rng, 256, 0, 40)
+    model = features_model()
+    train = inputs(rng, 256, 0, 40)
     model.fit(train, rng.normal(size=(256, 1)), batch_size=32, epochs=1, verbose=0)
     ee.export_saved_model(model, tmp_path / "model", row_dtype=row_dtype)
     saved = tf.train.load_checkpoint(str(tmp_path / "model" / "variables" / "variables"))
     assert row_dtype in {d.name for d in saved.get_variable_to_dtype_map().values()}
-    seen, unseen = {k: v[:32] for k, v in train.items()}, _inputs(rng, 32, 10**9, 10**12)
+    seen, unseen = {k: v[:32] for k, v in train.items()}, inputs(rng, 32, 10**9, 10**12)
     exact = model.predict(seen, verbose=0)
     # The reference: the live model with each table's rows replaced by their compact form.
     for name in ("exp_user", "exp_items", "exp_city"):
@@ -192,4 +126,4 @@ def test_compact_rows_serve_like_the_model_holding_those_rows(tmp_path, row_dtyp
         "seen": (seen, expected),
         "unseen": (unseen, model.predict(unseen, verbose=0)),  # initial values, as float32
     }
-    assert _check_in_fresh_process(tmp_path, cases) <= 1e-5
+    assert check_in_fresh_process(tmp_path, cases) <= 1e-5

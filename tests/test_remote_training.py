@@ -88,25 +88,33 @@ def test_one_worker_equals_in_process_exactly(connected, mode):
 
 def test_an_export_from_shards_serves_as_one_from_in_process_tables(connected, tmp_path):
     """A SavedModel exported while the tables live on 2 shards holds every shard's rows:
-    it predicts bit for bit as the in-process twin's export."""
+    it predicts bit for bit as the in-process twin's export. So does the next version,
+    applied from a delta exported from the shards."""
     import tensorflow as tf
 
     rng = np.random.default_rng(1)
     x = rng.integers(0, 300, (512, 2))
     y = rng.integers(0, 2, (512, 1)).astype(np.float32)
+    more = rng.integers(200, 500, (256, 2))
     local = _small_model("exported")
     local.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    ee.export_saved_model(local, tmp_path / "local")
+    ee.export_saved_model(local, tmp_path / "local" / "1")
+    local.fit(more, y[:256], batch_size=64, epochs=1, shuffle=False, verbose=0)
+    ee.export_saved_model(local, tmp_path / "local" / "2")
     with shards(2) as ps:
         connected(ps=[s.address for s in ps], mode="sync")
         model = _small_model("exported")
         model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-        ee.export_saved_model(model, tmp_path / "remote")
-    probe = tf.constant(np.concatenate([x[:100], rng.integers(300, 400, (20, 2))]))  # + unseen
-    local_saved = tf.saved_model.load(str(tmp_path / "local"))
-    remote_saved = tf.saved_model.load(str(tmp_path / "remote"))
-    local_serving, remote_serving = local_saved.serve(probe), remote_saved.serve(probe)
-    np.testing.assert_array_equal(remote_serving.numpy(), local_serving.numpy())
+        ee.export_saved_model(model, tmp_path / "remote" / "1")
+        model.fit(more, y[:256], batch_size=64, epochs=1, shuffle=False, verbose=0)
+        ee.export_delta(model, tmp_path / "delta", since=tmp_path / "remote" / "1")
+    ee.apply_delta(tmp_path / "remote" / "1", tmp_path / "delta")
+    probe = tf.constant(np.concatenate([x[:100], more[:50], rng.integers(500, 600, (20, 2))]))
+    for version in ("1", "2"):
+        local_saved = tf.saved_model.load(str(tmp_path / "local" / version))
+        remote_saved = tf.saved_model.load(str(tmp_path / "remote" / version))
+        local_serving, remote_serving = local_saved.serve(probe), remote_saved.serve(probe)
+        np.testing.assert_array_equal(remote_serving.numpy(), local_serving.numpy())
     np.testing.assert_array_equal(local_serving.numpy(), local.predict(probe, verbose=0))
 
 
