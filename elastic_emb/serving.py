@@ -49,6 +49,7 @@ __all__ = [
     "export",
     "initial_rows",
     "read_manifest",
+    "saved_state",
     "serving",
     "serving_arrays",
 ]
@@ -346,6 +347,21 @@ def read_manifest(path: Any) -> dict[str, Any]:
             f"{VERSION} ({err}): it was not exported by ee.export_saved_model or model.export "
             "of this elastic_emb. Export a full model first."
         ) from None
+
+
+def saved_state(path: Any) -> dict[str, np.ndarray]:
+    """What the SavedModel at `path` serves: each table's variables (`"<layer>/keys"`,
+    `"<layer>/rows"`, ...) and each dense variable (by its Keras path)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    reader = tf.train.load_checkpoint(variables_prefix(path))
+    entries = {
+        f"{layer}/{field}": key
+        for layer, entry in manifest["tables"].items()
+        for field, key in entry["entries"].items()
+    }
+    entries |= {name: key for key, name in manifest["dense"].items()}
+    return {name: reader.get_tensor(key) for name, key in entries.items()}
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

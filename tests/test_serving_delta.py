@@ -27,17 +27,7 @@ def _fit(model: keras.Model, rng: np.random.Generator, lo: int, hi: int) -> dict
 
 
 def _tensors(path: Path) -> dict[str, bytes]:
-    """The served state of a SavedModel: each table's variables and each dense variable,
-    by table field and variable path, as bytes."""
-    manifest = serving.read_manifest(path)
-    reader = tf.train.load_checkpoint(serving.variables_prefix(path))
-    state = {
-        f"{layer}/{field}": reader.get_tensor(key).tobytes()
-        for layer, entry in manifest["tables"].items()
-        for field, key in entry["entries"].items()
-    }
-    dense = manifest["dense"].items()
-    return state | {name: reader.get_tensor(key).tobytes() for key, name in dense}
+    return {name: array.tobytes() for name, array in serving.saved_state(path).items()}
 
 
 def _flip_a_byte(file: Path) -> None:
