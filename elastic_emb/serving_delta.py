@@ -88,8 +88,7 @@ def export_delta(model: keras.Model, path: Any, since: Any) -> dict[str, Any]:
     for name, entry in sorted(manifest["tables"].items()):
         _check_same_table(layers[name], entry, base)
         old = {f: reader.get_tensor(key)[:-1] for f, key in entry["entries"].items()}
-        current = serving.serving_arrays(export_rows(layers[name].table, entry["row_dtype"]))
-        new = {f: array[:-1] for f, array in current.items()}
+        new = serving.sorted_columns(export_rows(layers[name].table, entry["row_dtype"]))
         upserted, erased = _changes(old, new)
         for field, array in new.items():
             tensors[f"table/{name}/{field}"] = array[upserted]
@@ -218,20 +217,15 @@ def _changes(
     """(mask of `new`'s rows not in `old` as they are, keys of `old` not in `new`); both
     hold sorted keys and their rows, bytes compared (NaNs included)."""
     old_keys, new_keys = old["keys"], new["keys"]
-    position = np.searchsorted(old_keys, new_keys)
-    same = position < len(old_keys)
-    same[same] = old_keys[position[same]] == new_keys[same]
+    if not len(old_keys):
+        return np.ones(len(new_keys), bool), old_keys
+    position = np.minimum(np.searchsorted(old_keys, new_keys), len(old_keys) - 1)
+    same = old_keys[position] == new_keys
+    kept = np.zeros(len(old_keys), bool)
+    kept[position[same]] = True
     for field in sorted(new.keys() - {"keys"}):
-        both = np.flatnonzero(same)
-        same[both] = (_bytes(old[field][position[both]]) == _bytes(new[field][both])).all(axis=1)
-    erased = old_keys[~np.isin(old_keys, new_keys, assume_unique=True)]
-    return ~same, erased
-
-
-def _bytes(array: np.ndarray) -> np.ndarray:
-    """Each row of `array` as bytes, `(m, row bytes)` uint8."""
-    row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:]))
-    return np.ascontiguousarray(array).view(np.uint8).reshape(len(array), row_bytes)
+        same &= serving.row_items(old[field])[position] == serving.row_items(new[field])
+    return ~same, old_keys[~kept]
 
 
 def _dense_values(model: keras.Model, manifest: dict[str, Any], base: Path) -> dict[str, Any]:
@@ -316,14 +310,30 @@ def _merge(
     old: dict[str, np.ndarray], upserts: dict[str, np.ndarray], erased: np.ndarray
 ) -> dict[str, np.ndarray]:
     """`old`'s rows without the `erased` and upserted keys, plus the upserts, sorted by key,
-    as a `ServingTable`'s variables (sentinel and zero row included)."""
-    kept = ~np.isin(old["keys"], np.concatenate([upserts["keys"], erased]))
-    order = np.argsort(np.concatenate([old["keys"][kept], upserts["keys"]]), kind="stable")
+    as a `ServingTable`'s variables (sentinel and zero row included). Both hold sorted keys."""
+    old_keys, new_keys = old["keys"], upserts["keys"]
+    if not (np.diff(new_keys) > 0).all():
+        raise ValueError("The delta's keys are not sorted: it is damaged")
+    dropped = np.zeros(len(old_keys), bool)
+    for keys, must_exist in ((new_keys, False), (erased, True)):
+        position = np.minimum(np.searchsorted(old_keys, keys), max(len(old_keys) - 1, 0))
+        found = old_keys[position] == keys if len(old_keys) else np.zeros(len(keys), bool)
+        if must_exist and not found.all():
+            raise ValueError("The delta erases keys its base does not hold: it does not fit")
+        dropped[position[found]] = True
+    kept = ~dropped
+    size = int(kept.sum()) + len(new_keys)
+    # Each upserted row goes after the kept rows with smaller keys and the upserts before it.
+    inserted = np.zeros(size, bool)
+    destination = np.searchsorted(old_keys[kept], new_keys) + np.arange(len(new_keys))
+    inserted[destination] = True
     merged = {}
     for field, array in old.items():
-        column = np.concatenate([array[kept], upserts[field]])[order]
-        pad = np.zeros((1, *column.shape[1:]), column.dtype)
-        merged[field] = np.concatenate([column, pad])
+        out = np.zeros((size + 1, *array.shape[1:]), array.dtype)  # + the sentinel's row
+        items = serving.row_items(out)  # a view: writes land in `out`
+        items[:size][~inserted] = serving.row_items(array)[kept]
+        items[destination] = serving.row_items(upserts[field])
+        merged[field] = out
     merged["keys"][-1] = serving.SENTINEL
     return merged
 
