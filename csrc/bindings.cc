@@ -47,10 +47,11 @@ py::array_t<T> CheckArray(const py::array& a, const char* name, std::vector<py::
 }
 
 // Hands a vector's buffer to numpy without copying.
-template <typename T>
-py::array_t<T> ToNumpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
-  auto* owned = new std::vector<T>(std::move(v));
-  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+template <typename T, typename A>
+py::array_t<T> ToNumpy(std::vector<T, A>&& v, std::vector<py::ssize_t> shape) {
+  using Vector = std::vector<T, A>;
+  auto* owned = new Vector(std::move(v));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<Vector*>(p); });
   return py::array_t<T>(shape, owned->data(), free_when_done);
 }
 
@@ -223,15 +224,22 @@ void BindTableMethods(py::class_<T>& cls) {
           },
           py::arg("keys"), py::arg("values"), py::arg("slots") = py::none(),
           py::arg("last_step") = py::none(), py::arg("update_count") = py::none())
-      .def("export_rows",
-           [](T& t) {
-             elastic_emb::ExportedRows rows;
-             {
-               py::gil_scoped_release release;
-               rows = t.Export();
-             }
-             return RowsTuple(t, rows);
-           })
+      .def(
+          "export_rows",
+          [](T& t, bool with_state) -> py::tuple {
+            elastic_emb::ExportedRows rows;
+            {
+              py::gil_scoped_release release;
+              rows = t.Export(with_state);
+            }
+            if (with_state) return RowsTuple(t, rows);
+            const auto m = static_cast<py::ssize_t>(rows.keys.size());
+            return py::make_tuple(ToNumpy(std::move(rows.keys), {m}),
+                                  ToNumpy(std::move(rows.values), {m, t.dim()}));
+          },
+          py::arg("with_state") = true,
+          "(keys, values, slots, last_step, update_count) of every row; (keys, values) "
+          "without with_state.")
       .def(
           "erase",
           [](T& t, const py::array& keys_in) {

@@ -272,7 +272,7 @@ void DeviceTable::Import(int64_t n, const int64_t* keys, const float* values, co
   if (!distinct.empty()) WriteRows(distinct, staged, rows_dev_, "importing rows");
 }
 
-ExportedRows DeviceTable::Export() {
+ExportedRows DeviceTable::Export(bool /*with_state*/) {
   std::lock_guard<std::mutex> lock(mu_);
   const int dim = options_.dim;
   const int slot_floats = num_slots_ * dim;

@@ -85,7 +85,7 @@ class DeviceTable {
   // As Table::Import / Export / Erase / Metadata; host memory.
   void Import(int64_t n, const int64_t* keys, const float* values, const float* slots,
               const uint32_t* last_step, const uint32_t* update_count);
-  ExportedRows Export();
+  ExportedRows Export(bool with_state = true);  // always with state
   int64_t Erase(int64_t n, const int64_t* keys);
   void Metadata(int64_t n, const int64_t* keys, int64_t* last_step, int64_t* update_count);
 

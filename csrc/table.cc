@@ -247,14 +247,16 @@ void Table::CopyRow(const Shard& s, int64_t key, uint32_t row, ExportedRows& out
   const float* r = Row(s, row);
   out.keys[i] = key;
   ReadValue(r, &out.values[i * dim]);
+  if (out.slots.empty() && out.last_step.empty()) return;  // values only
   ReadSlots(r, out.slots.data() + i * num_slots_ * dim);
   out.last_step[i] = GetWord(r + row_floats_ - 2);
   out.update_count[i] = GetWord(r + row_floats_ - 1);
 }
 
-void Table::ResizeRows(ExportedRows& out, int64_t m) const {
+void Table::ResizeRows(ExportedRows& out, int64_t m, bool with_state) const {
   out.keys.resize(m);
   out.values.resize(m * options_.dim);
+  if (!with_state) return;
   out.slots.resize(m * num_slots_ * options_.dim);
   out.last_step.resize(m);
   out.update_count.resize(m);
@@ -568,19 +570,26 @@ void Table::Import(int64_t n, const int64_t* keys, const float* values, const fl
   });
 }
 
-ExportedRows Table::Export() const {
+ExportedRows Table::Export(bool with_state) const {
   std::vector<std::unique_lock<std::mutex>> locks;
   locks.reserve(shards_.size());
-  int64_t total = 0;
-  for (const auto& s : shards_) {
-    locks.emplace_back(s->mu);
-    total += s->index.size();
+  std::vector<int64_t> start(shards_.size() + 1, 0);  // each shard's first output row
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    locks.emplace_back(shards_[s]->mu);
+    start[s + 1] = start[s] + static_cast<int64_t>(shards_[s]->index.size());
   }
   ExportedRows out;
-  ResizeRows(out, total);
-  int64_t i = 0;
-  for (const auto& s : shards_) {
-    s->index.ForEach([&](int64_t key, uint32_t row) { CopyRow(*s, key, row, out, i++); });
+  ResizeRows(out, start.back(), with_state);
+  auto copy = [&](int64_t s) {
+    int64_t i = start[s];
+    const Shard& shard = *shards_[s];
+    shard.index.ForEach([&](int64_t key, uint32_t row) { CopyRow(shard, key, row, out, i++); });
+  };
+  const auto num_shards = static_cast<int64_t>(shards_.size());
+  if (start.back() < kParallelThreshold) {
+    for (int64_t s = 0; s < num_shards; ++s) copy(s);
+  } else {
+    ParallelFor(num_shards, copy);
   }
   return out;
 }

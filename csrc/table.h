@@ -105,13 +105,37 @@ struct PolicyCounts {
   int64_t rejected_updates = 0;  // (push, absent key) pairs dropped by admission
 };
 
+// An allocator that leaves new elements uninitialized: exported arrays are
+// written in full right after resize(), so zero-filling them first would only
+// touch every page twice (and fault them in on one thread).
+template <typename T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <typename U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using ExportVector = std::vector<T, UninitializedAllocator<T>>;
+
 // Rows copied out of a table; row i of each array belongs to keys[i].
 struct ExportedRows {
-  std::vector<int64_t> keys;           // (m,)
-  std::vector<float> values;           // (m, dim)
-  std::vector<float> slots;            // (m, num_slots * dim)
-  std::vector<uint32_t> last_step;     // (m,)
-  std::vector<uint32_t> update_count;  // (m,)
+  ExportVector<int64_t> keys;           // (m,)
+  ExportVector<float> values;           // (m, dim)
+  ExportVector<float> slots;            // (m, num_slots * dim)
+  ExportVector<uint32_t> last_step;     // (m,)
+  ExportVector<uint32_t> update_count;  // (m,)
 };
 
 // What ExportChanges returns: one change set of a table.
@@ -165,8 +189,9 @@ class Table {
   void Import(int64_t n, const int64_t* keys, const float* values, const float* slots,
               const uint32_t* last_step, const uint32_t* update_count);
 
-  // A consistent copy of every row (all shards locked while copying).
-  ExportedRows Export() const;
+  // A consistent copy of every row (all shards locked while copying); without
+  // `with_state`, keys and values only (slots and metadata left empty).
+  ExportedRows Export(bool with_state = true) const;
 
   // Slot ranges (elastic_emb.sharding: a key's virtual slot is
   // VirtualSlot(key, num_slots)). A consistent copy of the rows whose slot
@@ -236,9 +261,10 @@ class Table {
   float* Row(const Shard& s, uint32_t row) const;
   // Marks a row as changed since the last ExportChanges.
   static void MarkChanged(Shard& s, uint32_t row);
-  // Copies row `row` of key `key` into row i of `out` (sized by ResizeRows).
+  // Copies row `row` of key `key` into row i of `out` (sized by ResizeRows;
+  // its values only where ResizeRows was told no state).
   void CopyRow(const Shard& s, int64_t key, uint32_t row, ExportedRows& out, int64_t i) const;
-  void ResizeRows(ExportedRows& out, int64_t m) const;
+  void ResizeRows(ExportedRows& out, int64_t m, bool with_state = true) const;
   void InitRow(int64_t key, float* row) const;
   // A row's value and slots as float32, and back (rounded to their storage).
   void ReadValue(const float* row, float* value) const;

@@ -1,6 +1,6 @@
 """Type stubs of the private C++ extension (csrc/bindings.cc)."""
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, overload
 
 import numpy as np
 
@@ -143,8 +143,11 @@ class Table:
         last_step: np.ndarray | None = None,
         update_count: np.ndarray | None = None,
     ) -> None: ...
+    @overload
+    def export_rows(self, with_state: Literal[False]) -> tuple[np.ndarray, np.ndarray]: ...
+    @overload
     def export_rows(
-        self,
+        self, with_state: Literal[True] = True
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
     def erase(self, keys: np.ndarray) -> int: ...
     def metadata(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...

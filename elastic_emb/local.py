@@ -128,7 +128,7 @@ class LocalTable(Table):
         self._core.import_rows(k, check_rows(values, "values", k.shape[0], self.dim))
 
     def export_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        keys, values, *_ = self._core.export_rows()
+        keys, values = self._core.export_rows(with_state=False)
         return keys, values
 
     def erase(self, keys: Any) -> int:
@@ -200,7 +200,7 @@ class LocalTable(Table):
         s = state.checked(self.dim, self.num_slots)
         self._check_counts(s.counts)
         with self._step_lock:
-            current, *_ = self._core.export_rows()
+            current, _ = self._core.export_rows(with_state=False)
             self._core.erase(current)
             self._core.import_rows(s.keys, s.values, s.slots, s.last_step, s.update_count)
             self._iterations = s.iterations

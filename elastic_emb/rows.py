@@ -83,7 +83,7 @@ def export_rows(table: Any, dtype: str = "float32", keys: Any = None) -> Compact
             f"{int(all_keys[bad][0])}); a compact format cannot carry them."
         )
     if dtype != "int8":
-        return CompactRows(all_keys, values.astype(_NUMPY[dtype]), dtype)
+        return CompactRows(all_keys, values.astype(_NUMPY[dtype], copy=False), dtype)
     low = values.min(axis=1) if len(values) else np.zeros(0, np.float32)
     high = values.max(axis=1) if len(values) else np.zeros(0, np.float32)
     scale = ((high - low) / np.float32(_LEVELS)).astype(np.float32)

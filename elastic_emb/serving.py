@@ -52,7 +52,7 @@ __all__ = [
     "saved_state",
     "serving",
     "serving_arrays",
-    "sorted_columns",
+    "table_columns",
 ]
 
 MANIFEST = Path("assets.extra") / "elastic_emb.json"
@@ -171,22 +171,23 @@ class ServingTable(tf.Module):
 def serving_arrays(compact: CompactRows) -> dict[str, np.ndarray]:
     """The variables of a `ServingTable` holding `compact`: keys sorted, then the sentinel
     (keys), rows in that order, then a zero row (rows; scale and bias for int8)."""
-    pads = {"keys": np.array([SENTINEL], np.int64)}
-    return {
-        field: np.concatenate(
-            [column, pads.get(field, np.zeros((1, *column.shape[1:]), column.dtype))]
-        )
-        for field, column in sorted_columns(compact).items()
-    }
+    columns = table_columns(compact)
+    order = np.argsort(columns["keys"], kind="stable")
+    arrays = {}
+    for field, column in columns.items():
+        out = np.zeros((len(column) + 1, *column.shape[1:]), column.dtype)
+        np.take(row_items(column), order, out=row_items(out)[:-1])
+        arrays[field] = out
+    arrays["keys"][-1] = SENTINEL
+    return arrays
 
 
-def sorted_columns(compact: CompactRows) -> dict[str, np.ndarray]:
-    """`keys` sorted, and `rows` (`scale`, `bias`) in that order."""
-    order = np.argsort(compact.keys, kind="stable")
+def table_columns(compact: CompactRows) -> dict[str, np.ndarray]:
+    """`keys`, `rows` (and `scale`, `bias` for int8) of `compact`, as its variables name them."""
     columns = {"keys": compact.keys, "rows": compact.values}
     if compact.scale is not None and compact.bias is not None:
         columns |= {"scale": compact.scale, "bias": compact.bias}
-    return {field: take_rows(column, order) for field, column in columns.items()}
+    return columns
 
 
 def row_items(array: np.ndarray) -> np.ndarray:
@@ -194,13 +195,6 @@ def row_items(array: np.ndarray) -> np.ndarray:
     row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:]))
     flat = np.ascontiguousarray(array).reshape(len(array), -1 if len(array) else 0)
     return flat.view(np.dtype((np.void, row_bytes))).reshape(len(array))
-
-
-def take_rows(array: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """`array[index]`, rows copied whole (faster than NumPy's fancy indexing of 2-D arrays)."""
-    if array.ndim == 1:
-        return array[index]
-    return row_items(array)[index].view(array.dtype).reshape(len(index), *array.shape[1:])
 
 
 @contextlib.contextmanager

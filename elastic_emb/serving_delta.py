@@ -45,6 +45,7 @@ __all__ = ["apply_delta", "export_delta"]
 FORMAT, VERSION = "elastic_emb.saved_model_delta", 1
 DELTA = "delta.json"
 BUNDLE = "delta"  # the tensor bundle's prefix in a delta directory
+_CHUNK_ROWS = 1 << 18  # rows compared at a time
 
 
 def export_delta(model: keras.Model, path: Any, since: Any) -> dict[str, Any]:
@@ -88,10 +89,11 @@ def export_delta(model: keras.Model, path: Any, since: Any) -> dict[str, Any]:
     for name, entry in sorted(manifest["tables"].items()):
         _check_same_table(layers[name], entry, base)
         old = {f: reader.get_tensor(key)[:-1] for f, key in entry["entries"].items()}
-        new = serving.sorted_columns(export_rows(layers[name].table, entry["row_dtype"]))
+        new = serving.table_columns(export_rows(layers[name].table, entry["row_dtype"]))
         upserted, erased = _changes(old, new)
+        order = np.argsort(new["keys"][upserted])
         for field, array in new.items():
-            tensors[f"table/{name}/{field}"] = array[upserted]
+            tensors[f"table/{name}/{field}"] = array[upserted][order]
         tensors[f"table/{name}/erased"] = erased
         tables[name] = {"upserted": int(upserted.sum()), "erased": len(erased)}
     dense = []
@@ -214,17 +216,26 @@ def _check_same_table(layer: Any, entry: dict[str, Any], base: Path) -> None:
 def _changes(
     old: dict[str, np.ndarray], new: dict[str, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(mask of `new`'s rows not in `old` as they are, keys of `old` not in `new`); both
-    hold sorted keys and their rows, bytes compared (NaNs included)."""
+    """(mask of `new`'s rows not in `old` as they are, keys of `old` not in `new`). `old`
+    holds sorted keys and their rows, `new` keys in any order; rows are compared by bytes
+    (NaNs included), a chunk at a time into one buffer (fresh memory is slow to touch)."""
     old_keys, new_keys = old["keys"], new["keys"]
     if not len(old_keys):
         return np.ones(len(new_keys), bool), old_keys
-    position = np.minimum(np.searchsorted(old_keys, new_keys), len(old_keys) - 1)
+    order = np.argsort(new_keys)
+    position = np.empty_like(order)
+    position[order] = np.searchsorted(old_keys, new_keys[order])  # sorted: cache-friendly
+    np.minimum(position, len(old_keys) - 1, out=position)
     same = old_keys[position] == new_keys
     kept = np.zeros(len(old_keys), bool)
     kept[position[same]] = True
     for field in sorted(new.keys() - {"keys"}):
-        same &= serving.row_items(old[field])[position] == serving.row_items(new[field])
+        was, now = serving.row_items(old[field]), serving.row_items(new[field])
+        buffer = np.empty(min(len(now), _CHUNK_ROWS), was.dtype)
+        for start in range(0, len(now), _CHUNK_ROWS):
+            chunk = slice(start, start + _CHUNK_ROWS)
+            gathered = np.take(was, position[chunk], out=buffer[: len(now[chunk])])
+            same[chunk] &= gathered == now[chunk]
     return ~same, old_keys[~kept]
 
 
