@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -125,6 +126,7 @@ def main() -> None:
         )
     )
     print(f"\n{c.command_line()}")
+    shutil.rmtree(root)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         auth_tokens=args.auth_tokens,
+        tls_peer_ca=args.tls_peer_ca,
+        peer_token_file=args.peer_token_file,
     )
 
 
@@ -87,7 +89,10 @@ def _cluster_status(args: argparse.Namespace) -> int:
 
     from elastic_emb.ps.local_cluster import cluster_status
 
-    status = cluster_status(args.coordinator)
+    security = _client_security(args, "cluster status")
+    if security is False:
+        return 2
+    status = cluster_status(args.coordinator, security=security)
     if args.json:
         print(json.dumps(status, indent=1, sort_keys=True))
         return 0
@@ -149,16 +154,13 @@ def _cluster_local(args: argparse.Namespace) -> int:
 
 
 def _top(args: argparse.Namespace) -> int:
-    from elastic_emb.ps.security import ClientSecurity
     from elastic_emb.ps.top import render, sample
 
     if args.interval <= 0:
         print("elastic-emb top: --interval must be positive", file=sys.stderr)
         return 2
-    try:
-        security = ClientSecurity.make(args.tls_ca, args.tls_cert, args.tls_key, args.token)
-    except ValueError as e:
-        print(f"elastic-emb top: {e}", file=sys.stderr)
+    security = _client_security(args, "top")
+    if security is False:
         return 2
     clear = sys.stdout.isatty() and not args.json and not args.once
     try:
@@ -170,6 +172,27 @@ def _top(args: argparse.Namespace) -> int:
                 return 1 if any("error" in r for r in rows) else 0
     except KeyboardInterrupt:
         return 0
+
+
+def _client_security(args: argparse.Namespace, command: str) -> Any:
+    """The `ClientSecurity` of `--tls-ca`, `--tls-cert`, `--tls-key` and `--token` (None:
+    plaintext); False after printing why they do not go together."""
+    from elastic_emb.ps.security import ClientSecurity
+
+    try:
+        return ClientSecurity.make(args.tls_ca, args.tls_cert, args.tls_key, args.token)
+    except ValueError as e:
+        print(f"elastic-emb {command}: {e}", file=sys.stderr)
+        return False
+
+
+def _add_client_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tls-ca", metavar="FILE", help="servers' CA certificate: connect over TLS"
+    )
+    parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", metavar="FILE", help="the client certificate's key")
+    parser.add_argument("--token", help="a token of servers started with --auth-tokens")
 
 
 def _audit_verify(args: argparse.Namespace) -> int:
@@ -324,6 +347,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="require a token on every call: lines of `TOKEN ROLE [NAME]`, ROLE worker or admin",
     )
+    serve.add_argument(
+        "--tls-peer-ca",
+        metavar="FILE",
+        help="with --coordinator and --tls-cert: the CA of the other servers' certificates "
+        "(default: --tls-client-ca)",
+    )
+    serve.add_argument(
+        "--peer-token-file",
+        metavar="FILE",
+        help="with --coordinator and --auth-tokens: the admin token this server calls the "
+        "others with",
+    )
     serve.add_argument(  # fault tests: a window to kill a server in the middle of a move
         "--move-pause", type=float, default=0.0, help=argparse.SUPPRESS
     )
@@ -334,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = cluster_sub.add_parser("status", help="groups, members, primaries, rows and lag")
     status.add_argument("--coordinator", required=True, help="etcd://HOST:PORT")
     status.add_argument("--json", action="store_true", help="print JSON")
+    _add_client_security(status)
     status.set_defaults(run=_cluster_status)
     drain = cluster_sub.add_parser(
         "drain", help="retire a server: a spare replaces it in its group first"
@@ -359,10 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="one refresh, then exit")
     top.add_argument("--json", action="store_true", help="one JSON list per refresh")
     top.add_argument("--timeout", type=float, default=5.0, help="seconds per server call")
-    top.add_argument("--tls-ca", metavar="FILE", help="servers' CA certificate: connect over TLS")
-    top.add_argument("--tls-cert", metavar="FILE", help="client certificate (mutual TLS)")
-    top.add_argument("--tls-key", metavar="FILE", help="the client certificate's key")
-    top.add_argument("--token", help="a token of servers started with --auth-tokens")
+    _add_client_security(top)
     top.set_defaults(run=_top)
 
     audit = sub.add_parser("audit", help="a server's audit log (serve --audit-log)")

