@@ -285,8 +285,17 @@ def _save_bundle(prefix: str, tensors: dict[str, np.ndarray]) -> None:
         prefix=prefix,
         tensor_names=names,
         shape_and_slices=[""] * len(names),
-        tensors=[tf.constant(tensors[name]) for name in names],
+        tensors=[_as_tensor(tensors[name]) for name in names],
     )
+
+
+def _as_tensor(array: Any) -> tf.Tensor:
+    """`array` as an eager tensor: sharing its memory where DLPack can (a copy of a
+    table's rows is not free), else a copy (bfloat16, strings)."""
+    try:
+        return tf.experimental.dlpack.from_dlpack(np.ascontiguousarray(array).__dlpack__())
+    except (AttributeError, BufferError, TypeError, ValueError):
+        return tf.constant(array)
 
 
 def _file_digest(path: Path) -> str:
