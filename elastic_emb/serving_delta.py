@@ -370,7 +370,7 @@ def _next_version(base: Path) -> Path:
 
 def _write_version(base: Path, output: Path, tensors: dict[str, np.ndarray]) -> None:
     """`base`'s SavedModel at `output` with `tensors` as its variables."""
-    output.mkdir()
+    output.mkdir(parents=True)
     shutil.copy2(base / "saved_model.pb", output / "saved_model.pb")
     for folder in ("assets", "assets.extra"):
         if (base / folder).is_dir():
