@@ -51,6 +51,7 @@ __all__ = [
     "fix_keras_multi_worker",
     "fuse_functional_lookups",
     "refuse_legacy_h5",
+    "route_dense_weights",
 ]
 
 LAST_TESTED = (3, 15)  # the newest Keras release this patch was tested with
@@ -58,6 +59,7 @@ _applied = False
 _export_wrapped = False
 _save_wrapped = False
 _call_wrapped = False
+_compile_wrapped = False
 
 
 def refuse_legacy_h5(has_tables: Callable[[keras.Model], bool]) -> None:
@@ -101,6 +103,23 @@ def export_through_serving(
 
     keras.Model.export = export
     _export_wrapped = True
+
+
+def route_dense_weights(attach: Callable[[keras.Model], None]) -> None:
+    """Runs `attach(model)` after every `model.compile(...)` (idempotent)."""
+    global _compile_wrapped
+    if _compile_wrapped:
+        return
+    keras_compile = keras.Model.compile
+
+    @functools.wraps(keras_compile)
+    def compile(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
+        result = keras_compile(self, *args, **kwargs)
+        attach(self)
+        return result
+
+    keras.Model.compile = compile
+    _compile_wrapped = True
 
 
 def fuse_functional_lookups(fused_call: Callable[..., Any]) -> None:

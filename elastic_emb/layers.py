@@ -10,7 +10,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elastic_emb import checkpoint, initializers, keras_patches, lookup, optimizers, serving
+from elastic_emb import (
+    checkpoint,
+    dense_ps,
+    initializers,
+    keras_patches,
+    lookup,
+    optimizers,
+    serving,
+)
 from elastic_emb.errors import ElasticEmbWarning
 from elastic_emb.table import Table, TableState, check_nonfinite_policy
 
@@ -522,6 +530,8 @@ def embedding_layers(model: keras.Model) -> list[Embedding]:
 keras_patches.export_through_serving(
     lambda model, path: serving.serving(model, embedding_layers(model), path=path)
 )
+# With ee.init(dense="ps"), compiled models train their dense weights on the PS.
+keras_patches.route_dense_weights(dense_ps.attach)
 # `model.save("m.h5")` (legacy format, no rows) refuses them.
 keras_patches.refuse_legacy_h5(lambda model: bool(embedding_layers(model)))
 # A Functional model looks up the rows of all its layers in one call. (Looked up

@@ -47,6 +47,7 @@ ENV_COORDINATOR = "ELASTIC_EMB_COORDINATOR"
 _lock = threading.RLock()  # guards every global below (init runs under it)
 _tables: weakref.WeakValueDictionary[str, Table] = weakref.WeakValueDictionary()
 _cluster: Cluster | None = None
+_dense = "local"  # where models' dense weights train: "local" or "ps" (ee.init's `dense`)
 _env_checked = False  # ELASTIC_EMB_PS was read (once, at the first table or init)
 
 
@@ -117,6 +118,7 @@ def init(
     tls_cert: str | os.PathLike[str] | None = None,
     tls_key: str | os.PathLike[str] | None = None,
     token: str | None = None,
+    dense: str = "local",
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
@@ -175,6 +177,13 @@ def init(
             every acknowledged push (sync: every step a pull may read); in
             async mode a read may miss pushes still in flight, as it may on
             the primary. Falls back to the primary if the backup fails.
+        dense: where the dense (non-embedding) weights of models compiled
+            after train. "local" (default): in the worker, as Keras does
+            (under MultiWorkerMirroredStrategy with several workers). "ps"
+            (async mode): in one more table on the PS, pulled at each step and
+            updated there with the optimizer given to `model.compile`; each
+            worker runs plain `model.fit`, without all-reduce
+            (`elastic_emb.dense_ps`, docs/distributed.md).
 
     Returns:
         The `Cluster`, or None when no PS is configured.
@@ -183,7 +192,14 @@ def init(
         ValueError: invalid arguments, or already connected.
         ConnectionError: a PS did not answer within `connect_timeout`.
     """
-    global _cluster, _env_checked
+    global _cluster, _dense, _env_checked
+    if dense not in ("local", "ps"):
+        raise ValueError(f"`dense` must be 'local' or 'ps'. Received: dense={dense!r}")
+    if dense == "ps" and mode != "async":
+        raise ValueError(
+            "dense='ps' trains dense weights asynchronously on the PS; with mode='sync' they "
+            "stay local (under MultiWorkerMirroredStrategy). Received: mode='sync'"
+        )
     with _lock:
         _env_checked = True
         if ps is not None and coordinator is not None:
@@ -219,6 +235,9 @@ def init(
             from elastic_emb.ps.routing import Routing
 
             routing = Routing(coordinator, connect_timeout)
+        if dense == "ps":
+            import elastic_emb.layers  # noqa: F401  (installs the `model.compile` hook)
+        _dense = dense
         try:
             _cluster = Cluster(
                 addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
@@ -247,6 +266,11 @@ def shutdown() -> None:
                     del _tables[name]
     if cluster is not None:
         cluster.close()
+
+
+def dense_placement() -> str:
+    """Where the dense weights of models compiled now train: "local" or "ps"."""
+    return _dense if _cluster is not None else "local"
 
 
 def current_cluster() -> Cluster | None:

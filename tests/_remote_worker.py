@@ -6,7 +6,9 @@ tables are in-process (the reference run). --kill: SIGKILL process PID (a PS
 primary) after batch --kill-at-batch of the first epoch.
 With a TF_CONFIG of several workers, the dense model runs under
 MultiWorkerMirroredStrategy and every worker reads its share of each global
-batch. Writes the dense weights, the test predictions and the per-epoch loss.
+batch; with --dense ps the dense weights train on the PS instead, without a
+strategy, and worker i trains on examples i, i + n, ... of n workers.
+Writes the dense weights, the test predictions and the per-epoch loss.
 """
 
 import argparse
@@ -28,6 +30,9 @@ parser.add_argument(
 )
 parser.add_argument("--kill", type=int, help="SIGKILL this PS process at --kill-at-batch")
 parser.add_argument("--kill-at-batch", type=int, default=3)
+parser.add_argument(
+    "--dense", default="local", help="ps: dense weights on the PS, no strategy, data split"
+)
 args = parser.parse_args()
 if args.tf_config:
     os.environ["TF_CONFIG"] = args.tf_config
@@ -53,13 +58,20 @@ def features(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
 def main() -> int:
     keras.utils.set_random_seed(0)
     remote = args.ps or args.coordinator
-    cluster = ee.init(ps=args.ps, coordinator=args.coordinator, mode=args.mode) if remote else None
-    multi = cluster is not None and cluster.num_workers > 1
+    cluster = (
+        ee.init(ps=args.ps, coordinator=args.coordinator, mode=args.mode, dense=args.dense)
+        if remote
+        else None
+    )
+    multi = cluster is not None and cluster.num_workers > 1 and args.dense == "local"
     strategy = (
         tf.distribute.MultiWorkerMirroredStrategy() if multi else tf.distribute.get_strategy()
     )
     x, y = features(os.path.join(args.data, "train.tsv"))
     x_test, y_test = features(os.path.join(args.data, "test.tsv"))
+    if cluster is not None and args.dense == "ps":  # no strategy: each worker its own share
+        share = slice(cluster.worker_index, None, cluster.num_workers)
+        x, y = {k: v[share] for k, v in x.items()}, y[share]
     with strategy.scope():
         model = build_dlrm(
             lambda i: ee.Embedding(
