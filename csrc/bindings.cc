@@ -70,7 +70,8 @@ void BindOptions(py::module_& m) {
       .value("sgd", OptimizerKind::kSgd)
       .value("adagrad", OptimizerKind::kAdagrad)
       .value("adam", OptimizerKind::kAdam)
-      .value("ftrl", OptimizerKind::kFtrl);
+      .value("ftrl", OptimizerKind::kFtrl)
+      .value("rmsprop", OptimizerKind::kRmsprop);
   py::enum_<InitKind>(m, "InitKind")
       .value("zeros", InitKind::kZeros)
       .value("ones", InitKind::kOnes)
@@ -83,6 +84,8 @@ void BindOptions(py::module_& m) {
       .def_readwrite("kind", &OptimizerOptions::kind)
       .def_readwrite("momentum", &OptimizerOptions::momentum)
       .def_readwrite("nesterov", &OptimizerOptions::nesterov)
+      .def_readwrite("rho", &OptimizerOptions::rho)
+      .def_readwrite("centered", &OptimizerOptions::centered)
       .def_readwrite("beta_1", &OptimizerOptions::beta_1)
       .def_readwrite("beta_2", &OptimizerOptions::beta_2)
       .def_readwrite("epsilon", &OptimizerOptions::epsilon)

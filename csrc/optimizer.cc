@@ -13,6 +13,7 @@ void OptimizerOptions::Validate() const {
   EE_CHECK(beta_1 >= 0.0 && beta_1 < 1.0, "beta_1 must be in [0, 1), got " << beta_1);
   EE_CHECK(beta_2 >= 0.0 && beta_2 < 1.0, "beta_2 must be in [0, 1), got " << beta_2);
   EE_CHECK(epsilon >= 0.0, "epsilon must be >= 0, got " << epsilon);
+  EE_CHECK(rho >= 0.0 && rho <= 1.0, "rho must be in [0, 1], got " << rho);
   EE_CHECK(initial_accumulator_value >= 0.0,
            "initial_accumulator_value must be >= 0, got " << initial_accumulator_value);
   EE_CHECK(learning_rate_power <= 0.0,
@@ -31,6 +32,8 @@ int OptimizerOptions::NumSlots() const {
     case OptimizerKind::kAdam:
     case OptimizerKind::kFtrl:
       return 2;
+    case OptimizerKind::kRmsprop:  // velocity, then momentum, then the average gradient
+      return 1 + (momentum != 0.0 ? 1 : 0) + (centered ? 1 : 0);
   }
   return 0;
 }
@@ -74,6 +77,9 @@ UpdateRule MakeUpdateRule(const OptimizerOptions& opts, const StepScalars& s) {
   r.eps = static_cast<float>(opts.epsilon);
   r.one_minus_b1 = static_cast<float>(1.0 - opts.beta_1);
   r.one_minus_b2 = static_cast<float>(1.0 - opts.beta_2);
+  r.rho = static_cast<float>(opts.rho);
+  r.one_minus_rho = static_cast<float>(1.0 - opts.rho);
+  r.centered = opts.centered;
   r.adam_alpha = s.adam_alpha;
   r.power = static_cast<float>(-opts.learning_rate_power);
   r.l1 = static_cast<float>(opts.l1_regularization_strength);

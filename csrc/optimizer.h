@@ -7,19 +7,22 @@
 
 namespace elastic_emb {
 
-enum class OptimizerKind { kSgd, kAdagrad, kAdam, kFtrl };
+enum class OptimizerKind { kSgd, kAdagrad, kAdam, kFtrl, kRmsprop };
 
 // Hyperparameters are doubles, as the Python floats Keras holds them in, so
 // that values derived from them (1 - beta_1, ...) round to float32 like Keras.
 struct OptimizerOptions {
   OptimizerKind kind = OptimizerKind::kSgd;
-  // SGD.
+  // SGD and RMSprop.
   double momentum = 0.0;
   bool nesterov = false;
+  // RMSprop.
+  double rho = 0.9;
+  bool centered = false;
   // Adam.
   double beta_1 = 0.9;
   double beta_2 = 0.999;
-  // Adagrad and Adam.
+  // Adagrad, Adam and RMSprop.
   double epsilon = 1e-7;
   // Adagrad and Ftrl.
   double initial_accumulator_value = 0.1;

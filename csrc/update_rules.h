@@ -23,8 +23,8 @@ struct UpdateRule {
   bool momentum = false;
   bool nesterov = false;
   float lr = 0.0f;
-  float mu = 0.0f;            // SGD momentum
-  float eps = 0.0f;           // Adagrad, Adam
+  float mu = 0.0f;            // SGD, RMSprop momentum
+  float eps = 0.0f;           // Adagrad, Adam, RMSprop
   float one_minus_b1 = 0.0f;  // Adam
   float one_minus_b2 = 0.0f;  // Adam
   float adam_alpha = 0.0f;    // Adam: lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)
@@ -32,6 +32,9 @@ struct UpdateRule {
   float l1 = 0.0f;            // Ftrl
   float l2 = 0.0f;            // Ftrl: l2 + beta / (2 lr)
   float shrink = 0.0f;        // Ftrl: 2 * l2_shrinkage
+  float rho = 0.0f;           // RMSprop
+  float one_minus_rho = 0.0f;  // RMSprop
+  bool centered = false;       // RMSprop
 };
 
 // Host only: the rule of a push with these options and scalars.
@@ -77,6 +80,25 @@ EE_HOST_DEVICE void UpdateElement(const UpdateRule& r, int dim, int j, float g, 
       const float clipped = fminf(fmaxf(linear, -r.l1), r.l1);
       value[j] = (clipped - linear) / quadratic;
       accum = new_accum;
+      return;
+    }
+    case OptimizerKind::kRmsprop: {
+      float& velocity = slots[j];
+      velocity = r.rho * velocity + r.one_minus_rho * (g * g);
+      float denominator = velocity + r.eps;
+      if (r.centered) {
+        float& average = slots[(r.momentum ? 2 : 1) * dim + j];
+        average = r.rho * average + r.one_minus_rho * g;
+        denominator = velocity - average * average + r.eps;
+      }
+      const float increment = (r.lr * g) / sqrtf(denominator);
+      if (!r.momentum) {
+        value[j] -= increment;
+        return;
+      }
+      float& m = slots[dim + j];
+      m = r.mu * m + increment;
+      value[j] -= m;
       return;
     }
   }

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeGuard
 if TYPE_CHECKING:
     import keras
 
-__all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "Optimizer", "get"]
+__all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "Optimizer", "RMSprop", "get"]
 
 LearningRate: TypeAlias = "float | keras.optimizers.schedules.LearningRateSchedule"
 
@@ -212,11 +212,32 @@ class Ftrl(Optimizer):
             self._check_range(name, 0.0, math.inf)
 
 
+@dataclasses.dataclass(frozen=True)
+class RMSprop(Optimizer):
+    """RMSprop with the arguments of `keras.optimizers.RMSprop`:
+    `v = rho v + (1 - rho) g²; w -= lr g / sqrt(v + epsilon)` (centered: minus the
+    squared moving average of g; momentum: on the increments). Lazy, like Adam."""
+
+    learning_rate: LearningRate = 0.001
+    rho: float = 0.9
+    momentum: float = 0.0
+    epsilon: float = 1e-7
+    centered: bool = False
+    kind: ClassVar[str] = "rmsprop"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_range("rho", 0.0, 1.0)
+        self._check_range("momentum", 0.0, 1.0)
+        self._check_range("epsilon", 0.0, math.inf)
+
+
 _BY_NAME: dict[str, type[Optimizer]] = {
     "sgd": SGD,
     "adagrad": Adagrad,
     "adam": Adam,
     "ftrl": Ftrl,
+    "rmsprop": RMSprop,
 }
 
 # keras.optimizers.Optimizer arguments that have no sparse equivalent; each
@@ -269,7 +290,7 @@ def get(identifier: Any) -> Optimizer:
 
     Args:
         identifier: `elastic_emb.optimizers.Optimizer`, `keras.optimizers.Optimizer`,
-            a name ("sgd", "adagrad", "adam", "ftrl"; Keras defaults) or a config
+            a name ("sgd", "adagrad", "adam", "ftrl", "rmsprop"; Keras defaults) or a config
             dict from `get_config()`.
     """
     if isinstance(identifier, Optimizer):

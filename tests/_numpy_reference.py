@@ -1,7 +1,7 @@
 """NumPy references of the table's sparse optimizers, written from the Keras 3 formulas.
 
 Each update function follows `update_step` of the matching class in
-`keras/src/optimizers/{sgd,adagrad,adam,ftrl}.py`, in float32, with the same
+`keras/src/optimizers/{sgd,adagrad,adam,ftrl,rmsprop}.py`, in float32, with the same
 operation order. Python-float hyperparameters are combined in float64 first and
 then cast to float32, as TensorFlow does when a Python number meets a float32
 tensor (e.g. `1 - self.beta_1`).
@@ -29,6 +29,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "sgd": {"momentum": 0.0, "nesterov": False},
     "adagrad": {"initial_accumulator_value": 0.1, "epsilon": 1e-7},
     "adam": {"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7},
+    "rmsprop": {"rho": 0.9, "momentum": 0.0, "epsilon": 1e-7, "centered": False},
     "ftrl": {
         "learning_rate_power": -0.5,
         "initial_accumulator_value": 0.1,
@@ -123,9 +124,30 @@ def ftrl_update(
     accum[...] = new_accum
 
 
+def rmsprop_update(value, slots, grad, lr, *, rho, momentum, epsilon, centered):
+    """keras.optimizers.RMSprop.update_step; slots: velocity, [momentum], [average gradient]."""
+    lr = _f(lr)
+    velocity = slots[0]
+    velocity[...] = _f(rho) * velocity + _f(1 - rho) * np.square(grad)
+    if centered:
+        average = slots[2 if momentum > 0 else 1]
+        average[...] = _f(rho) * average + _f(1 - rho) * grad
+        denominator = velocity - np.square(average) + _f(epsilon)
+    else:
+        denominator = velocity + _f(epsilon)
+    increment = (lr * grad) / np.sqrt(denominator)
+    if momentum > 0:
+        slots[1][...] = _f(momentum) * slots[1] + increment
+        value -= slots[1]
+    else:
+        value -= increment
+
+
 def num_slots(kind: str, hparams: dict[str, Any]) -> int:
     if kind == "sgd":
         return 1 if hparams["momentum"] != 0 else 0
+    if kind == "rmsprop":
+        return 1 + (hparams["momentum"] > 0) + bool(hparams["centered"])
     return {"adagrad": 1, "adam": 2, "ftrl": 2}[kind]
 
 
@@ -141,7 +163,7 @@ class ReferenceTable:
     """A dict-of-rows table applying the reference updates lazily.
 
     Args:
-        kind: "sgd", "adagrad", "adam" or "ftrl".
+        kind: "sgd", "adagrad", "adam", "ftrl" or "rmsprop".
         dim: row width.
         init: key -> float32 (dim,) initial value of an unseen row.
         **hparams: optimizer arguments other than the learning rate (Keras
@@ -200,6 +222,8 @@ class ReferenceTable:
                 adam_update(value, slots, g, lr, step, **h)
             elif self.kind == "ftrl":
                 ftrl_update(value, slots, g, lr, **h)
+            elif self.kind == "rmsprop":
+                rmsprop_update(value, slots, g, lr, **h)
             else:  # pragma: no cover
                 raise ValueError(self.kind)
 

@@ -445,7 +445,7 @@ def _num_rows_inconsistent(d, p):
 def _orphan_bad_optimizer(d, p):
     # The table to be created by the restore (c, after a and b) has a bad config.
     _edit_manifest(
-        d, lambda m: m["tables"][p + "_c"]["optimizer"].__setitem__("class_name", "RMSprop")
+        d, lambda m: m["tables"][p + "_c"]["optimizer"].__setitem__("class_name", "Adadelta")
     )
 
 

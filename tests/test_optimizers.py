@@ -1,7 +1,7 @@
 """Tests of the table's sparse optimizers against NumPy references of the Keras formulas.
 
 The references (tests/_numpy_reference.py) are written from
-keras/src/optimizers/{sgd,adagrad,adam,ftrl}.py; a side-by-side stock Keras
+keras/src/optimizers/{sgd,adagrad,adam,ftrl,rmsprop}.py; a side-by-side stock Keras
 optimizer on a dense variable checks the references themselves where dense and
 lazy updates agree (every row touched by every push).
 """
@@ -101,6 +101,26 @@ CASES = {
         "ftrl",
         {},
         lambda: keras.optimizers.Ftrl(learning_rate=0.2),
+    ),
+    "rmsprop": (
+        eo.RMSprop(learning_rate=0.01),
+        "rmsprop",
+        {},
+        lambda: keras.optimizers.RMSprop(learning_rate=0.01),
+    ),
+    "rmsprop_momentum_centered": (
+        eo.RMSprop(learning_rate=0.01, rho=0.8, momentum=0.5, epsilon=1e-6, centered=True),
+        "rmsprop",
+        {"rho": 0.8, "momentum": 0.5, "epsilon": 1e-6, "centered": True},
+        lambda: keras.optimizers.RMSprop(
+            learning_rate=0.01, rho=0.8, momentum=0.5, epsilon=1e-6, centered=True
+        ),
+    ),
+    "rmsprop_centered": (
+        eo.RMSprop(learning_rate=0.02, centered=True),
+        "rmsprop",
+        {"centered": True},
+        lambda: keras.optimizers.RMSprop(learning_rate=0.02, centered=True),
     ),
 }
 
@@ -385,7 +405,6 @@ def test_amsgrad_is_rejected() -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: keras.optimizers.RMSprop(),
         lambda: keras.optimizers.Adadelta(),
         lambda: keras.optimizers.Adamax(),
         lambda: keras.optimizers.Nadam(),
@@ -404,7 +423,7 @@ def test_unsupported_keras_classes_raise_naming_the_class(make) -> None:
 
 
 def test_unknown_optimizer_names_and_objects_raise() -> None:
-    for bad in ("rmsprop", "", 3, None, object()):
+    for bad in ("adadelta", "", 3, None, object()):
         with pytest.raises(ValueError, match="`optimizer`"):
             eo.get(bad)
 
