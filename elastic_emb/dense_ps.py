@@ -161,8 +161,19 @@ def attach(model: keras.Model) -> None:
     `ee.init(dense="ps")` is in effect (else does nothing). Compiling again re-attaches
     (to the new optimizer) without wrapping twice."""
     cluster = placement.current_cluster()
-    if cluster is None or placement.dense_placement() != "ps" or model.optimizer is None:
+    where, chosen = placement.dense_placement()
+    if cluster is None or where != "ps" or model.optimizer is None:
         return
+    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync > 1:
+        if not chosen:  # the default: a strategy's all-reduce keeps them, as before
+            return
+        raise ValueError(
+            f"dense='ps' trains dense weights without a tf.distribute strategy; model "
+            f"{model.name!r} was built under {type(strategy).__name__} with "
+            f"{strategy.num_replicas_in_sync} replicas. Build it outside the strategy's scope, "
+            "or pass dense='local'."
+        )
     optimizers.from_keras(model.optimizer)  # refuses what the table cannot do, now
     originals = model.__dict__.get("_ee_dense_originals") or {
         name: getattr(model, name) for name in ("train_step", "test_step", "predict_step", "fit")

@@ -47,7 +47,9 @@ ENV_COORDINATOR = "ELASTIC_EMB_COORDINATOR"
 _lock = threading.RLock()  # guards every global below (init runs under it)
 _tables: weakref.WeakValueDictionary[str, Table] = weakref.WeakValueDictionary()
 _cluster: Cluster | None = None
-_dense = "local"  # where models' dense weights train: "local" or "ps" (ee.init's `dense`)
+# Where models' dense weights train (ee.init's `dense`, resolved): "local" or "ps";
+# and whether the caller asked for it (else: the default of the mode).
+_dense, _dense_explicit = "local", False
 _env_checked = False  # ELASTIC_EMB_PS was read (once, at the first table or init)
 
 
@@ -118,7 +120,7 @@ def init(
     tls_cert: str | os.PathLike[str] | None = None,
     tls_key: str | os.PathLike[str] | None = None,
     token: str | None = None,
-    dense: str = "local",
+    dense: str | None = None,
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
@@ -178,12 +180,15 @@ def init(
             async mode a read may miss pushes still in flight, as it may on
             the primary. Falls back to the primary if the backup fails.
         dense: where the dense (non-embedding) weights of models compiled
-            after train. "local" (default): in the worker, as Keras does
-            (under MultiWorkerMirroredStrategy with several workers). "ps"
-            (async mode): in one more table on the PS, pulled at each step and
+            after train. "local": in the worker, as Keras does (under
+            MultiWorkerMirroredStrategy with several workers). "ps" (async
+            mode): in one more table on the PS, pulled at each step and
             updated there with the optimizer given to `model.compile`; each
             worker runs plain `model.fit`, without all-reduce
-            (`elastic_emb.dense_ps`, docs/distributed.md).
+            (`elastic_emb.dense_ps`, docs/distributed.md). None (default):
+            "ps" with a coordinator in async mode, for models compiled
+            without a multi-replica `tf.distribute` strategy (elastic workers
+            come and go, which an all-reduce cannot survive); else "local".
 
     Returns:
         The `Cluster`, or None when no PS is configured.
@@ -192,9 +197,9 @@ def init(
         ValueError: invalid arguments, or already connected.
         ConnectionError: a PS did not answer within `connect_timeout`.
     """
-    global _cluster, _dense, _env_checked
-    if dense not in ("local", "ps"):
-        raise ValueError(f"`dense` must be 'local' or 'ps'. Received: dense={dense!r}")
+    global _cluster, _dense, _dense_explicit, _env_checked
+    if dense not in (None, "local", "ps"):
+        raise ValueError(f"`dense` must be 'local', 'ps' or None. Received: dense={dense!r}")
     if dense == "ps" and mode != "async":
         raise ValueError(
             "dense='ps' trains dense weights asynchronously on the PS; with mode='sync' they "
@@ -235,8 +240,9 @@ def init(
             from elastic_emb.ps.routing import Routing
 
             routing = Routing(coordinator, connect_timeout)
-        if dense == "ps":
-            import elastic_emb.layers  # noqa: F401  (installs the `model.compile` hook)
+        _dense_explicit = dense is not None
+        if dense is None:
+            dense = "ps" if coordinator is not None and mode == "async" else "local"
         _dense = dense
         try:
             _cluster = Cluster(
@@ -268,9 +274,10 @@ def shutdown() -> None:
         cluster.close()
 
 
-def dense_placement() -> str:
-    """Where the dense weights of models compiled now train: "local" or "ps"."""
-    return _dense if _cluster is not None else "local"
+def dense_placement() -> tuple[str, bool]:
+    """Where the dense weights of models compiled now train ("local" or "ps"), and
+    whether `ee.init`'s caller chose it (else it is the mode's default)."""
+    return (_dense, _dense_explicit) if _cluster is not None else ("local", False)
 
 
 def current_cluster() -> Cluster | None:

