@@ -7,6 +7,9 @@
 - `refuse_legacy_h5()` wraps `keras.Model.save` so that the legacy HDF5
   format (`.h5`, which stores `layer.weights` only) refuses models with
   tables instead of writing a file without their rows.
+- `route_dense_weights()` wraps the public `keras.Model.compile` so that,
+  with `ee.init(dense="ps")`, a compiled model's dense weights train on the
+  PS (`elastic_emb.dense_ps`); otherwise compile is unchanged.
 - `fuse_functional_lookups()` wraps the private `Functional.call` (which
   Sequential models run too) so that a model looks up the rows of all its
   ee.Embedding layers in one call (`elastic_emb.lookup.fused_call`). Where
