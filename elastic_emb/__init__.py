@@ -49,6 +49,7 @@ _PLAIN_SUBMODULES = {
         "initializers",
         "optimizers",
         "placement",
+        "shard_queue",
         "sharding",
         "storage",
         "table",
@@ -149,6 +150,7 @@ if TYPE_CHECKING:
         keras_patches,
         optimizers,
         placement,
+        shard_queue,
         sharding,
         storage,
     )
@@ -184,6 +186,7 @@ __all__ = [
     "placement",
     "restore",
     "save",
+    "shard_queue",
     "sharding",
     "shutdown",
     "storage",
