@@ -144,7 +144,10 @@ def init(
         worker_index, num_workers: this worker's place; default from
             `TF_CONFIG` (task index, number of "worker"/"chief" tasks), else 0 of 1.
             With a coordinator, workers are elastic: any index >= 0 joins
-            (and leaves when its process ends; docs/fault-tolerance.md).
+            (and leaves when its process ends; docs/fault-tolerance.md), and
+            without an index or `TF_CONFIG` a worker takes the lowest index no
+            live worker holds (`cluster.worker_index`), so identical worker
+            processes (a Kubernetes Deployment) need no configuration.
         timeout: seconds a call may wait for other workers (sync, bounded
             staleness) before failing with `TimeoutError`.
         connect_timeout: seconds to wait for each PS to answer at start.
@@ -220,6 +223,9 @@ def init(
                 f"elastic_emb is already connected to {_cluster.addresses}; "
                 "call ee.shutdown() first"
             )
+        auto_index = (
+            worker_index is None and coordinator is not None and not os.environ.get("TF_CONFIG")
+        )
         if worker_index is None or num_workers is None:
             index, count = _tf_config_worker()
             worker_index = index if worker_index is None else worker_index
@@ -237,9 +243,16 @@ def init(
 
         routing = None
         if coordinator is not None:
+            from elastic_emb.ps.cluster import WORKER_LEASE_SECONDS
             from elastic_emb.ps.routing import Routing
 
             routing = Routing(coordinator, connect_timeout)
+            if auto_index:  # elastic workers without an index take the lowest free one
+                try:
+                    worker_index = routing.register_worker(None, WORKER_LEASE_SECONDS)
+                except BaseException:
+                    routing.close()
+                    raise
         _dense_explicit = dense is not None
         if dense is None:
             dense = "ps" if coordinator is not None and mode == "async" else "local"

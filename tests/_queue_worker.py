@@ -1,8 +1,8 @@
 """One elastic worker for the shard-queue tests: takes its data from `ShardQueue`.
 
-Usage: python _queue_worker.py COORDINATOR LOG NAME INDEX [--kill-at K]. Trains a small
+Usage: python _queue_worker.py COORDINATOR LOG NAME [--kill-at K]. Trains a small
 model (dense weights on the PS) on 8 shards x 8 batches of 64 examples, 2 epochs,
-and appends "epoch shard batch" to LOG after each trained batch. --kill-at K:
+and appends "epoch shard batch name worker-index" to LOG after each trained batch. --kill-at K:
 SIGKILL itself as its K-th batch (0-based) starts. Each step takes at least 50 ms, so
 that the workers share the shards.
 """
@@ -25,7 +25,6 @@ parser = argparse.ArgumentParser()
 parser.add_argument("coordinator")
 parser.add_argument("log")
 parser.add_argument("name")
-parser.add_argument("index", type=int, help="the worker index (0 stores the first weights)")
 parser.add_argument("--kill-at", type=int)
 parser.add_argument("--start-after", help="wait until this file exists before training")
 args = parser.parse_args()
@@ -41,7 +40,7 @@ def read_shard(shard: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def main() -> int:
-    ee.init(coordinator=args.coordinator, mode="async", worker_index=args.index, num_workers=1)
+    cluster = ee.init(coordinator=args.coordinator, mode="async")  # takes a free worker index
     keras.utils.set_random_seed(0)
     ids = keras.Input((2,), dtype="int64")
     x = ee.Embedding(8, optimizer=ee.optimizers.Adagrad(0.1), name="queue_ids")(ids[:, 0])
@@ -59,7 +58,7 @@ def main() -> int:
         def on_train_batch_end(self, batch, logs=None):
             epoch, shard, number = queue.trained[-1]
             with open(args.log, "a") as f:
-                f.write(f"{epoch} {shard} {number} {args.name}\n")
+                f.write(f"{epoch} {shard} {number} {args.name} {cluster.worker_index}\n")
 
     while args.start_after and not os.path.exists(args.start_after):
         time.sleep(0.05)

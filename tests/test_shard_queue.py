@@ -31,25 +31,30 @@ def test_a_killed_worker_s_shard_is_finished_by_another_and_no_batch_is_lost_or_
     log = tmp_path / "trained.log"
     with LocalCluster(1, 1, tmp_path / "cluster") as c:
         go = tmp_path / "victim-died"
-        first = [_worker(c.coordinator, log, name, str(i)) for i, name in enumerate("ab")]
-        victim = _worker(c.coordinator, log, "victim", "2", "--kill-at", "5")
-        late = _worker(c.coordinator, log, "late", "3", "--start-after", str(go))
+        # No worker indices given: each worker takes the lowest free one.
+        first = [_worker(c.coordinator, log, name) for name in "ab"]
+        victim = _worker(c.coordinator, log, "victim", "--kill-at", "5")
+        late = _worker(c.coordinator, log, "late", "--start-after", str(go))
         assert victim.wait(timeout=300) == -9, victim.communicate()[1][-3000:]
         go.touch()  # the late worker joins after the kill
         for proc in [*first, late]:
             _, stderr = proc.communicate(timeout=300)
             assert proc.returncode == 0, stderr[-3000:]
     lines = [line.split() for line in log.read_text().splitlines()]
-    trained = collections.Counter((int(e), int(s), int(b)) for e, s, b, _ in lines)
+    trained = collections.Counter((int(e), int(s), int(b)) for e, s, b, *_ in lines)
     expected = {(e, s, b) for e in range(2) for s in range(8) for b in range(8)}
     assert set(trained) == expected and max(trained.values()) == 1  # each batch exactly once
     # The victim trained the first 5 batches of a shard; someone else trained the rest.
     by = collections.defaultdict(set)
-    for e, s, _, name in lines:
+    indices = {}
+    for e, s, _, name, index in lines:
         by[(int(e), int(s))].add(name)
+        indices[name] = int(index)
+    # Four workers alive at once took the four lowest indices.
+    assert sorted(indices.values()) == [0, 1, 2, 3]
     assert any("victim" in names and len(names) == 2 for names in by.values()), dict(by)
-    assert sum(name == "victim" for *_, name in lines) == 5
-    assert any(name == "late" for *_, name in lines)
+    assert sum(line[3] == "victim" for line in lines) == 5
+    assert any(line[3] == "late" for line in lines)
 
 
 def test_the_queue_refuses_bad_arguments_and_gives_shards_back_when_closed(tmp_path):
@@ -76,3 +81,22 @@ def test_the_queue_refuses_bad_arguments_and_gives_shards_back_when_closed(tmp_p
             assert next(batches, None) == (f"0-{i + 1}" if i < 2 else None)
         assert other.finished()
         other.close()
+
+
+def test_workers_without_an_index_take_the_lowest_free_one(tmp_path):
+    from elastic_emb.ps.routing import Routing
+
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        first, second = Routing(c.coordinator, 30), Routing(c.coordinator, 30)
+        assert first.register_worker(None, 3) == 0
+        assert second.register_worker(None, 3) == 1
+        assert second.register_worker(None, 3) == 1  # registered already: the same
+        clash = Routing(c.coordinator, 30)
+        with pytest.raises(ValueError, match="already connected"):
+            clash.register_worker(1, 3)
+        clash.close()
+        first.close()  # leaves: index 0 is free again
+        third = Routing(c.coordinator, 30)
+        assert third.register_worker(None, 3) == 0
+        for routing in (second, third):
+            routing.close()

@@ -41,6 +41,7 @@ class Routing:
         self._map = self._sealed_map(connect_timeout)  # guarded by _cond
         self._keep_alive: Any = None  # this worker's lease (`register_worker`)
         self._worker_lease = 0
+        self.worker: int | None = None  # the worker index this process holds
         self._watch = self._etcd.watch(self._key, self._on_events, self._map.revision + 1)
 
     def _sealed_map(self, timeout: float) -> ClusterMap:
@@ -139,27 +140,45 @@ class Routing:
         with self._cond:
             self._cond.wait_for(lambda: self._map.revision > version, timeout)
 
-    def register_worker(self, worker: int, lease_seconds: int) -> None:
-        """Holds `workers/<worker>` under a lease while this worker lives (elastic workers).
+    def register_worker(self, worker: int | None, lease_seconds: int) -> int:
+        """Holds `workers/<worker>` under a lease while this worker lives (elastic workers);
+        with `worker` None, the lowest index no live worker holds. Returns the index (the
+        one held already, if this process registered before).
 
         Raises:
             ValueError: a live process already holds this worker index.
         """
+        if self.worker is not None:
+            if worker in (None, self.worker):
+                return self.worker
+            raise ValueError(f"this process is worker {self.worker}, not {worker}")
         lease = self._etcd.grant(lease_seconds)
-        key = membership.worker_key(self._prefix, worker)
-        created = self._etcd.txn(
-            [Compare.version(key, "=", 0)], [Op.put(key, b"{}", lease.id)]
-        ).succeeded
-        if not created:
-            self._etcd.revoke(lease.id)
-            raise ValueError(
-                f"worker {worker} is already connected to {self.coordinator} (another process "
-                "holds its index; give each worker its own `worker_index`)"
-            )
-        self._worker_lease = lease.id
+        while True:
+            index = worker if worker is not None else self._lowest_free_worker()
+            key = membership.worker_key(self._prefix, index)
+            created = self._etcd.txn(
+                [Compare.version(key, "=", 0)], [Op.put(key, b"{}", lease.id)]
+            ).succeeded
+            if created:
+                break
+            if worker is not None:
+                self._etcd.revoke(lease.id)
+                raise ValueError(
+                    f"worker {worker} is already connected to {self.coordinator} (another "
+                    "process holds its index; give each worker its own `worker_index`, or none "
+                    "to take a free one)"
+                )
+            # Another worker took that index meanwhile: look again.
+        self.worker, self._worker_lease = index, lease.id
         self._keep_alive = self._etcd.keep_alive(
             lease.id, lease_seconds / 4, lambda: log.warning("worker lease lost")
         )
+        return index
+
+    def _lowest_free_worker(self) -> int:
+        held, _ = self._etcd.get_prefix(membership.workers_prefix(self._prefix))
+        taken = {int(kv.key.rsplit("/", 1)[1]) for kv in held}
+        return min(set(range(len(taken) + 1)) - taken)
 
     def close(self) -> None:
         if self._keep_alive is not None:
