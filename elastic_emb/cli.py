@@ -281,6 +281,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mode", choices=("async", "sync"), default="async", help="with --ps")
     demo.add_argument("--staleness", type=int, help="async staleness bound, with --ps")
     demo.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    demo.add_argument(
+        "--data-shards",
+        type=int,
+        metavar="N",
+        help="with --coordinator: take the training data from a queue of N shards in etcd "
+        "(elastic workers: any number may join or die; docs/elastic.md)",
+    )
+    demo.add_argument(
+        "--job", default="demo", help="with --data-shards: the job's name (new for each run)"
+    )
     demo.set_defaults(run=_demo)
 
     serve = sub.add_parser("serve", help="run one parameter-server shard")

