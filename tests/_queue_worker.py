@@ -3,8 +3,8 @@
 Usage: python _queue_worker.py COORDINATOR LOG NAME [--kill-at K]. Trains a small
 model (dense weights on the PS) on 8 shards x 8 batches of 64 examples, 2 epochs,
 and appends "epoch shard batch name worker-index" to LOG after each trained batch. --kill-at K:
-SIGKILL itself as its K-th batch (0-based) starts. Each step takes at least 50 ms, so
-that the workers share the shards.
+SIGKILL itself as its K-th batch (0-based) starts. Each step takes at least
+--step-seconds (default 50 ms), so that the workers share the shards.
 """
 
 import argparse
@@ -27,6 +27,7 @@ parser.add_argument("log")
 parser.add_argument("name")
 parser.add_argument("--kill-at", type=int)
 parser.add_argument("--start-after", help="wait until this file exists before training")
+parser.add_argument("--step-seconds", type=float, default=0.05, help="least time of a step")
 args = parser.parse_args()
 
 SHARDS, BATCHES, BATCH = 8, 8, 64
@@ -53,7 +54,7 @@ def main() -> int:
         def on_train_batch_begin(self, batch, logs=None):
             if batch == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(0.05)
+            time.sleep(args.step_seconds)
 
         def on_train_batch_end(self, batch, logs=None):
             epoch, shard, number = queue.trained[-1]

@@ -120,3 +120,17 @@ def test_demo_workers_share_one_job_from_the_queue(tmp_path):
     # 8 shards of 2,500 examples, batches of 1,024: 3 batches a shard.
     assert sum(trained) == 24, outputs
     assert all("test AUC" in out for out in outputs)
+
+
+def test_a_slow_worker_takes_fewer_shards(tmp_path):
+    """No fixed split: a worker asks for a shard when it finished its own, so a worker
+    four times slower trains fewer of the job's batches, and nobody waits for it."""
+    log = tmp_path / "trained.log"
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        fast = _worker(c.coordinator, log, "fast", "--step-seconds", "0.02")
+        slow = _worker(c.coordinator, log, "slow", "--step-seconds", "0.2")
+        for proc in (fast, slow):
+            _, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stderr[-3000:]
+    names = collections.Counter(line.split()[3] for line in log.read_text().splitlines())
+    assert sum(names.values()) == 128 and names["fast"] > 2 * names["slow"], names
