@@ -137,6 +137,11 @@ def _cluster_local(args: argparse.Namespace) -> int:
 
     from elastic_emb.ps.local_cluster import LocalCluster
 
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    workers = args.workers if args.workers is not None else (1 if command else 0)
+    if workers and not command:
+        print("elastic-emb cluster local: --workers needs a command (after --)", file=sys.stderr)
+        return 2
     cluster = LocalCluster(args.shards, args.replicas, args.directory)
     try:
         cluster.start()
@@ -147,10 +152,20 @@ def _cluster_local(args: argparse.Namespace) -> int:
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-        stop.wait()
+        if not workers:
+            stop.wait()
+            return 0
+        processes = [cluster.start_worker(command) for _ in range(workers)]
+        print(f"  {workers} worker(s): {' '.join(command)} (logs: "
+              f"{cluster.directory}/worker-N.log)", flush=True)  # fmt: skip
+        while not stop.wait(0.2) and any(p.poll() is None for p in processes):
+            pass
+        codes = [p.poll() for p in processes]
+        for number, code in enumerate(codes):
+            print(f"  worker {number}: exit status {code}", flush=True)
+        return 0 if all(code == 0 for code in codes) else 1
     finally:
         cluster.stop()
-    return 0
 
 
 def _top(args: argparse.Namespace) -> int:
@@ -392,6 +407,15 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--shards", type=int, default=2, help="replica groups")
     local.add_argument("--replicas", type=int, default=2, help="servers per group")
     local.add_argument("--directory", help="etcd data and server logs (default: a temporary one)")
+    local.add_argument(
+        "--workers",
+        type=int,
+        help="start this many copies of COMMAND as workers (ELASTIC_EMB_COORDINATOR set), "
+        "then stop when they have all exited",
+    )
+    local.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...: the worker command"
+    )
     local.set_defaults(run=_cluster_local)
 
     health = sub.add_parser("health", help="exit 0 if the PS at ADDRESS is serving")

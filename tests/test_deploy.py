@@ -407,4 +407,3 @@ def test_elastic_workers_are_a_work_queue_job_on_the_replicated_cluster():
     assert parsed.mode == "async" and parsed.data_shards >= 1 and parsed.job
     host, port = parsed.coordinator.removeprefix("etcd://").split(":")
     assert host == etcd["metadata"]["name"] and int(port) == etcd["spec"]["ports"][0]["port"]
-

@@ -102,24 +102,23 @@ def test_workers_without_an_index_take_the_lowest_free_one(tmp_path):
             routing.close()
 
 
-def test_demo_workers_share_one_job_from_the_queue(tmp_path):
-    """`elastic-emb demo --coordinator URL --data-shards N`: two identical worker processes
-    (no index, no TF_CONFIG) train the job's shards between them, each batch once."""
-    with LocalCluster(1, 1, tmp_path / "cluster") as c:
-        command = [*cli_command(), "demo", "--coordinator", c.coordinator, "--examples",
-                   "20000", "--test-examples", "4000", "--epochs", "1", "--batch-size", "1024",
-                   "--data-shards", "8", "--job", "two-workers", "--verbose", "0"]  # fmt: skip
-        procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for _ in range(2)]  # fmt: skip
-        outputs = []
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=600)
-            assert proc.returncode == 0, stderr[-3000:]
-            outputs.append(stdout)
-    trained = [int(out.split("This worker trained ")[1].split()[0]) for out in outputs]
+def test_cluster_local_runs_demo_workers_that_share_one_job_from_the_queue(tmp_path):
+    """`elastic-emb cluster local --workers 2 -- elastic-emb demo --data-shards N`: etcd, a
+    server and two identical workers (no index, no TF_CONFIG) that train the job's shards
+    between them, each batch once."""
+    demo = [*cli_command(), "demo", "--mode", "async", "--examples", "20000", "--test-examples",
+            "4000", "--epochs", "1", "--batch-size", "1024", "--data-shards", "8", "--job",
+            "two-workers", "--verbose", "0"]  # fmt: skip
+    command = [*cli_command(), "cluster", "local", "--shards", "1", "--replicas", "1",
+               "--directory", str(tmp_path / "cluster"), "--workers", "2", "--", *demo]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    logs = [(tmp_path / "cluster" / f"worker-{i}.log").read_text() for i in range(2)]
+    assert done.returncode == 0, done.stdout + done.stderr + "".join(logs)[-3000:]
+    assert "worker 1: exit status 0" in done.stdout
+    trained = [int(log.split("This worker trained ")[1].split()[0]) for log in logs]
     # 8 shards of 2,500 examples, batches of 1,024: 3 batches a shard.
-    assert sum(trained) == 24, outputs
-    assert all("test AUC" in out for out in outputs)
+    assert sum(trained) == 24, logs
+    assert all("test AUC" in log for log in logs)
 
 
 def test_a_slow_worker_takes_fewer_shards(tmp_path):

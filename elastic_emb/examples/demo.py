@@ -8,6 +8,7 @@ prints the test AUC, the speed and the tables' memory.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -67,6 +68,8 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
     from elastic_emb.examples.dlrm import build_dlrm
 
     keras.utils.set_random_seed(args.seed)
+    if not args.ps and not args.coordinator:  # (as ee.init: `elastic-emb cluster local` sets it)
+        args.coordinator = os.environ.get("ELASTIC_EMB_COORDINATOR") or None
     if args.data_shards is not None and (not args.coordinator or args.data_shards < 1):
         print("elastic-emb demo: --data-shards needs --coordinator and N >= 1", file=sys.stderr)
         return 2

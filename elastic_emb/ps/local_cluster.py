@@ -71,6 +71,7 @@ class LocalCluster:
         self.directory = Path(directory or self._tmp.name)  # type: ignore[union-attr]
         self.etcd: EtcdProcess | None = None
         self.servers: dict[str, subprocess.Popen[bytes]] = {}  # address -> process
+        self.workers: list[subprocess.Popen[bytes]] = []  # `start_worker`, in order
         self._used_ports: set[int] = set()
 
     @property
@@ -124,6 +125,21 @@ class LocalCluster:
         log.close()
         return address
 
+    def start_worker(self, command: list[str]) -> subprocess.Popen[bytes]:
+        """Runs `command` as one more worker: ELASTIC_EMB_COORDINATOR names this cluster
+        (so `ee.init()` connects to it and takes a free worker index); its output goes to
+        `worker-<n>.log` in the cluster's directory."""
+        number = len(self.workers)
+        with open(self.directory / f"worker-{number}.log", "ab") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "ELASTIC_EMB_COORDINATOR": self.coordinator},
+            )
+        self.workers.append(process)
+        return process
+
     def map(self) -> ClusterMap:
         with Etcd(self.coordinator) as etcd:
             return ClusterMap.read(etcd)
@@ -167,10 +183,10 @@ class LocalCluster:
         return [g.primary for g in sorted(self.map().groups, key=lambda g: g.id)]
 
     def stop(self) -> None:
-        for process in self.servers.values():
+        for process in [*self.workers, *self.servers.values()]:
             if process.poll() is None:
                 process.terminate()
-        for process in self.servers.values():
+        for process in [*self.workers, *self.servers.values()]:
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
