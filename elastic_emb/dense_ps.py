@@ -124,6 +124,8 @@ class DenseOnPS:
     def pull(self, training: bool) -> None:
         """In a traced step: assigns the variables the rows of this step (training: in the
         step's fused pull, which counts on this step's push)."""
+        if not len(self.keys):  # a model of tables only
+            return
         fusion, keys = self.table.step_fusion(), self.keys
 
         def read() -> np.ndarray:
@@ -137,6 +139,8 @@ class DenseOnPS:
     def push(self, grads_and_vars: list[tuple[Any, Any]]) -> tf.Tensor:
         """In a traced step: sends the dense variables' gradients (a variable without one
         gets zeros) into the step's fused push; returns the op's output."""
+        if not len(self.keys):
+            return tf.zeros([1])
         grads = {id(v): g for g, v in grads_and_vars if g is not None}
         parts = []
         for variable, size, count in zip(self.variables, self.sizes, self.rows, strict=True):

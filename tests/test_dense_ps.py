@@ -174,3 +174,22 @@ def test_a_coordinator_in_async_mode_puts_dense_weights_on_the_ps_by_default(tmp
             assert cluster.describe("ee_dense/dps_default_model")[0].iterations == 8
         finally:
             ee.shutdown()
+
+
+def test_a_model_of_tables_only_trains_with_dense_on_the_ps(connected):
+    """No dense weights: nothing to pull or push besides the tables; training as in-process."""
+    x, _ = _data()
+    y = np.ones((len(x), 1, 4), np.float32)
+
+    def tables_only() -> keras.Model:
+        ids = keras.Input((1,), dtype="int64")
+        out = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name="dps_only", seed=1)(ids)
+        model = keras.Model(ids, out, name="dps_only_model")
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        return model
+
+    local = tables_only().fit(x[:, :1], y, batch_size=64, shuffle=False, verbose=0)
+    with shards(1) as ps:
+        connected(ps=[ps[0].address], mode="async", dense="ps")
+        remote = tables_only().fit(x[:, :1], y, batch_size=64, shuffle=False, verbose=0)
+    assert remote.history["loss"] == local.history["loss"]

@@ -136,9 +136,9 @@ def test_a_slow_worker_takes_fewer_shards(tmp_path):
 
 
 def _elastic_run(directory: Path, kill: bool) -> float:
-    """3 demo workers on one job (100,000 examples in 16 shards, 2 epochs); with `kill`, worker 1 is SIGKILLed
-    mid-training and a new worker started. Returns the test AUC the last worker to finish
-    printed: the job's final model (everyone else was done by then)."""
+    """3 demo workers on one job (100,000 examples in 16 shards, 2 epochs); with `kill`,
+    worker 1 is SIGKILLed mid-training and a new worker started. Returns the test AUC that
+    the last worker to finish printed: the job's final model (the others were done)."""
     demo = [*cli_command(), "demo", "--mode", "async", "--examples", "100000", "--test-examples",
             "10000", "--epochs", "2", "--batch-size", "1024", "--data-shards", "16", "--job",
             "auc", "--verbose", "0"]  # fmt: skip
