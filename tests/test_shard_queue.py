@@ -123,7 +123,7 @@ def test_cluster_local_runs_demo_workers_that_share_one_job_from_the_queue(tmp_p
 
 def test_a_slow_worker_takes_fewer_shards(tmp_path):
     """No fixed split: a worker asks for a shard when it finished its own, so a worker
-    four times slower trains fewer of the job's batches, and nobody waits for it."""
+    ten times slower trains fewer of the job's batches, and nobody waits for it."""
     log = tmp_path / "trained.log"
     with LocalCluster(1, 1, tmp_path / "cluster") as c:
         fast = _worker(c.coordinator, log, "fast", "--step-seconds", "0.02")
