@@ -7,7 +7,8 @@
 - `refuse_legacy_h5()` wraps `keras.Model.save` so that the legacy HDF5
   format (`.h5`, which stores `layer.weights` only) refuses models with
   tables instead of writing a file without their rows.
-- `route_dense_weights()` wraps the public `keras.Model.compile` so that,
+- `route_dense_weights()` wraps `compile` (of Keras' private `Trainer`, where
+  it is defined, so `load_model` still compiles) so that,
   with `ee.init(dense="ps")`, a compiled model's dense weights train on the
   PS (`elastic_emb.dense_ps`); otherwise compile is unchanged.
 - `fuse_functional_lookups()` wraps the private `Functional.call` (which
@@ -109,11 +110,19 @@ def export_through_serving(
 
 
 def route_dense_weights(attach: Callable[[keras.Model], None]) -> None:
-    """Runs `attach(model)` after every `model.compile(...)` (idempotent)."""
+    """Runs `attach(model)` after every `model.compile(...)` (idempotent).
+
+    Patched where Keras defines `compile` (its `Trainer`), so that
+    `load_model` still sees the stock method and compiles loaded models.
+    """
     global _compile_wrapped
     if _compile_wrapped:
         return
-    keras_compile = keras.Model.compile
+    try:
+        from keras.src.trainers.trainer import Trainer as owner
+    except ImportError:  # another Keras layout: the public class
+        owner = keras.Model
+    keras_compile = owner.compile
 
     @functools.wraps(keras_compile)
     def compile(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
@@ -121,7 +130,7 @@ def route_dense_weights(attach: Callable[[keras.Model], None]) -> None:
         attach(self)
         return result
 
-    keras.Model.compile = compile
+    owner.compile = compile
     _compile_wrapped = True
 
 
