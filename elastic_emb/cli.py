@@ -137,7 +137,8 @@ def _cluster_local(args: argparse.Namespace) -> int:
 
     from elastic_emb.ps.local_cluster import LocalCluster
 
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.worker_command
+    command = command[1:] if command[:1] == ["--"] else command
     workers = args.workers if args.workers is not None else (1 if command else 0)
     if workers and not command:
         print("elastic-emb cluster local: --workers needs a command (after --)", file=sys.stderr)
@@ -414,7 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
         "then stop when they have all exited",
     )
     local.add_argument(
-        "command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...: the worker command"
+        "worker_command",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND",
+        help="the worker command and its arguments",
     )
     local.set_defaults(run=_cluster_local)
 
