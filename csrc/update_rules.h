@@ -23,16 +23,16 @@ struct UpdateRule {
   bool momentum = false;
   bool nesterov = false;
   float lr = 0.0f;
-  float mu = 0.0f;            // SGD, RMSprop momentum
-  float eps = 0.0f;           // Adagrad, Adam, RMSprop
-  float one_minus_b1 = 0.0f;  // Adam
-  float one_minus_b2 = 0.0f;  // Adam
-  float adam_alpha = 0.0f;    // Adam: lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)
-  float power = 0.0f;         // Ftrl: -learning_rate_power
-  float l1 = 0.0f;            // Ftrl
-  float l2 = 0.0f;            // Ftrl: l2 + beta / (2 lr)
-  float shrink = 0.0f;        // Ftrl: 2 * l2_shrinkage
-  float rho = 0.0f;           // RMSprop
+  float mu = 0.0f;             // SGD, RMSprop momentum
+  float eps = 0.0f;            // Adagrad, Adam, RMSprop
+  float one_minus_b1 = 0.0f;   // Adam
+  float one_minus_b2 = 0.0f;   // Adam
+  float adam_alpha = 0.0f;     // Adam: lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)
+  float power = 0.0f;          // Ftrl: -learning_rate_power
+  float l1 = 0.0f;             // Ftrl
+  float l2 = 0.0f;             // Ftrl: l2 + beta / (2 lr)
+  float shrink = 0.0f;         // Ftrl: 2 * l2_shrinkage
+  float rho = 0.0f;            // RMSprop
   float one_minus_rho = 0.0f;  // RMSprop
   bool centered = false;       // RMSprop
 };
