@@ -176,15 +176,16 @@ def serve(
         log.info("metrics on http://%s:%d/metrics", host, metrics.server_port)
         if metrics_ready is not None:
             metrics_ready(metrics.server_port)
-    if ready is not None:
-        ready(bound)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
 
+    # Before announcing readiness: a SIGTERM right after it must still stop gracefully.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if ready is not None:
+        ready(bound)
     stop.wait()
     log.info("stopping: finishing in-flight requests (up to %.0f s)", grace_seconds)
     health_servicer.enter_graceful_shutdown()
