@@ -44,6 +44,7 @@ class JsonFormatter(logging.Formatter):
 
 def _serve(args: argparse.Namespace) -> int:
     from elastic_emb.ps import server
+    from elastic_emb.ps.balance import Policy
 
     handler = logging.StreamHandler()
     if args.log_format == "json":
@@ -57,6 +58,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     def metrics_ready(port: int) -> None:
         print(f"elastic-emb serve: metrics on http://{args.host}:{port}/metrics", flush=True)
+
+    balance = None
+    try:
+        if args.load_window <= 0:
+            raise ValueError(f"--load-window must be positive. Received: {args.load_window}")
+        if args.balance_threshold is not None:
+            balance = Policy(args.balance_threshold, args.balance_after, args.balance_measure)
+    except ValueError as e:
+        logging.getLogger("elastic_emb.server").error("%s", e)
+        return 1
 
     return server.serve(
         args.port,
@@ -81,6 +92,8 @@ def _serve(args: argparse.Namespace) -> int:
         auth_tokens=args.auth_tokens,
         tls_peer_ca=args.tls_peer_ca,
         peer_token_file=args.peer_token_file,
+        load_window=args.load_window,
+        balance=balance,
     )
 
 
@@ -384,6 +397,33 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="with --coordinator and --auth-tokens: the admin token this server calls the "
         "others with",
+    )
+    serve.add_argument(
+        "--load-window",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="with --coordinator: publish the load per slot over this many seconds",
+    )
+    serve.add_argument(
+        "--balance-threshold",
+        type=float,
+        metavar="RATIO",
+        help="with --coordinator: move slots away from the most loaded group once it "
+        "carries more than RATIO times the mean load (e.g. 1.2; default: never)",
+    )
+    serve.add_argument(
+        "--balance-after",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="... for this many seconds in a row",
+    )
+    serve.add_argument(
+        "--balance-measure",
+        default="keys",
+        choices=("keys", "bytes", "cpu"),
+        help="what load is: keys, bytes or CPU seconds per second",
     )
     serve.add_argument(  # fault tests: a window to kill a server in the middle of a move
         "--move-pause", type=float, default=0.0, help=argparse.SUPPRESS

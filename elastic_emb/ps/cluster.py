@@ -282,15 +282,16 @@ class Cluster:
         return self._per_range(method, lambda layout: [request] * len(layout.ids), timeout)[1]
 
     def _call_range(self, index: int, method: str, request: Any, timeout: float | None) -> Any:
-        """One call to a range's primary, following failovers and moves (a read: maybe to a
-        backup)."""
+        """One call to a range's primary, following failovers and moves (a read, with
+        `read_from_backups` or to a range with hot slots: maybe to a backup)."""
         routing = self.routing
         assert routing is not None
         if "range" in request.DESCRIPTOR.fields_by_name:
             range_id = request.range
         else:
             range_id = self._layout.ids[min(index, len(self._layout.ids) - 1)]
-        if self.read_from_backups and method == "Pull" and not request.train:
+        spread = self.read_from_backups or routing.hot(range_id)
+        if spread and method == "Pull" and not request.train:
             replicas = routing.replicas_of(range_id)
             if replicas:
                 address = replicas[next(self._reads) % len(replicas)]

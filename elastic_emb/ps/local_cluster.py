@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic_emb.ps import membership
+from elastic_emb.ps.balance import LoadReport, read_reports
 from elastic_emb.ps.etcd import Etcd
 from elastic_emb.ps.etcd_process import EtcdProcess, start_etcd
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
@@ -143,6 +144,11 @@ class LocalCluster:
     def map(self) -> ClusterMap:
         with Etcd(self.coordinator) as etcd:
             return ClusterMap.read(etcd)
+
+    def load_reports(self) -> list[LoadReport]:
+        """The servers' latest load per slot (`elastic_emb.ps.balance`)."""
+        with Etcd(self.coordinator) as etcd:
+            return read_reports(etcd, DEFAULT_PREFIX)
 
     def complete(self) -> bool:
         """Every slot has a primary and every group `replicas` replicas, none joining."""

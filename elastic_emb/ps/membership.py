@@ -129,6 +129,9 @@ class ClusterMap:
     next_range: int = 0  # the id of the next range made by a split
     move: Move | None = None  # one at a time
     revision: int = 0  # the etcd mod_revision it was read at (not stored)
+    # Ranges holding hot slots (`elastic_emb.ps.balance`): workers spread their
+    # read-only pulls over the group's replicas.
+    hot: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def read(cls, etcd: Any, prefix: str = DEFAULT_PREFIX) -> ClusterMap:
@@ -150,6 +153,7 @@ class ClusterMap:
             data["next_range"],
             Move(**data["move"]) if data["move"] else None,
             revision,
+            data.get("hot", []),
         )
 
     def to_json(self) -> bytes:
@@ -159,6 +163,7 @@ class ClusterMap:
             "draining": self.draining,
             "next_range": self.next_range,
             "move": dataclasses.asdict(self.move) if self.move else None,
+            "hot": self.hot,
             "groups": [dataclasses.asdict(g) for g in self.groups],
             "ranges": [dataclasses.asdict(r) for r in self.ranges],
         }

@@ -251,6 +251,11 @@ def pulled_keys(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:
     ]
 
 
+def table_keys(request: Any) -> list[np.ndarray]:
+    """The keys of each table of a Pull or a Push."""
+    return [decode_keys(t.keys, f"keys of {t.table}", t.key_encoding) for t in request.tables]
+
+
 def held_versions(request: ps_pb2.PullRequest) -> list[np.ndarray | None]:
     """The cached rows' versions a Pull sends, per table (None: no cache)."""
     out: list[np.ndarray | None] = []

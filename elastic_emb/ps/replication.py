@@ -50,7 +50,8 @@ import numpy as np
 
 from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps import membership, protocol, security
+from elastic_emb.ps import balance, membership, protocol, security
+from elastic_emb.ps.balance import LoadMeter, Policy
 from elastic_emb.ps.client import GRPC_OPTIONS
 from elastic_emb.ps.etcd import Compare, Etcd, EtcdError, LeaseLost
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group, Move
@@ -109,6 +110,9 @@ class Replica:
         prefix: the cluster's key prefix in etcd.
         move_pause: seconds a range move waits after sending its snapshot (fault tests).
         security: how to call the other servers (TLS, a token); None: plaintext.
+        load: the server's per-slot load, published to the coordinator; None: not measured.
+        balance: when this server, as the most loaded primary, moves slots away
+            (`elastic_emb.ps.balance`); None: never for load. Needs `load`.
     """
 
     def __init__(
@@ -122,8 +126,17 @@ class Replica:
         prefix: str = DEFAULT_PREFIX,
         move_pause: float = 0.0,
         security: ClientSecurity | None = None,
+        load: LoadMeter | None = None,
+        balance: Policy | None = None,
     ) -> None:
+        if balance is not None and load is None:
+            raise ValueError("balancing slots by load needs the load measured (`load`)")
         self.ranges = ranges
+        self._load = load
+        self._balance = balance
+        # Since when (monotonic) and under which layout this primary's group has been the
+        # most loaded beyond the threshold; None: it is not.
+        self._overloaded: tuple[float, Any] | None = None
         self._security = security
         self._move_pause = move_pause
         self._apply = apply
@@ -161,7 +174,10 @@ class Replica:
         """Registers with the coordinator, takes a place, and starts the background work."""
         self._register(fresh=True)
         self._watch = self._etcd.watch(self._prefix, self._on_events, self._map.revision + 1)
-        for target in (self._keep_alive, self._monitor, self._mover):
+        targets = [self._keep_alive, self._monitor, self._mover]
+        if self._load is not None:
+            targets.append(self._report_load)
+        for target in targets:
             thread = threading.Thread(target=target, daemon=True, name=f"ee-{target.__name__}")
             thread.start()
             self._threads.append(thread)
@@ -772,6 +788,8 @@ class Replica:
             group = m.group_of(self.address)
             if group is None or group.primary != self.address:
                 return
+        if m.move is None and self._balance is not None:
+            m = self._balance_load(m, group, self._balance)
         source = m.range(m.move.range) if m.move else None
         if m.move is not None and source is not None and source.group == group.id:
             self._move(m.move, m)
@@ -787,6 +805,75 @@ class Replica:
 
             self._change_map(dissolve, as_primary=True)
             log.warning("group %d gave away every range and dissolved", gid)
+
+    # Load.
+
+    def _report_load(self) -> None:
+        """Publishes this server's per-slot load every fifth of the window, under its lease."""
+        assert self._load is not None
+        key = balance.report_key(self._prefix, self.address)
+        while True:
+            with self._cond:
+                if self._cond.wait_for(lambda: self._stopped, self._load.window / 5):
+                    return
+                lease = self._lease
+            self._load.tick()
+            report = balance.LoadReport.measure(self.address, self._load)
+            try:
+                self._etcd.put(key, report.to_json(), lease)
+            except EtcdError as e:
+                log.info("cannot publish the load: %s", e)
+
+    def _balance_load(self, m: ClusterMap, group: Group, policy: Policy) -> ClusterMap:
+        """The map, with a move of slots away from this primary's group if it has been the
+        most loaded beyond `policy.threshold` for `policy.after` seconds (and the ranges
+        holding hot slots marked, for workers to spread their reads)."""
+        assert self._load is not None
+        primaries = {g.primary for g in m.groups if g.primary}
+        now, window = time.time(), self._load.window
+        reports = [
+            r
+            for r in balance.read_reports(self._etcd, self._prefix)
+            if r.address in primaries and now - r.time < window and r.seconds >= 0.8 * window
+        ]
+        if {r.address for r in reports} != primaries:  # a primary without a full window yet
+            self._overloaded = None
+            return m
+        loads = balance.slot_loads(reports, policy.measure, primaries)
+        ratio, busiest = balance.imbalance(m, loads)
+        if busiest != group.id or ratio <= policy.threshold:
+            self._overloaded = None
+            return m
+        layout = [(r.id, r.slots, r.group) for r in m.ranges]
+        if self._overloaded is None or self._overloaded[1] != layout:
+            self._overloaded = (time.monotonic(), layout)
+            return m
+        if time.monotonic() - self._overloaded[0] < policy.after:
+            return m
+        self._overloaded = None
+        hot = balance.hot_slots(m, loads, policy.threshold)
+        hot_ranges = sorted({r.id for r in m.ranges for s in hot if r.slot_begin <= s < r.slot_end})
+
+        def rebalance(current: ClusterMap) -> ClusterMap | None:
+            if [(r.id, r.slots, r.group) for r in current.ranges] != layout:
+                return None  # the ranges changed meanwhile: measure again
+            new = balance.plan_move(current, loads, policy.threshold) or current.copy()
+            new.hot = hot_ranges
+            return new
+
+        new = self._change_map(rebalance, as_primary=True)
+        if new.move is not None:
+            target = new.range(new.move.range)
+            log.warning(
+                "group %d carries %.2f times the mean %s/s: moving slots [%d, %d) of range %d "
+                "to group %d", group.id, ratio, policy.measure, new.move.slot,
+                target.slot_end if target else -1, new.move.range, new.move.to,
+            )  # fmt: skip
+        if hot:
+            log.warning("hot slots %s carry more than %.2f times the mean %s/s each: no move "
+                        "can balance them; ranges %s serve reads from every replica",
+                        hot, policy.threshold, policy.measure, hot_ranges)  # fmt: skip
+        return new
 
     def _drop_moved(self, m: ClusterMap, group: Group) -> None:
         """Drops the ranges this group holds that the map gives to another group (a move

@@ -111,6 +111,11 @@ class Routing:
         group = self._group_of_range(range_id)
         return group.replicas if group else []
 
+    def hot(self, range_id: int) -> bool:
+        """Whether range `range_id` holds hot slots (`elastic_emb.ps.balance`)."""
+        with self._cond:
+            return range_id in self._map.hot
+
     def lost(self, range_id: int) -> str | None:
         """Why range `range_id`'s group lost every replica, or None while it may recover.
 

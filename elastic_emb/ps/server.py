@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from elastic_emb import checkpoint
+from elastic_emb.ps.balance import LoadMeter, Policy
 from elastic_emb.ps.checkpointer import PeriodicCheckpoints
 from elastic_emb.ps.client import GRPC_OPTIONS, SERVICE
 from elastic_emb.ps.security import Tokens, peer_security, server_credentials
@@ -54,6 +55,8 @@ def serve(
     auth_tokens: str | None = None,
     tls_peer_ca: str | None = None,
     peer_token_file: str | None = None,
+    load_window: float = 10.0,
+    balance: Policy | None = None,
 ) -> int:
     """Runs one shard until SIGTERM or SIGINT; returns an exit status.
 
@@ -80,6 +83,10 @@ def serve(
     servers call each other the same way: over TLS, trusting `tls_peer_ca`
     (default: `tls_client_ca`) and presenting their own certificate, and
     with the admin token in `peer_token_file`.
+
+    With a coordinator, the server also publishes its load per slot over the
+    last `load_window` seconds, and with a `balance` policy its group moves
+    slots away when it is the most loaded (`elastic_emb.ps.balance`).
     """
     servicer = Servicer()
     credentials = peers = None
@@ -96,6 +103,10 @@ def serve(
             )
         elif tls_peer_ca or peer_token_file:
             raise ValueError("--tls-peer-ca and --peer-token-file need --coordinator")
+        elif balance is not None:
+            raise ValueError("--balance-threshold needs --coordinator (slots move between groups)")
+        if coordinator:
+            servicer.load = LoadMeter(load_window)
     except ValueError as e:
         log.error("%s", e)
         return 1
@@ -142,7 +153,8 @@ def serve(
         address = advertise or f"{'127.0.0.1' if host == '0.0.0.0' else host}:{bound}"
         replica = Replica(
             servicer.ranges, servicer.apply_change, Etcd(coordinator), address, replicas,
-            lease_seconds, move_pause=move_pause, security=peers,
+            lease_seconds, move_pause=move_pause, security=peers, load=servicer.load,
+            balance=balance,
         )  # fmt: skip
         servicer.replica = replica
         replica.worker_gone = servicer.worker_gone

@@ -26,6 +26,7 @@ from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol
 from elastic_emb.ps.audit import AuditLog, summary
+from elastic_emb.ps.balance import LoadMeter
 from elastic_emb.ps.security import Caller, Tokens
 from elastic_emb.ps.shard import Ranges, RequestError, Shard, invalid
 
@@ -112,6 +113,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         self.replica: Replica | None = None  # set once, before the server starts
         self.audit: AuditLog | None = None  # set once, before the server starts
         self.tokens: Tokens | None = None  # set once, before the server starts
+        self.load: LoadMeter | None = None  # set once, before the server starts
         self.changes = 0  # change requests applied (guarded by _stats_lock)
         self._stats_lock = threading.Lock()
         self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
@@ -244,25 +246,38 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
+        cpu = time.thread_time()
         # train=False inserts nothing: a backup may answer it.
         shard = self._shard(request, serving=True, read_only=not request.train)
         if request.encoding not in protocol.ENCODINGS.values():
             raise invalid(f"Unknown encoding {request.encoding}")
         timeout = request.timeout_ms / 1000 if request.timeout_ms > 0 else 3600.0
         held = protocol.held_versions(request)
+        keys = protocol.pulled_keys(request)
         rows = shard.pull(
             request.worker,
             request.step,
             request.train,
             timeout,
-            protocol.pulled_keys(request),
+            keys,
             [v is not None for v in held],
         )
-        return protocol.pull_response(request.encoding, rows, held)
+        response = protocol.pull_response(request.encoding, rows, held)
+        self._count_load([k for _, k in keys], request, response, cpu)
+        return response
 
     @_rpc
     def Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
-        return self._change("Push", request)
+        cpu = time.thread_time()
+        response = self._change("Push", request)
+        self._count_load(protocol.table_keys(request), request, response, cpu)
+        return response
+
+    def _count_load(self, keys: list[Any], request: Any, response: Any, cpu: float) -> None:
+        """Adds a served Pull or Push to the per-slot load (`elastic_emb.ps.balance`)."""
+        if self.load is not None:
+            nbytes = request.ByteSize() + response.ByteSize()
+            self.load.record(keys, nbytes, time.thread_time() - cpu)
 
     def _Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
         shard = self._shard(request)
