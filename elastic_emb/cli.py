@@ -112,9 +112,14 @@ def _cluster_status(args: argparse.Namespace) -> int:
     print(f"coordinator {status['coordinator']}  replicas {status['replicas']}  "
           f"map revision {status['revision']}{'  sealed' if status['sealed'] else ''}")  # fmt: skip
     for g in status["groups"]:
-        ranges = "  ".join(str(r["slots"]) for r in g["ranges"])
+        ranges = "  ".join(str(r["slots"]) + (" hot" if r["hot"] else "") for r in g["ranges"])
         retiring = "  (retiring)" if g["retiring"] else ""
-        print(f"group {g['id']}  epoch {g['epoch']}  slots {ranges or '(none)'}{retiring}")
+        load = g["load"]
+        served = "" if load is None else (
+            f"  load {load['keys']:,.0f} keys/s {load['bytes'] / 1e6:,.1f} MB/s "
+            f"cpu {load['cpu']:.2f}"
+        )  # fmt: skip
+        print(f"group {g['id']}  epoch {g['epoch']}  slots {ranges or '(none)'}{retiring}{served}")
         for address in [g["primary"], *g["members"], *g["joining"]]:
             s = status["servers"].get(address, {})
             what = s.get("error") or (

@@ -11,7 +11,9 @@ learning-rate schedules evaluated at the table's step count).
 Each training step (the model's `train_step`, wrapped):
 
 1. pulls every row of the dense table, in the step's fused pull with the
-   tables of the `ee.Embedding` layers, and assigns the variables;
+   tables of the `ee.Embedding` layers, and assigns the variables (with
+   `ee.init(dense_pull_every=k)`, only every k-th step: the others assign
+   the rows last pulled);
 2. runs the step as Keras does (forward, loss, gradients);
 3. hands the dense variables' gradients to the PS instead of the local
    optimizer (`optimizer.apply_gradients`, wrapped), in the step's fused
@@ -77,6 +79,9 @@ class DenseOnPS:
         )
         self._ids = {id(v) for v in self.variables}
         self._cluster = cluster
+        self.pull_every = placement.dense_pull_every()
+        self._steps = 0  # training steps run (for `pull_every`)
+        self._last: np.ndarray | None = None  # the rows last pulled
         self._initialize(cluster.worker_index, timeout)
 
     def _initialize(self, worker_index: int, timeout: float) -> None:
@@ -119,7 +124,8 @@ class DenseOnPS:
 
     def refresh(self) -> None:
         """Assigns the variables the PS's values now (eager; no training step)."""
-        self._assign(tf.constant(self.read()))
+        self._last = self.read()
+        self._assign(tf.constant(self._last))
 
     def pull(self, training: bool) -> None:
         """In a traced step: assigns the variables the rows of this step (training: in the
@@ -131,7 +137,14 @@ class DenseOnPS:
         def read() -> np.ndarray:
             if not training:
                 return self.read()
-            return fusion.collect(fusion.submit(keys, True, True))  # remote: two-phase
+            due = self._steps % self.pull_every == 0 or self._last is None
+            self._steps += 1
+            # A step that does not pull still takes part in the fused push (no keys pulled).
+            rows = fusion.collect(fusion.submit(keys if due else keys[:0], True, True))
+            if due:
+                self._last = rows
+            assert self._last is not None
+            return self._last
 
         rows = tf.numpy_function(read, [], tf.float32, stateful=True)
         self._assign(tf.reshape(rows, [len(keys), ROW_WIDTH]))

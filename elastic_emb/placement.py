@@ -50,6 +50,7 @@ _cluster: Cluster | None = None
 # Where models' dense weights train (ee.init's `dense`, resolved): "local" or "ps";
 # and whether the caller asked for it (else: the default of the mode).
 _dense, _dense_explicit = "local", False
+_dense_pull_every = 1  # ee.init's `dense_pull_every`
 _env_checked = False  # ELASTIC_EMB_PS was read (once, at the first table or init)
 
 
@@ -121,6 +122,7 @@ def init(
     tls_key: str | os.PathLike[str] | None = None,
     token: str | None = None,
     dense: str | None = None,
+    dense_pull_every: int = 1,
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
@@ -192,6 +194,12 @@ def init(
             "ps" with a coordinator in async mode, for models compiled
             without a multi-replica `tf.distribute` strategy (elastic workers
             come and go, which an all-reduce cannot survive); else "local".
+        dense_pull_every: with dense weights on the PS, a training step pulls
+            them only every this many steps (a named staleness): the steps
+            between compute with the weights last pulled, older by up to
+            `dense_pull_every - 1` steps of this worker (and whatever the
+            others pushed meanwhile); every gradient is still pushed and
+            applied on the PS. 1 (default): every step, exact.
 
     Returns:
         The `Cluster`, or None when no PS is configured.
@@ -200,7 +208,16 @@ def init(
         ValueError: invalid arguments, or already connected.
         ConnectionError: a PS did not answer within `connect_timeout`.
     """
-    global _cluster, _dense, _dense_explicit, _env_checked
+    global _cluster, _dense, _dense_explicit, _dense_pull_every, _env_checked
+    if isinstance(dense_pull_every, bool) or not isinstance(dense_pull_every, int):
+        raise ValueError(
+            f"`dense_pull_every` must be a positive integer. Received: {dense_pull_every!r}"
+        )
+    if dense_pull_every < 1 or (dense_pull_every > 1 and dense == "local"):
+        raise ValueError(
+            "`dense_pull_every` must be a positive integer, and > 1 only with the dense "
+            f"weights on the PS. Received: dense_pull_every={dense_pull_every}, dense={dense!r}"
+        )
     if dense not in (None, "local", "ps"):
         raise ValueError(f"`dense` must be 'local', 'ps' or None. Received: dense={dense!r}")
     if dense == "ps" and mode != "async":
@@ -256,7 +273,13 @@ def init(
         _dense_explicit = dense is not None
         if dense is None:
             dense = "ps" if coordinator is not None and mode == "async" else "local"
-        _dense = dense
+        if dense_pull_every > 1 and dense != "ps":
+            raise ValueError(
+                f"`dense_pull_every`={dense_pull_every} needs the dense weights on the PS; "
+                f"they stay local here (mode={mode!r}, coordinator={coordinator!r}). Pass "
+                "dense='ps' with mode='async'."
+            )
+        _dense, _dense_pull_every = dense, dense_pull_every
         try:
             _cluster = Cluster(
                 addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
@@ -291,6 +314,11 @@ def dense_placement() -> tuple[str, bool]:
     """Where the dense weights of models compiled now train ("local" or "ps"), and
     whether `ee.init`'s caller chose it (else it is the mode's default)."""
     return (_dense, _dense_explicit) if _cluster is not None else ("local", False)
+
+
+def dense_pull_every() -> int:
+    """Every how many training steps dense weights on the PS are pulled."""
+    return _dense_pull_every
 
 
 def current_cluster() -> Cluster | None:

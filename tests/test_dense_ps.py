@@ -12,6 +12,7 @@ import grpc
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from _cluster import shards
 from _processes import run_python
 
@@ -193,3 +194,56 @@ def test_a_model_of_tables_only_trains_with_dense_on_the_ps(connected):
         connected(ps=[ps[0].address], mode="async", dense="ps")
         remote = tables_only().fit(x[:, :1], y, batch_size=64, shuffle=False, verbose=0)
     assert remote.history["loss"] == local.history["loss"]
+
+
+def _dense_only(optimizer: keras.optimizers.Optimizer) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)],
+        name="stale_model",
+    )
+    model.compile(optimizer, "mse")
+    return model
+
+
+def test_dense_weights_pulled_every_k_steps_train_with_that_staleness_exactly(connected):
+    """k=3: a step computes its gradient with the weights pulled at its last multiple of 3,
+    and the PS applies every gradient. The reference does that by hand with plain SGD."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 4)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [0.0]], np.float32)).astype(np.float32)
+    reference = _dense_only(keras.optimizers.SGD(0.1))
+    weights = [w.copy() for w in reference.get_weights()]
+    for step in range(12):  # 6 batches of 16, 2 epochs
+        if step % 3 == 0:
+            pulled = [w.copy() for w in weights]
+        reference.set_weights(pulled)
+        batch = slice(16 * (step % 6), 16 * (step % 6 + 1))
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y[batch], reference(x[batch]))
+            loss = tf.reduce_mean(loss)
+        grads = tape.gradient(loss, reference.trainable_variables)
+        weights = [w - np.float32(0.1) * g.numpy() for w, g in zip(weights, grads, strict=True)]
+    with shards(1) as ps:
+        connected(ps=[ps[0].address], mode="async", dense="ps", dense_pull_every=3)
+        model = _dense_only(keras.optimizers.SGD(0.1))
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        got = model.get_weights()  # fit ends with the PS's values
+        ee.shutdown()
+    for g, w in zip(got, weights, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    # Pulling every step instead would give other weights: the check can fail.
+    every_step = _dense_only(keras.optimizers.SGD(0.1))
+    every_step.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert max(np.abs(a - b).max() for a, b in zip(every_step.get_weights(), weights,
+               strict=True)) > 1e-4  # fmt: skip
+
+
+def test_dense_pull_every_is_checked(connected):
+    for value in (0, 2.5, True):
+        with pytest.raises(ValueError, match="dense_pull_every"):
+            ee.init(ps=["127.0.0.1:1"], dense="ps", dense_pull_every=value)
+    with pytest.raises(ValueError, match="dense_pull_every"):
+        ee.init(ps=["127.0.0.1:1"], dense="local", dense_pull_every=2)
+    with shards(1) as ps, pytest.raises(ValueError, match="needs the dense weights on the PS"):
+        connected(ps=[ps[0].address], mode="async", dense_pull_every=2)  # no coordinator: local

@@ -19,7 +19,7 @@ import elastic_emb as ee
 from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import balance
-from elastic_emb.ps.local_cluster import LocalCluster
+from elastic_emb.ps.local_cluster import LocalCluster, cluster_status
 from elastic_emb.ps.membership import ClusterMap
 
 NUM_SLOTS = sharding.NUM_SLOTS
@@ -199,6 +199,8 @@ def test_a_skewed_workload_is_balanced_while_training_and_ends_bit_identical(tmp
                           if r.time - r.seconds > balanced}  # fmt: skip
                 assert time.monotonic() < deadline
             assert max(served.values()) / np.mean(list(served.values())) <= 1.2, served
+            loads = [g["load"]["keys"] for g in cluster_status(c.coordinator)["groups"]]
+            assert min(loads) > 0 and max(loads) / np.mean(loads) <= 1.2, loads
             state = cluster_state(c, "t")
         finally:
             ee.shutdown()

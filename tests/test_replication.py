@@ -121,8 +121,8 @@ def test_cluster_forms_and_reports_its_status(cluster):
     roles = sorted(s["role"] for s in status["servers"].values())
     assert roles == ["backup", "backup", "primary", "primary"]
     assert [g["ranges"] for g in status["groups"]] == [
-        [{"id": 0, "slots": [0, sharding.NUM_SLOTS // 2]}],
-        [{"id": 1, "slots": [sharding.NUM_SLOTS // 2, sharding.NUM_SLOTS]}],
+        [{"id": 0, "slots": [0, sharding.NUM_SLOTS // 2], "hot": False}],
+        [{"id": 1, "slots": [sharding.NUM_SLOTS // 2, sharding.NUM_SLOTS], "hot": False}],
     ]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic_emb.ps import membership
-from elastic_emb.ps.balance import LoadReport, read_reports
+from elastic_emb.ps.balance import MEASURES, LoadReport, read_reports
 from elastic_emb.ps.etcd import Etcd
 from elastic_emb.ps.etcd_process import EtcdProcess, start_etcd
 from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap
@@ -227,6 +227,7 @@ def cluster_status(
     with Etcd(coordinator) as etcd:
         m = ClusterMap.read(etcd)
         registered, _ = etcd.get_prefix(membership.servers_prefix(DEFAULT_PREFIX))
+        reports = {r.address: r for r in read_reports(etcd, DEFAULT_PREFIX)}
     prefix = membership.servers_prefix(DEFAULT_PREFIX)
     addresses = sorted(
         {r.key[len(prefix) :] for r in registered}
@@ -255,8 +256,12 @@ def cluster_status(
             for a in g.members
             if primary_sequence is not None and "sequence" in servers.get(a, {})
         }
-        ranges = [{"id": r.id, "slots": list(r.slots)} for r in m.ranges_of(g.id)]
-        groups.append({**g.__dict__, "ranges": ranges, "lag": lag})
+        ranges = [
+            {"id": r.id, "slots": list(r.slots), "hot": r.id in m.hot} for r in m.ranges_of(g.id)
+        ]
+        report = reports.get(g.primary)
+        load = None if report is None else dict(zip(MEASURES, report.rates.sum(1), strict=True))
+        groups.append({**g.__dict__, "ranges": ranges, "lag": lag, "load": load})
     spares = [a for a in addresses if m.group_of(a) is None]
     return {
         "coordinator": coordinator,
