@@ -13,7 +13,7 @@ Per round: steps/s (and ids/s), the max/mean of the keys each group served
 (counted from the keys sent and the map, not from the servers' meters), and
 the max/mean of each server process's CPU seconds (/proc).
 
-    python bench/balance_bench.py [--groups 4] [--rounds 3] [--seconds 8]
+    python bench/balance_bench.py [--groups 4] [--rounds 3] [--seconds 8] [--keys 65536]
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from elastic_emb.ps.local_cluster import LocalCluster
 from elastic_emb.ps.membership import ClusterMap
 
 DIM = 16
-KEYS_PER_STEP = 65536  # the batch of ../../shared/BENCH.md
 HOT_SHARE = 0.75  # of a step's ids: Zipf over ids whose slots are group 0's
 THRESHOLD = 1.2
 
@@ -44,16 +43,17 @@ def machine() -> str:
 
 
 class Workload:
-    def __init__(self, groups: int) -> None:
+    def __init__(self, groups: int, keys: int) -> None:
+        self.keys = keys  # ids per step
         ids = np.arange(4_000_000, dtype=np.int64)
         first = sharding.even_ranges(groups)[0][1]
         self.hot = ids[sharding.slot_of(ids) < first]  # group 0's slots, in a fresh map
         self.rng = np.random.default_rng(0)
 
     def step(self) -> np.ndarray:
-        n_hot = int(KEYS_PER_STEP * HOT_SHARE)
+        n_hot = int(self.keys * HOT_SHARE)
         ranks = np.minimum(self.rng.zipf(1.1, n_hot), len(self.hot)) - 1
-        uniform = self.rng.integers(0, 1 << 40, KEYS_PER_STEP - n_hot)
+        uniform = self.rng.integers(0, 1 << 40, self.keys - n_hot)
         return np.unique(np.concatenate([self.hot[ranks], uniform]))
 
 
@@ -130,18 +130,19 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--keys", type=int, default=65536, help="ids per step (BENCH.md: 65,536)")
     args = parser.parse_args()
     balancing = ["--load-window", "3", "--balance-threshold", str(THRESHOLD),
                  "--balance-after", "2"]  # fmt: skip
     print(f"# Load-aware slot balancing ({machine()})\n")
-    print(f"{args.groups} groups (R=1); steps of {KEYS_PER_STEP} ids (unique ones pulled and "
+    print(f"{args.groups} groups (R=1); steps of {args.keys} ids (unique ones pulled and "
           f"pushed, dim {DIM}, Adagrad, sync): {HOT_SHARE:.0%} Zipf(1.1) over ids of group 0's "
           f"slots, the rest uniform. Threshold {THRESHOLD}.\n")  # fmt: skip
     with (
         LocalCluster(args.groups, 1) as fixed,
         LocalCluster(args.groups, 1, server_args=balancing) as balanced,
     ):
-        work = Workload(args.groups)
+        work = Workload(args.groups, args.keys)
         moves, took = balance_first(balanced, work, 300)
         m = balanced.map()
         print(f"Balancing: {moves} moves in {took:.0f} s of training (including 10 s without a "
@@ -159,7 +160,7 @@ def main() -> None:
                 x = run_round(cluster, work, args.seconds, f"{label}_{r}")
                 results[label].append(x)
                 print(f"| {r + 1} | {label} balancing | {x['steps/s']:.1f} | "
-                      f"{x['steps/s'] * KEYS_PER_STEP:,.0f} | {x['keys max/mean']:.2f} | "
+                      f"{x['steps/s'] * args.keys:,.0f} | {x['keys max/mean']:.2f} | "
                       f"{x['cpu max/mean']:.2f} | {x['cpu s/s']:.2f} |", flush=True)  # fmt: skip
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
     pairs = zip(results["after"], results["before"], strict=True)

@@ -161,7 +161,11 @@ def _cluster_local(args: argparse.Namespace) -> int:
     if workers and not command:
         print("elastic-emb cluster local: --workers needs a command (after --)", file=sys.stderr)
         return 2
-    cluster = LocalCluster(args.shards, args.replicas, args.directory)
+    server_args = []
+    if args.balance_threshold is not None:
+        server_args = ["--balance-threshold", str(args.balance_threshold),
+                       "--balance-after", str(args.balance_after)]  # fmt: skip
+    cluster = LocalCluster(args.shards, args.replicas, args.directory, server_args=server_args)
     try:
         cluster.start()
         print(f"elastic-emb cluster: {args.shards} groups x {args.replicas} replicas ready; "
@@ -453,6 +457,16 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--shards", type=int, default=2, help="replica groups")
     local.add_argument("--replicas", type=int, default=2, help="servers per group")
     local.add_argument("--directory", help="etcd data and server logs (default: a temporary one)")
+    local.add_argument(
+        "--balance-threshold",
+        type=float,
+        metavar="RATIO",
+        help="the servers move slots away from a group carrying more than RATIO times the "
+        "mean load (`serve --balance-threshold`)",
+    )
+    local.add_argument(
+        "--balance-after", type=float, default=30.0, metavar="SECONDS", help="... for this long"
+    )
     local.add_argument(
         "--workers",
         type=int,
