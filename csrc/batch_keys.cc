@@ -63,4 +63,8 @@ void SplitBySlotRange(int64_t n, const int64_t* keys, int64_t num_ranges, const 
   while (r <= num_ranges) bounds[r++] = n;
 }
 
+void CountBySlot(int64_t n, const int64_t* keys, int64_t num_slots, int64_t* counts) {
+  for (int64_t i = 0; i < n; ++i) ++counts[VirtualSlot(keys[i], num_slots)];
+}
+
 }  // namespace elastic_emb

@@ -25,4 +25,7 @@ void SumByKey(int64_t n, const int64_t* keys, const float* grads, int dim,
 void SplitBySlotRange(int64_t n, const int64_t* keys, int64_t num_ranges, const int64_t* starts,
                       int64_t num_slots, int64_t* order, int64_t* bounds);
 
+// counts[s] += the number of keys[0..n) in virtual slot s, for s in [0, num_slots).
+void CountBySlot(int64_t n, const int64_t* keys, int64_t num_slots, int64_t* counts);
+
 }  // namespace elastic_emb

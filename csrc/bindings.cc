@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -583,6 +584,22 @@ void BindBatchKeys(py::module_& m) {
       },
       py::arg("keys"), py::arg("starts"), py::arg("num_slots"),
       "(positions of the keys ordered by slot range, then key as uint64; range bounds).");
+  m.def(
+      "count_by_slot",
+      [](const py::array& keys_in, int64_t num_slots) {
+        auto keys = CheckArray<int64_t>(keys_in, "keys", {-1});
+        EE_CHECK(num_slots > 0, "`num_slots` must be positive, got " << num_slots);
+        py::array_t<int64_t> counts(num_slots);
+        int64_t* c = counts.mutable_data();
+        std::fill(c, c + num_slots, 0);
+        const int64_t* k = keys.data();
+        {
+          py::gil_scoped_release release;
+          elastic_emb::CountBySlot(keys.shape(0), k, num_slots, c);
+        }
+        return counts;
+      },
+      py::arg("keys"), py::arg("num_slots"), "The number of keys in each virtual slot.");
 }
 
 void BindVarint(py::module_& m) {

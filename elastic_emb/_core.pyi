@@ -20,6 +20,9 @@ def encode_delta_varint(keys: np.ndarray) -> bytes:
 def decode_delta_varint(raw: bytes) -> tuple[np.ndarray, str | None]:
     """The inverse of encode_delta_varint: (keys, None), or (empty keys, what is malformed)."""
 
+def count_by_slot(keys: np.ndarray, num_slots: int) -> np.ndarray:
+    """The number of keys in each virtual slot."""
+
 def split_by_slot_range(
     keys: np.ndarray, starts: np.ndarray, num_slots: int
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from elastic_emb import _core
 from elastic_emb.ps.membership import ClusterMap, Group, Move
-from elastic_emb.sharding import NUM_SLOTS, slot_of
+from elastic_emb.sharding import NUM_SLOTS
 
 __all__ = [
     "MEASURES", "LoadMeter", "LoadReport", "Policy", "group_loads", "hot_slots", "plan_move",
@@ -103,15 +104,16 @@ class LoadMeter:
     def record(self, keys: Iterable[np.ndarray], nbytes: int, cpu_seconds: float) -> None:
         """One request: its keys (any number of arrays), and its bytes and CPU time, which
         are shared among the slots in proportion to their keys."""
-        parts = [np.asarray(k, np.int64).ravel() for k in keys]
-        all_keys = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        if not len(all_keys):
+        counts = np.zeros(NUM_SLOTS)
+        for k in keys:
+            counts += _core.count_by_slot(np.ascontiguousarray(k, np.int64).ravel(), NUM_SLOTS)
+        n = counts.sum()
+        if not n:
             return
-        counts = np.bincount(slot_of(all_keys), minlength=NUM_SLOTS).astype(np.float64)
         with self._lock:
             self._totals[0] += counts
-            self._totals[1] += counts * (nbytes / len(all_keys))
-            self._totals[2] += counts * (cpu_seconds / len(all_keys))
+            self._totals[1] += counts * (nbytes / n)
+            self._totals[2] += counts * (cpu_seconds / n)
 
     def tick(self) -> None:
         """Remembers the totals now; forgets marks older than the window needs."""
