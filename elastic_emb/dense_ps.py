@@ -23,10 +23,11 @@ Evaluation and prediction steps read the rows first (without a step), and
 `fit` refreshes the variables before each epoch's callbacks and at its end,
 so callbacks, `evaluate`, `predict` and `model.save` see the PS's values.
 
-The first worker (index 0) to find the table empty stores its initial
-values there; the others wait for them, so every worker starts from the
-same weights. A restored table (`ee.restore`, cluster checkpoints) is
-used as it is.
+One worker stores its initial values in the table while it is not
+complete: worker 0, or with a coordinator the first worker to train (it
+holds a claim in etcd under its lease, which passes on if it dies first).
+The others wait for them, so every worker starts from the same weights. A
+restored table (`ee.restore`, cluster checkpoints) is used as it is.
 """
 
 from __future__ import annotations
@@ -82,23 +83,33 @@ class DenseOnPS:
         self.pull_every = placement.dense_pull_every()
         self._steps = 0  # training steps run (for `pull_every`)
         self._last: np.ndarray | None = None  # the rows last pulled
-        self._initialize(cluster.worker_index, timeout)
+        self._initialize(timeout)
 
-    def _initialize(self, worker_index: int, timeout: float) -> None:
-        """Stores this worker's initial values if it is worker 0 and the table is empty;
-        else waits until the table holds every row."""
-        if len(self.table) == 0 and worker_index == 0:
-            initial = [keras.ops.convert_to_numpy(v) for v in self.variables]
-            self.table.import_rows(self.keys, self._rows_of(initial))
+    def _initialize(self, timeout: float) -> None:
+        """Until the table holds every row: stores this worker's initial values if it is
+        the one that initializes (`_initializes`), else waits."""
         deadline = time.monotonic() + timeout
         while len(self.table) < len(self.keys):
+            if self._initializes():
+                initial = [keras.ops.convert_to_numpy(v) for v in self.variables]
+                self.table.import_rows(self.keys, self._rows_of(initial))
+                continue
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.table.name!r} holds {len(self.table)} of {len(self.keys)} rows after "
-                    f"{timeout:g} s: worker 0 stores the initial dense weights; is it running?"
+                    f"{timeout:g} s, waiting for the worker that stores the initial dense "
+                    "weights (worker 0; with a coordinator, the first one to train)"
                 )
             time.sleep(_WAIT_SECONDS)
         self.refresh()
+
+    def _initializes(self) -> bool:
+        """Whether this worker stores the first values: worker 0 with fixed workers; with
+        a coordinator, the live worker holding the table's claim (the first to ask)."""
+        routing = self._cluster.routing
+        if routing is None:
+            return self._cluster.worker_index == 0
+        return routing.claim(f"initialize/{self.table.name}")
 
     def _rows_of(self, values: list[np.ndarray]) -> np.ndarray:
         """The variables' values (or gradients) as the table's `(rows, ROW_WIDTH)` rows."""

@@ -167,6 +167,13 @@ def _train(table: ee.Table, step: int) -> None:
     table.push(keys, (rows * 0.5 + 0.01).astype(np.float32))
 
 
+def _calls(address: str) -> dict[str, int]:
+    """The calls a server answered without an error, by method."""
+    with grpc.insecure_channel(address) as channel:
+        stats = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=5)
+    return {m.method: m.calls - m.errors for m in stats.methods}
+
+
 def _measured_imbalance(c: LocalCluster) -> float:
     m = c.map()
     primaries = {g.primary for g in m.groups}
@@ -190,6 +197,9 @@ def test_a_skewed_workload_is_balanced_while_training_and_ends_bit_identical(tmp
                 assert time.monotonic() < deadline, (m.describe(), _measured_imbalance(c))
             moved = [r for r in c.map().ranges if r.slot_begin < NUM_SLOTS // 2 and r.group]
             assert moved  # some of group 0's slots now live on group 1
+            # Group 1 serves two ranges: each step reaches it in one call per direction.
+            busier = c.map().group(1).primary
+            before, first = _calls(busier), step + 1
             # What each server served in a window that began after the move: even too.
             balanced, served = time.time(), {}
             while len(served) < 2:
@@ -199,6 +209,11 @@ def test_a_skewed_workload_is_balanced_while_training_and_ends_bit_identical(tmp
                           if r.time - r.seconds > balanced}  # fmt: skip
                 assert time.monotonic() < deadline
             assert max(served.values()) / np.mean(list(served.values())) <= 1.2, served
+            after, steps = _calls(busier), step - first + 1
+            pushes = after["PushRanges"] - before.get("PushRanges", 0)
+            assert pushes == steps and after["Push"] == before["Push"]  # both ranges, one call
+            pulls = {m: after.get(m, 0) - before.get(m, 0) for m in ("Pull", "PullRanges")}
+            assert sum(pulls.values()) == steps  # (only the moved range has keys to pull)
             loads = [g["load"]["keys"] for g in cluster_status(c.coordinator)["groups"]]
             assert min(loads) > 0 and max(loads) / np.mean(loads) <= 1.2, loads
             state = cluster_state(c, "t")
@@ -213,9 +228,7 @@ def test_a_skewed_workload_is_balanced_while_training_and_ends_bit_identical(tmp
 
 
 def _pulls_served(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        stats = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=5)
-    return sum(m.calls - m.errors for m in stats.methods if m.method == "Pull")
+    return _calls(address).get("Pull", 0)
 
 
 def test_a_hot_slot_is_marked_and_its_reads_go_to_every_replica(tmp_path):

@@ -225,6 +225,35 @@ MALFORMED: list[tuple[str, str, Builder, grpc.StatusCode, tuple[str, ...]]] = [
         ("ps_no_such_table",),
     ),
     (
+        "pull-ranges-with-an-unknown-table",
+        "PullRanges",
+        lambda w, _: ps_pb2.PullRangesRequest(
+            parts=[
+                w.pull(w.keys),
+                w.pull(w.keys, tables=[ps_pb2.TableKeys(table="ps_no_such", keys=_keys(w.keys))]),
+            ]
+        ),
+        CODE.NOT_FOUND,
+        ("ps_no_such",),
+    ),
+    (
+        "push-ranges-with-an-unknown-table",
+        "PushRanges",
+        lambda w, _: ps_pb2.PushRangesRequest(
+            parts=[
+                w.push(
+                    [
+                        ps_pb2.TableGradients(
+                            table="ps_no_such", keys=_keys(w.keys), gradients=w.grads(len(w.keys))
+                        )
+                    ]
+                )
+            ]
+        ),
+        CODE.NOT_FOUND,
+        ("ps_no_such",),
+    ),
+    (
         "export-unknown-table",
         "ExportRows",
         lambda w, _: ps_pb2.ExportRowsRequest(table="ps_no_such_table"),
@@ -427,6 +456,29 @@ def test_malformed_request_is_rejected_and_changes_nothing(raw, tmp_path, rpc, b
     pulled = np.frombuffer(reply.tables[0].values, "<f4").reshape(len(raw.keys), raw.dim)
     order = np.argsort(keys)
     np.testing.assert_array_equal(pulled, values[order][np.searchsorted(keys[order], raw.keys)])
+
+
+def test_ranges_calls_answer_as_their_parts_would_one_by_one(raw):
+    """PullRanges and PushRanges (a server's ranges in one call): the same answers, the
+    same effect, as the parts sent one by one."""
+    pulls = [raw.pull(raw.keys[:10]), raw.pull(raw.keys[5:])]
+    batched = raw.stub.PullRanges(ps_pb2.PullRangesRequest(parts=pulls), timeout=10)
+    assert [p.SerializeToString() for p in batched.parts] == [
+        raw.stub.Pull(p, timeout=10).SerializeToString() for p in pulls
+    ]
+    before = raw.stub.ExportRows(ps_pb2.ExportRowsRequest(table=raw.tables[0]), timeout=10)
+    first, again = raw.push([raw.entry(0)]), raw.push([raw.entry(0)], step=raw.step + 2)
+    answer = raw.stub.PushRanges(ps_pb2.PushRangesRequest(parts=[first]), timeout=10)
+    raw.step += 1
+    assert [p.step for p in answer.parts] == [raw.step]
+    after = raw.stub.ExportRows(ps_pb2.ExportRowsRequest(table=raw.tables[0]), timeout=10)
+    assert after.iterations == before.iterations + 1
+    # A step sent again within a batch is applied once, as alone (its own step is next).
+    both = ps_pb2.PushRangesRequest(parts=[first, again])
+    raw.stub.PushRanges(both, timeout=10)
+    raw.step += 1
+    final = raw.stub.ExportRows(ps_pb2.ExportRowsRequest(table=raw.tables[0]), timeout=10)
+    assert final.iterations == after.iterations + 1
 
 
 def test_a_push_sent_again_is_acknowledged_and_applied_once(raw):

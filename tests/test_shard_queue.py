@@ -102,6 +102,30 @@ def test_workers_without_an_index_take_the_lowest_free_one(tmp_path):
             routing.close()
 
 
+def test_the_first_worker_to_train_stores_the_dense_weights_not_worker_0(tmp_path):
+    """Worker 0 connects and compiles but waits before training; worker 1 must not wait
+    for it: it claims the dense table's first values itself and trains the whole job."""
+    from elastic_emb.ps.etcd import Etcd
+    from elastic_emb.ps.membership import DEFAULT_PREFIX, worker_key
+
+    log, go = tmp_path / "trained.log", tmp_path / "go"
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        idle = _worker(c.coordinator, log, "idle", "--start-after", str(go))
+        with Etcd(c.coordinator) as etcd:
+            deadline = time.monotonic() + 120
+            while etcd.get(worker_key(DEFAULT_PREFIX, 0)) is None:
+                assert idle.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        busy = _worker(c.coordinator, log, "busy")
+        _, stderr = busy.communicate(timeout=300)
+        assert busy.returncode == 0, stderr[-3000:]
+        go.touch()  # the queue is finished: the idle worker leaves without training
+        _, stderr = idle.communicate(timeout=300)
+        assert idle.returncode == 0, stderr[-3000:]
+    lines = [line.split() for line in log.read_text().splitlines()]
+    assert len(lines) == 128 and {(name, int(index)) for *_, name, index in lines} == {("busy", 1)}
+
+
 def test_cluster_local_runs_demo_workers_that_share_one_job_from_the_queue(tmp_path):
     """`elastic-emb cluster local --workers 2 -- elastic-emb demo --data-shards N`: etcd, a
     server and two identical workers (no index, no TF_CONFIG) that train the job's shards

@@ -201,6 +201,30 @@ class PushResponse(_message.Message):
     step: int
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
+class PullRangesRequest(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PullRequest]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ...) -> None: ...
+
+class PullRangesResponse(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PullResponse]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ...) -> None: ...
+
+class PushRangesRequest(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PushRequest]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ...) -> None: ...
+
+class PushRangesResponse(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PushResponse]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ...) -> None: ...
+
 class ImportRowsRequest(_message.Message):
     __slots__ = ("table", "keys", "values", "replace", "slots", "last_step", "update_count", "iterations", "counts", "range")
     TABLE_FIELD_NUMBER: _ClassVar[int]

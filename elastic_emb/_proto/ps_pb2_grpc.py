@@ -44,6 +44,16 @@ class ParameterServerStub(object):
                 request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
                 response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushResponse.FromString,
                 )
+        self.PullRanges = channel.unary_unary(
+                '/elastic_emb.ps.v1.ParameterServer/PullRanges',
+                request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PullRangesRequest.SerializeToString,
+                response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PullRangesResponse.FromString,
+                )
+        self.PushRanges = channel.unary_unary(
+                '/elastic_emb.ps.v1.ParameterServer/PushRanges',
+                request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushRangesRequest.SerializeToString,
+                response_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushRangesResponse.FromString,
+                )
         self.ImportRows = channel.unary_unary(
                 '/elastic_emb.ps.v1.ParameterServer/ImportRows',
                 request_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.ImportRowsRequest.SerializeToString,
@@ -141,6 +151,21 @@ class ParameterServerServicer(object):
     def Push(self, request, context):
         """Gradients of many tables in one call: one optimizer step per table.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullRanges(self, request, context):
+        """With a coordinator: the Pulls (Pushes) of one step for every slot range
+        this server serves, in one call; applied in order, and answered in order,
+        or with the status of the first that fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushRanges(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -249,6 +274,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushRequest.FromString,
                     response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'PullRanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullRanges,
+                    request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PullRangesRequest.FromString,
+                    response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PullRangesResponse.SerializeToString,
+            ),
+            'PushRanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushRanges,
+                    request_deserializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushRangesRequest.FromString,
+                    response_serializer=elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushRangesResponse.SerializeToString,
             ),
             'ImportRows': grpc.unary_unary_rpc_method_handler(
                     servicer.ImportRows,
@@ -414,6 +449,40 @@ class ParameterServer(object):
         return grpc.experimental.unary_unary(request, target, '/elastic_emb.ps.v1.ParameterServer/Push',
             elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
             elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def PullRanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/elastic_emb.ps.v1.ParameterServer/PullRanges',
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PullRangesRequest.SerializeToString,
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PullRangesResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def PushRanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/elastic_emb.ps.v1.ParameterServer/PushRanges',
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushRangesRequest.SerializeToString,
+            elastic__emb_dot_ps_dot_v1_dot_ps__pb2.PushRangesResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

@@ -80,7 +80,9 @@ class Cluster:
     primary gone (or the range moved) waits for the coordinator's new
     primary and is sent again (pushes too: a range applies a (worker, step)
     once), for up to `failover_timeout` seconds. When ranges split, the
-    worker splits its requests again and re-sends them.
+    worker splits its requests again and re-sends them. A server that
+    serves several ranges gets a step's Pulls (Pushes) of all of them in
+    one PullRanges (PushRanges) call.
 
     Raises:
         ValueError: invalid arguments.
@@ -270,7 +272,7 @@ class Cluster:
                 seen.add(id(request))
                 request.range = layout.ids[i]
             try:
-                responses = self.shards.call_all(method, requests, timeout, call=self._call_range)
+                responses = self._call_per_server(method, requests, timeout)
             except RangeChanged:
                 self.routing.wait_for_change(layout.version, 1.0)
                 continue
@@ -280,6 +282,66 @@ class Cluster:
     def _broadcast(self, method: str, request: Any, timeout: float | None = None) -> list[Any]:
         """The same request to every range."""
         return self._per_range(method, lambda layout: [request] * len(layout.ids), timeout)[1]
+
+    def _call_per_server(
+        self, method: str, requests: list[Any], timeout: float | None
+    ) -> list[Any]:
+        """`requests[i]` to range i (None: skip it), concurrently; with a coordinator, a
+        server's Pulls (Pushes) go in one PullRanges (PushRanges) call, not one per range."""
+        routing = self.routing
+        if routing is None or method not in ("Pull", "Push"):
+            return self.shards.call_all(method, requests, timeout, call=self._call_range)
+        by_server: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            if request is None:
+                continue
+            alone = (
+                method == "Pull"
+                and not request.train
+                and (self.read_from_backups or routing.hot(request.range))
+            )  # spread over the replicas: a call of its own
+            server = f"#{i}" if alone else routing.primary_of(request.range)
+            by_server.setdefault(server, []).append(i)
+        calls: list[Any] = [None] * len(by_server)
+        for n, indices in enumerate(by_server.values()):
+            calls[n] = [requests[i] if i in indices else None for i in range(len(requests))]
+        answers = self.shards.call_all(method, calls, timeout, call=self._call_ranges)
+        responses: list[Any] = [None] * len(requests)
+        for indices, answer in zip(by_server.values(), answers, strict=True):
+            for i in indices:
+                responses[i] = answer[i]
+        return responses
+
+    def _call_ranges(
+        self, n: int, method: str, requests: list[Any], timeout: float | None
+    ) -> list[Any]:
+        """The requests that are not None, to one server: in one call if several (see
+        `_call_per_server`), each on its own (following failovers and moves) if it fails."""
+        routing = self.routing
+        assert routing is not None
+        indices = [i for i, r in enumerate(requests) if r is not None]
+        out: list[Any] = [None] * len(requests)
+        if len(indices) > 1:
+            parts = [requests[i] for i in indices]
+            ranges = [r.range for r in parts]
+            address = routing.primary_of(ranges[0])
+            batch = getattr(ps_pb2, f"{method}RangesRequest")(parts=parts)
+
+            def abandon(address: str) -> bool:  # a range moved, or its primary changed
+                return any(routing.primary_of(r) != address for r in ranges)
+
+            try:
+                answer = self.shards.call(
+                    indices[0], f"{method}Ranges", batch, timeout, abandon, address
+                )
+                for i, part in zip(indices, answer.parts, strict=True):
+                    out[i] = part
+                return out
+            except (ConnectionError, RangeChanged, RuntimeError):  # NotPrimary too
+                pass  # each range on its own, as it now stands
+        for i in indices:
+            out[i] = self._call_range(i, method, requests[i], timeout)
+        return out
 
     def _call_range(self, index: int, method: str, request: Any, timeout: float | None) -> Any:
         """One call to a range's primary, following failovers and moves (a read, with

@@ -180,6 +180,24 @@ class Routing:
         )
         return index
 
+    def claim(self, name: str) -> bool:
+        """Whether this worker holds the claim `name` (`<prefix>claims/<name>`), taking
+        it if no live worker does: held under the worker's lease, so it passes on when
+        its holder dies. Needs `register_worker` first."""
+        if self.worker is None:
+            raise RuntimeError("claims are held by registered workers: call register_worker")
+        key = f"{self._prefix}claims/{name}"
+        mine = str(self.worker).encode()
+        result = self._etcd.txn(
+            [Compare.version(key, "=", 0)],
+            [Op.put(key, mine, self._worker_lease)],
+            [Op.get(key)],
+        )
+        if result.succeeded:
+            return True
+        held = result.responses[0]
+        return isinstance(held, list) and bool(held) and held[0].value == mine
+
     def _lowest_free_worker(self) -> int:
         held, _ = self._etcd.get_prefix(membership.workers_prefix(self._prefix))
         taken = {int(kv.key.rsplit("/", 1)[1]) for kv in held}

@@ -9,7 +9,8 @@ it signed: mutual TLS) and `--auth-tokens FILE` (`Tokens`). Clients:
 A token file has one token per line, `TOKEN ROLE [NAME]`, with `#` comments.
 Roles:
 
-- `worker`: what training needs: `Join`, `Leave`, `Pull`, `Push`, reads
+- `worker`: what training needs: `Join`, `Leave`, `Pull`, `Push` (and
+  their per-server batches `PullRanges`, `PushRanges`), reads
   (`DescribeTables`, `ExportRows`, `Metadata`, `Stats`, `Health`), and
   `CreateTables` of tables that exist already (connecting to them);
 - `admin`: everything, including creating tables, `ImportRows`,
@@ -43,8 +44,8 @@ __all__ = [
 
 # The methods each role may call (admin: all).
 WORKER_METHODS = frozenset(
-    ("Join", "Leave", "Pull", "Push", "DescribeTables", "ExportRows", "Metadata", "Stats",
-     "Health", "CreateTables")
+    ("Join", "Leave", "Pull", "Push", "PullRanges", "PushRanges", "DescribeTables",
+     "ExportRows", "Metadata", "Stats", "Health", "CreateTables")
 )  # fmt: skip
 ROLES = ("worker", "admin")
 

@@ -246,6 +246,13 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
+        return self._pull(request)
+
+    @_rpc
+    def PullRanges(self, request: ps_pb2.PullRangesRequest) -> ps_pb2.PullRangesResponse:
+        return ps_pb2.PullRangesResponse(parts=[self._pull(part) for part in request.parts])
+
+    def _pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
         cpu = time.thread_time()
         # train=False inserts nothing: a backup may answer it.
         shard = self._shard(request, serving=True, read_only=not request.train)
@@ -268,6 +275,13 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
+        return self._push(request)
+
+    @_rpc
+    def PushRanges(self, request: ps_pb2.PushRangesRequest) -> ps_pb2.PushRangesResponse:
+        return ps_pb2.PushRangesResponse(parts=[self._push(part) for part in request.parts])
+
+    def _push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
         cpu = time.thread_time()
         response = self._change("Push", request)
         self._count_load(protocol.table_keys(request), request, response, cpu)

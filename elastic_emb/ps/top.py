@@ -78,7 +78,11 @@ def _rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     }
 
     def mean_ms(method: str) -> float | None:
-        calls, _, secs, _, _ = delta.get(method, (0, 0, 0.0, 0, 0))
+        """Over the calls of `method` and of its per-server batches (`PullRanges`, ...)."""
+        calls = secs = 0.0
+        for name in (method, f"{method}Ranges"):
+            n, _, s, _, _ = delta.get(name, (0, 0, 0.0, 0, 0))
+            calls, secs = calls + n, secs + s
         return None if calls == 0 else 1000.0 * secs / calls
 
     out = {k: after[k] for k in ("address", "role", "step", "tables", "rows", "memory_bytes")}
