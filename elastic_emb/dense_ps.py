@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_emb import optimizers, placement
+from elastic_emb.ps.security import DENSE_TABLE_PREFIX
 from elastic_emb.table import Table
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class DenseOnPS:
             ROW_WIDTH,
             optimizer=optimizers.from_keras(model.optimizer),
             initializer="zeros",
-            name=f"ee_dense/{model.name}",
+            name=f"{DENSE_TABLE_PREFIX}{model.name}",
         )
         self._ids = {id(v) for v in self.variables}
         self._cluster = cluster

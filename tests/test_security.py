@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import keras
 import numpy as np
 import pytest
 from _certs import Authority
@@ -97,13 +98,27 @@ def test_tokens_give_workers_training_and_admins_the_rest(tmp_path):
             np.testing.assert_array_equal(t.pull(np.arange(5)), expected)  # nothing changed
         finally:
             ee.shutdown()
+        # A worker creates and fills its model's dense-weight table itself (dense="ps").
+        cluster = ee.init(ps=[ps.address], token="w0rker", mode="async", dense="ps")
+        try:
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)], name="tok")
+            model.compile(keras.optimizers.SGD(0.1), "mse")
+            initial = [w.copy() for w in model.get_weights()]
+            x, y = np.ones((8, 3), np.float32), np.zeros((8, 1), np.float32)
+            model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+            (dense,) = cluster.describe("ee_dense/tok")
+            assert dense.iterations == 2 and model.get_weights()[1] != initial[1]
+        finally:
+            ee.shutdown()
         for token in (None, "guess"):
             with pytest.raises(PermissionError, match="UNAUTHENTICATED"):
                 ee.init(ps=[ps.address], token=token)
             ee.shutdown()
         top = [*serve_command(), "top", ps.address, "--once", "--json", "--interval", "0.1"]
         done = subprocess.run([*top, "--token", "w0rker"], capture_output=True, text=True)
-        assert done.returncode == 0 and json.loads(done.stdout)[0]["rows"] == 5, done.stderr
+        rows = json.loads(done.stdout)[0]["rows"] if done.returncode == 0 else None
+        assert rows == 5 + 2, done.stderr  # "secure", and the dense table (kernel, bias)
         done = subprocess.run(top, capture_output=True, text=True)
         assert done.returncode == 1 and "UNAUTHENTICATED" in done.stdout
     records = [json.loads(line) for line in log.read_text().splitlines()]

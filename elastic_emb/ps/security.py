@@ -12,7 +12,9 @@ Roles:
 - `worker`: what training needs: `Join`, `Leave`, `Pull`, `Push` (and
   their per-server batches `PullRanges`, `PushRanges`), reads
   (`DescribeTables`, `ExportRows`, `Metadata`, `Stats`, `Health`), and
-  `CreateTables` of tables that exist already (connecting to them);
+  `CreateTables` of tables that exist already (connecting to them), and
+  `CreateTables` and `ImportRows` (without `replace`) of the tables of
+  models' dense weights (`ee_dense/...`, `ee.init(dense="ps")`);
 - `admin`: everything, including creating tables, `ImportRows`,
   `EraseRows`, `Save` and `Restore`.
 
@@ -48,6 +50,9 @@ WORKER_METHODS = frozenset(
      "ExportRows", "Metadata", "Stats", "Health", "CreateTables")
 )  # fmt: skip
 ROLES = ("worker", "admin")
+# Tables of models' dense weights (`elastic_emb.dense_ps`): workers create them and store
+# their first values (CreateTables, ImportRows without `replace`) with the worker role.
+DENSE_TABLE_PREFIX = "ee_dense/"
 
 
 def _read(path: Any, what: str) -> bytes:
@@ -115,13 +120,14 @@ class Tokens:
         return None
 
     @staticmethod
-    def allows(caller: Caller, method: str, creates_nothing: Callable[[], bool]) -> bool:
-        """Whether `caller` may call `method`; `creates_nothing()` tells whether a
-        CreateTables only names tables that exist."""
+    def allows(caller: Caller, method: str, workers_may: Callable[[], bool]) -> bool:
+        """Whether `caller` may call `method`; `workers_may()` tells whether a
+        CreateTables or ImportRows touches only what workers may: tables that exist
+        (CreateTables), or the dense-weight tables (`DENSE_TABLE_PREFIX`)."""
         if caller.role == "admin":
             return True
-        if method == "CreateTables":
-            return creates_nothing()
+        if method in ("CreateTables", "ImportRows"):
+            return workers_may()
         return method in WORKER_METHODS
 
 

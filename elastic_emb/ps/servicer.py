@@ -27,7 +27,7 @@ from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol
 from elastic_emb.ps.audit import AuditLog, summary
 from elastic_emb.ps.balance import LoadMeter
-from elastic_emb.ps.security import Caller, Tokens
+from elastic_emb.ps.security import DENSE_TABLE_PREFIX, Caller, Tokens
 from elastic_emb.ps.shard import Ranges, RequestError, Shard, invalid
 
 if TYPE_CHECKING:
@@ -146,16 +146,20 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     def _authorize(self, caller: Caller, method: str, request: Any) -> None:
         """RequestError unless the caller's role allows the call."""
 
-        def creates_nothing() -> bool:
+        def workers_may() -> bool:
+            if method == "ImportRows":
+                return request.table.startswith(DENSE_TABLE_PREFIX) and not request.replace
+            if all(t.name.startswith(DENSE_TABLE_PREFIX) for t in request.tables):
+                return True
             shard = self.ranges.find(request.range)
             return shard is not None and all(shard.has_table(t.name) for t in request.tables)
 
-        if not Tokens.allows(caller, method, creates_nothing):
+        if not Tokens.allows(caller, method, workers_may):
             raise RequestError(
                 "PERMISSION_DENIED",
                 f"{method} needs the admin role; {caller.name!r} has the {caller.role} role "
-                "(workers may train on tables that exist; an admin creates, imports, erases, "
-                "saves and restores them)",
+                "(workers may train on tables that exist and create and fill those of dense "
+                "weights; an admin creates, imports, erases, saves and restores them)",
             )
 
     def _audit(self, method: str, request: Any, context: Any, caller: str, result: str) -> None:
