@@ -265,3 +265,49 @@ def test_a_hot_slot_is_marked_and_its_reads_go_to_every_replica(tmp_path):
             assert _pulls_served(other_backup) == served  # not hot: the primary answers
         finally:
             ee.shutdown()
+
+
+def _mixed_step(step: int) -> np.ndarray:
+    """Skewed keys, and some anywhere: both of a group's ranges get pulls and pushes."""
+    spread = np.random.default_rng([step, 1]).integers(0, 20000, 16)
+    return np.unique(np.concatenate([_skewed_step(step), spread]))
+
+
+def test_a_primary_serving_two_ranges_killed_while_training_loses_nothing(tmp_path):
+    """R=2: after a load move group 1 serves two ranges in one call per direction; its
+    primary is SIGKILLed while a worker trains (sync), its backup takes over, and the
+    table ends bit-identical to in-process training."""
+    args = ["--load-window", "2", "--balance-threshold", "1.2", "--balance-after", "1"]
+
+    def train(table: ee.Table, step: int) -> None:
+        keys = _mixed_step(step)
+        rows = table.pull(keys)
+        table.push(keys, (rows * 0.5 + 0.01).astype(np.float32))
+
+    with LocalCluster(2, 2, tmp_path / "cluster", server_args=args) as c:
+        ee.init(coordinator=c.coordinator, mode="sync")
+        try:
+            table = make_table("t")
+            step, deadline = 0, time.monotonic() + 120
+            while len(c.map().ranges_of(1)) < 2 or c.map().move is not None:
+                step += 1
+                train(table, step)
+                assert time.monotonic() < deadline, c.map().describe()
+            victim = c.map().group(1).primary
+            calls = _calls(victim)
+            for _ in range(5):
+                step += 1
+                train(table, step)
+            assert _calls(victim)["PullRanges"] - calls.get("PullRanges", 0) == 5
+            c.kill(victim)
+            for _ in range(20):  # the first ones fail over to the backup
+                step += 1
+                train(table, step)
+            assert c.map().group(1).primary != victim
+            state = cluster_state(c, "t")
+        finally:
+            ee.shutdown()
+    reference = make_table("t")
+    for s in range(1, step + 1):
+        train(reference, s)
+    assert_same_state(state, sorted_state(reference.export_state()))
