@@ -321,10 +321,10 @@ class Cluster:
         assert routing is not None
         indices = [i for i, r in enumerate(requests) if r is not None]
         out: list[Any] = [None] * len(requests)
-        if len(indices) > 1:
+        address = routing.primary_of(requests[indices[0]].range) if indices else ""
+        if len(indices) > 1 and address:  # (no primary now: each waits for its own)
             parts = [requests[i] for i in indices]
             ranges = [r.range for r in parts]
-            address = routing.primary_of(ranges[0])
             batch = getattr(ps_pb2, f"{method}RangesRequest")(parts=parts)
 
             def abandon(address: str) -> bool:  # a range moved, or its primary changed
