@@ -226,10 +226,10 @@ def plan_move(m: ClusterMap, loads: np.ndarray, threshold: float) -> ClusterMap 
     When the most loaded group carries more than `threshold` times the mean:
     it gives the least loaded group the upper part [slot, end) of one of its
     ranges (all of it when slot is its begin) whose load comes closest to
-    what takes both groups nearest the mean, without overshooting: the
-    larger of the two loads after the move is lower by at least `MIN_GAIN`
-    of the mean. None when no such move exists (a hot slot), with a move
-    under way, or before the map is sealed.
+    what takes both groups nearest the mean, among the moves after which the
+    larger of the two loads is lower by at least `MIN_GAIN` of the mean.
+    None when no such move exists (a hot slot), with a move under way, or
+    before the map is sealed.
     """
     if m.move is not None or not m.sealed:
         return None
