@@ -246,9 +246,7 @@ def pull_request(
 
 def pulled_keys(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:
     """(table name, keys) of each table of a Pull."""
-    return [
-        (t.table, decode_keys(t.keys, f"keys of {t.table}", t.key_encoding)) for t in request.tables
-    ]
+    return [(t.table, keys) for t, keys in zip(request.tables, table_keys(request), strict=True)]
 
 
 def table_keys(request: Any) -> list[np.ndarray]:
