@@ -132,9 +132,11 @@ setup(
     # grpcio, protobuf and ml_dtypes are TensorFlow's own dependencies too; the
     # generated code in elastic_emb/_proto works with protobuf 4.25 through 7.x.
     install_requires=[
+        # The Keras range tested (docs/keras.md#supported-versions): 3.3.3 is what
+        # TensorFlow 2.16 installs, and .ci/run tests it with TF 2.16.2.
+        "keras>=3.3.3",
         "numpy>=1.23",
         "grpcio>=1.59",
-        "grpcio-health-checking>=1.59",
         "protobuf>=4.25.1,<8",
         "ml_dtypes>=0.3.1",
         # The servers' Prometheus metrics (elastic-emb serve --metrics-port).
@@ -150,6 +152,8 @@ setup(
         "disk": ["lmdb>=1.4"],
         "test": [
             "pytest>=7",
+            # An independent grpc.health.v1 client for the health tests.
+            "grpcio-health-checking>=1.59",
             "ruff>=0.6",
             "mypy>=1.10",
             "clang-format>=18",

@@ -260,18 +260,17 @@ def _apply_delta(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     """Asks the standard gRPC health service (grpc.health.v1), as Kubernetes' probes do."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from elastic_emb.ps.health import SERVING, HealthCheckResponse, check
 
     with grpc.insecure_channel(args.address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=args.timeout
-            )
+            reply = check(channel, "", timeout=args.timeout)
         except grpc.RpcError as e:
             print(f"{args.address}: not serving ({e.code().name}: {e.details()})", file=sys.stderr)
             return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+    status = HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != SERVING:
         print(f"{args.address}: not serving ({status})", file=sys.stderr)
         return 1
     print(f"{args.address}: serving")

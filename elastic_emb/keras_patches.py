@@ -156,7 +156,8 @@ def fuse_functional_lookups(fused_call: Callable[..., Any]) -> None:
     _call_wrapped = True
 
 
-def _keras_version() -> tuple[int, int]:
+def keras_version() -> tuple[int, int]:
+    """(major, minor) of the Keras imported."""
     match = re.match(r"(\d+)\.(\d+)", keras.__version__)
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
@@ -166,7 +167,7 @@ def fix_keras_multi_worker() -> None:
     global _applied
     if _applied:
         return
-    version = _keras_version()
+    version = keras_version()
     if version[0] != 3:
         raise RuntimeError(
             f"elastic_emb's multi-worker patch supports Keras 3; this is Keras {keras.__version__}"

@@ -23,7 +23,7 @@ __all__ = ["register_when_keras_loads"]
 
 # The modules whose import registers Keras classes (decorated with
 # keras.saving.register_keras_serializable).
-KERAS_MODULES = ("elastic_emb.layers",)
+KERAS_MODULES = ("elastic_emb.layers", "elastic_emb.multi_feature")
 
 
 def register_when_keras_loads() -> None:

@@ -221,7 +221,10 @@ class Embedding(keras.layers.Layer):
         )
         # Keras optimizers assign such a variable its gradient (zero) instead
         # of running their update rule: no slots, no update math per step.
-        self._push_trigger.overwrite_with_gradient = True
+        # (Before Keras 3.10, a step whose only trainable variables are such
+        # raises "No gradients provided": there the update rule runs, on a
+        # zero gradient, which leaves the trigger at zero.)
+        self._push_trigger.overwrite_with_gradient = keras_patches.keras_version() >= (3, 10)
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
@@ -257,6 +260,12 @@ class Embedding(keras.layers.Layer):
         if self.combiner is not None:
             return (shape[0], self.output_dim)
         return (*shape, self.output_dim)
+
+    def compute_output_spec(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        shape = self.compute_output_shape(inputs.shape)
+        if self.combiner is None and getattr(inputs, "ragged", False):  # (Keras >= 3.9)
+            return keras.KerasTensor(shape, dtype=self.compute_dtype, ragged=True)
+        return keras.KerasTensor(shape, dtype=self.compute_dtype)
 
     def get_config(self) -> dict[str, Any]:
         base_config = super().get_config()
@@ -307,7 +316,8 @@ class Embedding(keras.layers.Layer):
 
     def load_own_variables(self, store: Any) -> None:
         self._push_trigger.assign(np.asarray(store["0"]))
-        if "table_config" not in store:
+        saved_keys = set(store.keys())  # (Keras < 3.6 stores have no `in`)
+        if "table_config" not in saved_keys:
             warnings.warn(
                 f"The saved layer {self.name!r} holds no table rows (written by elastic_emb "
                 "0.1, which saved none): its table keeps its current rows.",
@@ -319,7 +329,7 @@ class Embedding(keras.layers.Layer):
         checkpoint.check_fits(self.table, saved, f"the saved layer {self.name!r}")
         arrays = {f: np.asarray(store[f"table_{f}"]) for f in TableState.FIELDS}
         iterations = int(np.asarray(store["table_iterations"])[0])
-        counts = np.asarray(store["table_counts"]) if "table_counts" in store else None
+        counts = np.asarray(store["table_counts"]) if "table_counts" in saved_keys else None
         self.table.load_state(TableState(**arrays, iterations=iterations, counts=counts))
 
     @property
@@ -350,13 +360,15 @@ class Embedding(keras.layers.Layer):
     # Internals.
 
     def _import_pretrained(self, weights: Any) -> None:
-        """`weights=[matrix]`: row i of the matrix becomes the row of id i."""
-        if not isinstance(weights, list | tuple) or len(weights) != 1:
-            raise ValueError(
-                "`weights` must be a list holding one (n, output_dim) matrix, as for "
-                f"keras.layers.Embedding. Received: {type(weights).__name__}"
-            )
-        matrix = np.asarray(weights[0])
+        """`weights=matrix` or `[matrix]`: row i of the matrix becomes the row of id i."""
+        if isinstance(weights, list | tuple):
+            if len(weights) != 1:
+                raise ValueError(
+                    "`weights` must be one (n, output_dim) matrix, or a list holding it, as for "
+                    f"keras.layers.Embedding. Received: a list of {len(weights)}"
+                )
+            weights = weights[0]
+        matrix = np.asarray(weights)
         if matrix.ndim != 2 or matrix.shape[1] != self.output_dim:
             raise ValueError(
                 f"`weights` must hold one matrix of shape (n, {self.output_dim}). "

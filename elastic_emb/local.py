@@ -261,34 +261,35 @@ class LocalTable(Table):
 class _LocalStep(StepFusion):
     """The layers' lookup of an in-process table: one core call per lookup and per push.
 
-    Under a `tf.distribute` strategy every replica's backward pass pushes its
-    own gradient; they are summed into one push, so the table sees one step
-    (one optimizer update per key), as without the strategy. That push is
-    checked as a whole: if any replica's gradient, or any key's sum across
-    replicas, is not finite, no replica's gradient is applied.
+    A step can push several times: a layer called twice, and under a
+    `tf.distribute` strategy every replica's backward pass. The pushes are
+    summed into one, so the table sees one step (one optimizer update per
+    key), as a remote table and stock Keras do. That push is checked as a
+    whole: if any part of it, or any key's sum, is not finite, none of it is
+    applied.
     """
 
     def __init__(self, table: LocalTable) -> None:
         # A proxy: no reference cycle, so a table is freed as soon as it is unused.
         self._table = weakref.proxy(table)
-        self._lock = threading.Lock()  # guards _replica_pushes
-        self._replica_pushes: list[tuple[np.ndarray, np.ndarray]] = []
+        self._lock = threading.Lock()  # guards _step_pushes
+        self._step_pushes: list[tuple[np.ndarray, np.ndarray]] = []
 
     def lookup(self, keys: np.ndarray, insert: bool, expects_push: bool) -> np.ndarray:
         return self._table.pull(keys, train=insert)
 
-    def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
+    def push_gradient(self, keys: np.ndarray, grads: np.ndarray, step_pushes: int) -> None:
         k = check_keys(keys)
         keys, grads = _core.sum_by_key(k, check_rows(grads, "grads", len(k), self._table.dim))
         # sum_by_key's arrays are checked already: straight to the step.
-        if num_replicas == 1:
+        if step_pushes == 1:
             self._table._push(keys, grads)
             return
         with self._lock:
-            self._replica_pushes.append((keys, grads))
-            if len(self._replica_pushes) < num_replicas:
+            self._step_pushes.append((keys, grads))
+            if len(self._step_pushes) < step_pushes:
                 return
-            batch, self._replica_pushes = self._replica_pushes, []
+            batch, self._step_pushes = self._step_pushes, []
         self._table._push(
             np.concatenate([k for k, _ in batch]), np.concatenate([g for _, g in batch])
         )

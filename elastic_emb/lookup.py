@@ -69,14 +69,18 @@ def rows_of(lookups: list[tuple[Embedding, tf.Tensor]], training: bool | None) -
         return _pull(requests, ids, trigger_reads[0])
 
     pushing = [i for i, r in enumerate(requests) if r.expects_push]
-    num_replicas = local_replicas()
+    # How many pushes each table gets per run of the traced step: one per
+    # lookup whose gradient the step computes, on every replica. Eagerly, a
+    # push is a step of its own (one per replica).
+    step_pushes: collections.Counter[int] | None = None
 
     def push(*arrays: np.ndarray) -> np.ndarray:
         keys, grads = arrays[: len(pushing)], arrays[len(pushing) :]
-        # Last lookup first, the order backprop reaches per-layer lookups in (a
-        # layer called twice pushes twice, and its optimizer sees that order).
-        for i, k, g in reversed(list(zip(pushing, keys, grads, strict=True))):
-            requests[i].fusion.push_gradient(k, g, num_replicas)
+        for i, k, g in zip(pushing, keys, grads, strict=True):
+            fusion = requests[i].fusion
+            fusion.push_gradient(
+                k, g, local_replicas() if step_pushes is None else step_pushes[id(fusion)]
+            )
         return np.zeros((1,), np.float32)
 
     @tf.custom_gradient
@@ -84,6 +88,11 @@ def rows_of(lookups: list[tuple[Embedding, tf.Tensor]], training: bool | None) -
         ids, reads = list(inputs[: len(requests)]), list(inputs[len(requests) :])
 
         def grad(*upstream: tf.Tensor) -> list[tf.Tensor | None]:
+            nonlocal step_pushes
+            if not tf.executing_eagerly():  # traced: count this step's pushes per table
+                graph = tf.compat.v1.get_default_graph()
+                step_pushes = _STEP_PUSHES.setdefault(graph, collections.Counter())
+                step_pushes.update(id(requests[i].fusion) for i in pushing)
             pushed = tf.numpy_function(
                 push,
                 [ids[i] for i in pushing] + [tf.cast(upstream[i], tf.float32) for i in pushing],
@@ -95,6 +104,10 @@ def rows_of(lookups: list[tuple[Embedding, tf.Tensor]], training: bool | None) -
         return _pull(requests, ids, reads[0]), grad
 
     return list(looked_up(*ids, *trigger_reads))
+
+
+# Per traced step: how many pushes each table (its StepFusion's id) gets per run.
+_STEP_PUSHES: weakref.WeakKeyDictionary[Any, collections.Counter[int]] = weakref.WeakKeyDictionary()
 
 
 def _pull(requests: list[_Request], ids: list[tf.Tensor], trigger: tf.Tensor) -> list[tf.Tensor]:
@@ -295,7 +308,7 @@ def lookahead(layer_type: type[Embedding], dataset: tf.data.Dataset, model: Any)
 
 def _keys_of(plan: _Plan, model: Any, inputs: Any) -> list[tf.Tensor]:
     """Each planned call's flat int64 keys, computed from the model's `inputs`."""
-    ids = plan.ids._run_through_graph(model._standardize_inputs(inputs))
+    ids = plan.ids._run_through_graph(model._standardize_inputs(inputs), lambda op: op)
     return [layer._flat_keys(x) for layer, x in zip(plan.layers, ids, strict=True)]
 
 

@@ -7,22 +7,53 @@ signature: a nested structure of inputs (dense, ragged or sparse ids, with
 optional per-id weights) to the same structure of embeddings. Each table is
 a growing `ee.Table` (no vocabulary limit, sparse updates) trained by the
 table config's optimizer; features that share a table make one lookup and
-one push per step. The combiners follow keras-rs's `EmbedReduce`.
+one push per step. The combiners follow keras-rs's `EmbedReduce`. The layer
+round-trips through `get_config`/`from_config` and `.keras` files, its tables'
+rows with it (each table is an `ee.Embedding` sublayer).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from elastic_emb import lookup
+from elastic_emb import initializers, lookup, optimizers
 from elastic_emb.layers import Embedding
 
 __all__ = ["DistributedEmbedding"]
 
+# The table attributes the layer reads, written by `get_config` for table
+# configs that are not keras-rs's (all of a keras-rs `TableConfig`'s fields are).
+_TABLE_ATTRS = ("name", "vocabulary_size", "embedding_dim", "initializer", "optimizer", "combiner")
 
+
+@dataclasses.dataclass
+class _TableConfig:
+    """A table config that `DistributedEmbedding.from_config` rebuilds other than keras-rs's."""
+
+    name: str
+    vocabulary_size: int
+    embedding_dim: int
+    initializer: Any
+    optimizer: Any
+    combiner: str = "mean"
+
+
+@dataclasses.dataclass
+class _FeatureConfig:
+    """A feature config that `DistributedEmbedding.from_config` rebuilds other than keras-rs's."""
+
+    name: str
+    table: Any
+    input_shape: Any
+    output_shape: Any = None
+
+
+@keras.saving.register_keras_serializable(package="elastic_emb")
 class DistributedEmbedding(keras.layers.Layer):
     """Embeds and combines many features, keras-rs style, on elastic_emb tables.
 
@@ -42,7 +73,7 @@ class DistributedEmbedding(keras.layers.Layer):
             `VarianceScaling`-style initializers, not as a limit),
             `initializer`, `optimizer` and `combiner` ("mean", "sum", "sqrtn").
         table_stacking, update_stats: accepted for keras-rs compatibility
-            (TPU options; no effect here).
+            (TPU options; no effect here, kept in the config).
 
     Call arguments:
         inputs: the structure of `feature_configs`, of int ids: `(batch,)`
@@ -54,6 +85,12 @@ class DistributedEmbedding(keras.layers.Layer):
 
     Returns:
         The structure of `feature_configs`, each `(batch, embedding_dim)`.
+
+    `get_config()` writes the configs as keras-rs's `DistributedEmbedding`
+    does (each table once, in `"tables"`; features refer to it by index);
+    `from_config` rebuilds keras-rs configs where they were keras-rs's and
+    keras-rs is installed, else plain dataclasses with the same attributes.
+    Lists and tuples of features come back as lists.
     """
 
     def __init__(
@@ -65,7 +102,8 @@ class DistributedEmbedding(keras.layers.Layer):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        del table_stacking, update_stats
+        self.table_stacking = table_stacking
+        self.update_stats = update_stats
         # Kept as given, not as a Keras-tracked copy, to match the inputs' structure.
         object.__setattr__(self, "_feature_configs", feature_configs)
         object.__setattr__(self, "_features", keras.tree.flatten(feature_configs))
@@ -132,10 +170,122 @@ class DistributedEmbedding(keras.layers.Layer):
             lambda f: (None, f.table.embedding_dim), self._feature_configs
         )
 
+    def get_config(self) -> dict[str, Any]:
+        base_config = super().get_config()
+        as_keras_rs = all(_is_keras_rs(feature) for feature in self._features)
+        tables: list[dict[str, Any]] = []
+        index: dict[int, int] = {}  # id(table config) -> its index in `tables`
+
+        def feature_config(feature: Any) -> dict[str, Any]:
+            table = feature.table
+            if id(table) not in index:
+                index[id(table)] = len(tables)
+                tables.append(_table_config(table, as_keras_rs))
+            return {
+                "name": feature.name,
+                "table": index[id(table)],
+                "input_shape": _shape(feature.input_shape),
+                "output_shape": _shape(getattr(feature, "output_shape", None)),
+            }
+
+        config = {
+            "feature_configs": keras.tree.map_structure(feature_config, self._feature_configs),
+            "tables": tables,
+            "config_objects": "keras_rs" if as_keras_rs else "plain",
+            "table_stacking": self.table_stacking,
+            "update_stats": self.update_stats,
+        }
+        return {**base_config, **config}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> DistributedEmbedding:
+        config = dict(config)
+        table_configs = config.pop("tables")
+        # A config without "config_objects" is keras-rs's own DistributedEmbedding's.
+        kind = config.pop("config_objects", "keras_rs")
+        table_cls: Any = _TableConfig
+        feature_cls: Any = _FeatureConfig
+        if kind == "keras_rs":
+            try:
+                import keras_rs
+
+                table_cls = keras_rs.layers.TableConfig
+                feature_cls = keras_rs.layers.FeatureConfig
+            except ImportError:
+                pass
+        tables: list[Any] = [None] * len(table_configs)
+
+        def feature(node: Any) -> Any:
+            if not (isinstance(node, dict) and isinstance(node.get("name"), str)):
+                return None  # not a feature: `traverse` recurses into it
+            i = node["table"]
+            if tables[i] is None:
+                tables[i] = _table_from_config(table_configs[i], table_cls)
+            return feature_cls(
+                name=node["name"],
+                table=tables[i],
+                input_shape=_shape(node["input_shape"]),
+                output_shape=_shape(node.get("output_shape")),
+            )
+
+        config["feature_configs"] = keras.tree.traverse(feature, config["feature_configs"])
+        return cls(**config)
+
+    @property
+    def feature_configs(self) -> Any:
+        """The feature configs, as given (or as rebuilt by `from_config`)."""
+        return self._feature_configs
+
     @property
     def tables(self) -> dict[str, Any]:
         """The `ee.Table` of each table config, by table name."""
         return {layer.name: layer.table for layer in self._table_layers}
+
+
+def _is_keras_rs(feature: Any) -> bool:
+    """Whether `feature` and its table are keras-rs's config classes (never imports keras-rs)."""
+    layers = getattr(sys.modules.get("keras_rs"), "layers", None)
+    return (
+        layers is not None
+        and isinstance(feature, layers.FeatureConfig)
+        and isinstance(feature.table, layers.TableConfig)
+    )
+
+
+def _shape(shape: Any) -> Any:
+    """A feature shape as a tuple (JSON turns tuples into lists), or None."""
+    return None if shape is None else tuple(shape)
+
+
+def _table_config(table: Any, as_keras_rs: bool) -> dict[str, Any]:
+    """The dict of keras-rs's `TableConfig.get_config` (its fields, or `_TABLE_ATTRS`),
+    with elastic_emb initializers and optimizers written so that they load back."""
+    names = [f.name for f in dataclasses.fields(table)] if as_keras_rs else _TABLE_ATTRS
+    config = {name: getattr(table, name) for name in names}
+    init = table.initializer
+    if isinstance(init, initializers.InitializerSpec):
+        init = init.to_keras()
+    config["initializer"] = keras.saving.serialize_keras_object(init)
+    opt = table.optimizer
+    if isinstance(opt, optimizers.Optimizer):
+        # Keras cannot deserialize these: marked, and read back by `_table_from_config`.
+        config["optimizer"] = {"module": optimizers.__name__, "config": opt.get_config()}
+    else:
+        config["optimizer"] = keras.saving.serialize_keras_object(opt)
+    return config
+
+
+def _table_from_config(config: dict[str, Any], table_cls: Any) -> Any:
+    config = dict(config)
+    if table_cls is _TableConfig:
+        config = {k: v for k, v in config.items() if k in _TABLE_ATTRS}
+    config["initializer"] = keras.saving.deserialize_keras_object(config["initializer"])
+    opt = config["optimizer"]
+    if isinstance(opt, dict) and opt.get("module") == optimizers.__name__:
+        config["optimizer"] = optimizers.Optimizer.from_config(opt["config"])
+    else:
+        config["optimizer"] = keras.saving.deserialize_keras_object(opt)
+    return table_cls(**config)
 
 
 def _ids_of(x: Any) -> tf.Tensor:

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 from collections.abc import Iterator
@@ -235,10 +236,15 @@ def export(
         for spec in tf.nest.flatten(input_signature or [])
         if isinstance(spec, tf.TypeSpec) and not isinstance(spec, tf.TensorSpec)
     ]
+    # Keras < 3.8's export takes no input signature, and < 3.6 no `verbose`.
+    takes = inspect.signature(model.export).parameters
+    if "verbose" in takes:
+        kwargs["verbose"] = verbose
     with serving(model, layers, row_dtype, path):
-        if not composite:
-            model.export(path, format="tf_saved_model", input_signature=input_signature,
-                         verbose=verbose, **kwargs)  # fmt: skip
+        if not composite and (input_signature is None or "input_signature" in takes):
+            if input_signature is not None:
+                kwargs["input_signature"] = input_signature
+            model.export(path, format="tf_saved_model", **kwargs)
             return
         import keras
 
@@ -248,7 +254,10 @@ def export(
         serve = tf.function(lambda *inputs: model(*inputs, training=False), autograph=False)
         serve.get_concrete_function(*input_signature)
         archive.add_endpoint("serve", serve)
-        archive.write_out(str(path), verbose=verbose)
+        if "verbose" in inspect.signature(archive.write_out).parameters:
+            archive.write_out(str(path), verbose=verbose)
+        else:
+            archive.write_out(str(path))
 
 
 # The manifest.

@@ -625,7 +625,8 @@ class StepFusion(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
-        """A layer's gradient, float32 `(n, dim)` for its ids `(n,)` as looked up, from one
-        of `num_replicas` replicas of this process (the table applies the step's gradients
-        once, summed per id)."""
+    def push_gradient(self, keys: np.ndarray, grads: np.ndarray, step_pushes: int) -> None:
+        """A layer's gradient, float32 `(n, dim)` for its ids `(n,)` as looked up: one of
+        the `step_pushes` pushes the table gets in this step (one per lookup whose gradient
+        the step computes, on every replica of this process). The table applies the step's
+        gradients once, summed per id."""

@@ -14,12 +14,16 @@ python3 -m venv "$tmp/venv"
 mkdir -p "$tmp/out"
 "$tmp/venv/bin/python" -m grpc_tools.protoc -Iprotos --python_out="$tmp/out" \
   --pyi_out="$tmp/out" --grpc_python_out="$tmp/out" protos/elastic_emb/ps/v1/ps.proto
+# health.proto: messages only (elastic_emb/ps/health.py registers the service).
+"$tmp/venv/bin/python" -m grpc_tools.protoc -Iprotos --python_out="$tmp/out" \
+  --pyi_out="$tmp/out" protos/elastic_emb/ps/v1/health.proto
 gen="$tmp/out/elastic_emb/ps/v1"
 # Generated modules import each other by proto package; ours are flat and private.
 sed -i 's/^from elastic_emb\.ps\.v1 import ps_pb2/from elastic_emb._proto import ps_pb2/' \
   "$gen/ps_pb2_grpc.py"
+files=(ps_pb2.py ps_pb2.pyi ps_pb2_grpc.py health_pb2.py health_pb2.pyi)
 if [ "${1:-}" = "--check" ]; then
-  for f in ps_pb2.py ps_pb2.pyi ps_pb2_grpc.py; do
+  for f in "${files[@]}"; do
     diff -u "elastic_emb/_proto/$f" "$gen/$f" || {
       echo "elastic_emb/_proto/$f is out of date: run protos/generate.sh" >&2
       exit 1
@@ -28,6 +32,6 @@ if [ "${1:-}" = "--check" ]; then
   echo "elastic_emb/_proto/ matches protos/"
 else
   mkdir -p elastic_emb/_proto
-  cp "$gen/ps_pb2.py" "$gen/ps_pb2.pyi" "$gen/ps_pb2_grpc.py" elastic_emb/_proto/
+  for f in "${files[@]}"; do cp "$gen/$f" elastic_emb/_proto/; done
   echo '"""Generated from protos/ by protos/generate.sh; do not edit."""' >elastic_emb/_proto/__init__.py
 fi

@@ -39,11 +39,19 @@ _LOAD = textwrap.dedent(
             arg = tf.RaggedTensor.from_row_lengths(inputs["values"], inputs["lengths"])
         else:
             arg = {k: tf.constant(v) for k, v in inputs.items()}
+            (spec,) = loaded.serve.concrete_functions[0].structured_input_signature[0]
+            # Keras < 3.8 exports dict inputs as a list of named inputs, or one input.
+            if isinstance(spec, (list, tuple)):
+                arg = [arg[s.name] for s in spec]
+            elif isinstance(spec, tf.TensorSpec):
+                arg = arg[spec.name]
         worst = max(worst, float(np.abs(loaded.serve(arg).numpy() - expected).max()))
         if "ragged" in inputs:
             continue
         # TF Serving's signature, in TF2 and as TF Serving runs it (graph, restore op).
-        (out,) = loaded.signatures["serving_default"](**arg).values()
+        (out,) = loaded.signatures["serving_default"](
+            **{k: tf.constant(v) for k, v in inputs.items()}
+        ).values()
         worst = max(worst, float(np.abs(out.numpy() - expected).max()))
         with tf.Graph().as_default(), tf.compat.v1.Session() as session:
             meta = tf.compat.v1.saved_model.loader.load(session, ["serve"], path)

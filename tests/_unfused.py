@@ -3,7 +3,8 @@
 `UnfusedEmbedding` is `ee.Embedding` with the lookup path it had before the
 tables took duplicate ids themselves: `tf.unique`, a pull of the distinct ids,
 `tf.gather`, and a gradient summed by `tf.math.unsorted_segment_sum` before
-`Table.push` (one push per step, the replicas of a strategy summed). `train`
+`Table.push` (one push per step: the calls of a layer and the replicas of a strategy
+summed). `train`
 fits the same model of mixed tables (dims, optimizers, combiners, string keys,
 a layer called twice) with either layer, for the tests to compare bit for bit.
 """
@@ -22,7 +23,9 @@ import elastic_emb as ee
 from elastic_emb.lookup import local_replicas
 
 _LOCK = threading.Lock()
-_PENDING: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # replica pushes by table
+_PENDING: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # a step's pushes by table
+# Per traced graph and table: the lookups traced in it.
+_LOOKUPS: weakref.WeakKeyDictionary[Any, dict[str, list[int]]] = weakref.WeakKeyDictionary()
 
 
 class UnfusedEmbedding(ee.Embedding):
@@ -33,9 +36,16 @@ class UnfusedEmbedding(ee.Embedding):
         # A proxy, as the layer's own path holds it: TensorFlow keeps these
         # functions alive, and must not keep the table alive through them.
         table, insert = weakref.proxy(self.table), bool(training) and self.trainable
-        replicas = local_replicas()
-        # One list per table, shared by the replicas (each traces its own lookup).
+        # One list per table, shared by the replicas (each traces its own lookup);
+        # a step pushes once per lookup traced in it (a layer called twice, every
+        # replica), and the table applies their sum once.
         lock, pending = _LOCK, _PENDING.setdefault(table.name, [])
+        if tf.executing_eagerly():
+            lookups = [local_replicas()]
+        else:
+            lookups = _LOOKUPS.setdefault(tf.compat.v1.get_default_graph(), {})
+            lookups = lookups.setdefault(table.name, [0])
+            lookups[0] += 1
 
         def pull(keys: np.ndarray, _trigger: np.ndarray) -> np.ndarray:
             return table.pull(keys, train=insert)
@@ -43,7 +53,7 @@ class UnfusedEmbedding(ee.Embedding):
         def push(keys: np.ndarray, grads: np.ndarray) -> np.ndarray:
             with lock:
                 pending.append((keys, grads))
-                if len(pending) < replicas:
+                if len(pending) < lookups[0]:
                     return np.zeros((1,), np.float32)
                 batch = pending[:]
                 pending.clear()

@@ -10,6 +10,7 @@ import tensorflow as tf
 from _processes import run_python
 
 import elastic_emb as ee
+from elastic_emb.keras_patches import keras_version
 
 HERE = Path(__file__).parent
 
@@ -46,10 +47,16 @@ def _keras_optimizer_classes():
 def test_one_push_per_training_step_with_every_compile_optimizer(optimizer_name):
     # A push hung on a zero gradient could be pruned by the graph optimizer
     # for some compile optimizers; the table's iteration count proves it ran.
+    x, y = _data()
+    stock = _model(keras.layers.Embedding(int(x.max()) + 1, 4))
+    stock.compile(getattr(keras.optimizers, optimizer_name)(), "mse")
+    try:
+        stock.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    except Exception as e:  # e.g. Keras 3.11's Muon on TF 2.16 variables
+        pytest.skip(f"Keras {keras.__version__}'s {optimizer_name} fails on a stock model: {e}")
     layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name="count")
     model = _model(layer)
     model.compile(getattr(keras.optimizers, optimizer_name)(), "mse")
-    x, y = _data()
     model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     assert layer.table.iterations == 2 * (len(x) // 8)
     assert np.all(layer.table.metadata(np.unique(x))[1] >= 1)
@@ -302,6 +309,11 @@ def test_string_fingerprint_is_stable_across_processes():
     assert eval(out.strip().splitlines()[-1]) == here
 
 
+@pytest.mark.skipif(
+    keras_version() < (3, 10),
+    reason="before Keras 3.10 a stock model under MirroredStrategy trains or reports its loss "
+    "unlike one device too (docs/keras.md#supported-versions)",
+)
 def test_mirrored_strategy_matches_single_device():
     # Two logical CPU devices must be configured before TensorFlow starts, so
     # this runs in its own process.

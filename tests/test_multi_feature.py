@@ -1,15 +1,18 @@
 """ee.DistributedEmbedding against keras-rs's DistributedEmbedding (its CPU path: dense Keras
 tables), with the tables copied across: identical outputs for 1-D, 2-D, ragged, sparse, shared
-and weighted features; then the tables train sparsely with their configs' optimizers."""
+and weighted features; then the tables train sparsely with their configs' optimizers, and the
+layer round-trips through `.keras` files (rows included) and `get_config`/`from_config`."""
 
 from __future__ import annotations
 
 import itertools
+import types
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _processes import run_python
 
 import elastic_emb as ee
 
@@ -140,3 +143,156 @@ def test_save_weights_carries_the_tables(tmp_path):
     fresh.load_weights(tmp_path / "w.weights.h5")
     np.testing.assert_array_equal(fresh.predict(x, verbose=0), model.predict(x, verbose=0))
     assert not np.array_equal(before, model.predict(x, verbose=0))
+
+
+def _round_trip_model(features: dict) -> keras.Model:
+    inputs = {
+        "one": keras.Input((), dtype="int64", name="one"),
+        "two": keras.Input((3,), dtype="int64", name="two"),
+        "own": keras.Input((2,), dtype="int64", name="own"),
+    }
+    out = ee.DistributedEmbedding(features, name="features")(inputs)
+    dense = keras.layers.Dense(1, kernel_initializer="ones")
+    return keras.Model(inputs, dense(keras.layers.Concatenate()([out[k] for k in inputs])))
+
+
+def _sorted_rows(table) -> tuple[np.ndarray, np.ndarray]:
+    keys, values = table.export_rows()
+    order = np.argsort(keys)
+    return keys[order], values[order]
+
+
+def test_keras_file_round_trip_rows_config_and_training(tmp_path):
+    n = next(_names)
+    shared = keras_rs.layers.TableConfig(
+        f"mf_rt_shared_{n}", vocabulary_size=40, embedding_dim=4,
+        optimizer=keras.optimizers.Adagrad(0.5),
+    )  # fmt: skip
+    own = keras_rs.layers.TableConfig(
+        f"mf_rt_own_{n}", vocabulary_size=20, embedding_dim=2, combiner="sum",
+        initializer=keras.initializers.RandomNormal(0.0, 0.1), optimizer=ee.optimizers.Adam(0.01),
+    )  # fmt: skip
+    features = {
+        "one": keras_rs.layers.FeatureConfig("one", shared, (8,), (8, 4)),
+        "two": keras_rs.layers.FeatureConfig("two", shared, (8, 3), (8, 4)),
+        "own": keras_rs.layers.FeatureConfig("own", own, (8, 2), (8, 2)),
+    }
+    rng = np.random.default_rng(7)
+    x = {
+        "one": rng.integers(0, 40, 8),
+        "two": rng.integers(0, 40, (8, 3)),
+        "own": rng.integers(0, 20, (8, 2)),
+    }
+    y = rng.random((8, 1)).astype("float32")
+    model = _round_trip_model(features)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+
+    layer, loaded_layer = model.get_layer("features"), loaded.get_layer("features")
+    assert isinstance(loaded_layer, ee.DistributedEmbedding)
+    assert loaded_layer.get_config() == layer.get_config()
+    rebuilt = loaded_layer.feature_configs
+    assert isinstance(rebuilt["one"], keras_rs.layers.FeatureConfig)
+    assert rebuilt["one"].table is rebuilt["two"].table  # still one shared table
+    assert rebuilt["own"].table.optimizer == ee.optimizers.Adam(0.01)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    used = {
+        shared.name: np.unique(np.concatenate([x["one"], x["two"].ravel()])),
+        own.name: np.unique(x["own"]),
+    }
+    for name, keys in used.items():
+        want, got = _sorted_rows(layer.tables[name]), _sorted_rows(loaded_layer.tables[name])
+        np.testing.assert_array_equal(want[0], keys)  # the rows of the ids trained, no others
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert loaded_layer.tables[name].iterations == layer.tables[name].iterations == 4
+
+    # One more step each: equal only if the optimizer slots and step counts came along too.
+    history = [
+        m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0) for m in (model, loaded)
+    ]
+    assert history[0].history["loss"] == history[1].history["loss"]
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    for name in used:
+        want, got = _sorted_rows(layer.tables[name]), _sorted_rows(loaded_layer.tables[name])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_from_config_rebuilds_plain_attribute_configs():
+    n = next(_names)
+    shared = types.SimpleNamespace(
+        name=f"mf_plain_shared_{n}", vocabulary_size=30, embedding_dim=3, combiner="sqrtn",
+        initializer="zeros", optimizer=ee.optimizers.SGD(0.25),
+    )  # fmt: skip
+    other = types.SimpleNamespace(
+        name=f"mf_plain_other_{n}", vocabulary_size=10, embedding_dim=2, combiner="sum",
+        initializer=keras.initializers.Constant(0.5), optimizer="adagrad",
+    )  # fmt: skip
+    features = [
+        {
+            "a": types.SimpleNamespace(name="a", table=shared, input_shape=(4, 2)),
+            "b": types.SimpleNamespace(name="b", table=shared, input_shape=(4,)),
+        },
+        types.SimpleNamespace(name="c", table=other, input_shape=(4, 3), output_shape=(4, 2)),
+    ]
+    layer = ee.DistributedEmbedding(features, name="plain")
+    config = layer.get_config()
+    assert config["config_objects"] == "plain"
+    assert len(config["tables"]) == 2
+    rebuilt = ee.DistributedEmbedding.from_config(config)
+    assert rebuilt.get_config() == config
+
+    configs = rebuilt.feature_configs
+    assert isinstance(configs, list) and len(configs) == 2 and sorted(configs[0]) == ["a", "b"]
+    a, b, c = configs[0]["a"], configs[0]["b"], configs[1]
+    assert not isinstance(a, keras_rs.layers.FeatureConfig)  # plain in, plain out
+    assert (a.name, a.input_shape, b.input_shape, c.input_shape) == ("a", (4, 2), (4,), (4, 3))
+    assert c.output_shape == (4, 2) and a.output_shape is None
+    assert a.table is b.table and a.table is not c.table
+    for want, got in ((shared, a.table), (other, c.table)):
+        for attr in ("name", "vocabulary_size", "embedding_dim", "combiner"):
+            assert getattr(got, attr) == getattr(want, attr)
+    assert a.table.optimizer == ee.optimizers.SGD(0.25)
+    assert c.table.optimizer == "adagrad" and c.table.initializer.get_config()["value"] == 0.5
+    tables = rebuilt.tables
+    assert sorted(tables) == sorted([shared.name, other.name])
+    assert isinstance(tables[other.name].optimizer, ee.optimizers.Adagrad)
+
+    # Same layer: zeros and constant 0.5 rows, combined by sqrtn over (4, 2) and sum over (4, 3).
+    ids = [{"a": tf.constant([[1, 2]] * 4), "b": tf.constant([5] * 4)}, tf.constant([[1] * 3] * 4)]
+    out = rebuilt(ids, training=False)
+    np.testing.assert_array_equal(out[0]["a"], np.zeros((4, 3), np.float32))
+    np.testing.assert_array_equal(out[1], np.full((4, 2), 1.5, np.float32))
+
+
+_LOAD_ALONE = """
+import sys
+import keras
+import numpy as np
+import elastic_emb  # registers ee.DistributedEmbedding; nothing else is imported
+model = keras.models.load_model(sys.argv[1])
+np.save(sys.argv[2], model.predict({"a": np.array([1, 2, 3]), "b": np.array([[3, 4]] * 3)}))
+"""
+
+
+def test_import_elastic_emb_alone_loads_the_keras_file(tmp_path):
+    n = next(_names)
+    table = keras_rs.layers.TableConfig(f"mf_alone_{n}", vocabulary_size=10, embedding_dim=2)
+    features = {
+        "a": keras_rs.layers.FeatureConfig("a", table, (3,), (3, 2)),
+        "b": keras_rs.layers.FeatureConfig("b", table, (3, 2), (3, 2)),
+    }
+    inputs = {"a": keras.Input((), dtype="int64"), "b": keras.Input((2,), dtype="int64")}
+    layer = ee.DistributedEmbedding(features)
+    model = keras.Model(inputs, layer(inputs))
+    keys = np.arange(10)
+    layer.tables[table.name].import_rows(keys, np.stack([keys, -2 * keys], 1).astype("float32"))
+    model.save(tmp_path / "m.keras")
+    run_python("-c", _LOAD_ALONE, tmp_path / "m.keras", tmp_path / "out.npy", cwd=tmp_path)
+    # Row k is (k, -2k): "a" looks up 1, 2, 3; "b" the mean of rows 3 and 4.
+    want = {"a": [[1, -2], [2, -4], [3, -6]], "b": [[3.5, -7]] * 3}
+    got = np.load(tmp_path / "out.npy", allow_pickle=True).item()
+    for name in want:
+        np.testing.assert_array_equal(got[name], np.array(want[name], np.float32))

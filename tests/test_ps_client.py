@@ -6,7 +6,9 @@
 - A `Cluster` whose Join is refused releases its threads and channels.
 - The servicer answers a refused request with the shard's status, and a bug
   (an unexpected exception) with INTERNAL, logged with its traceback.
-- Real `elastic-emb serve` shards answer the standard grpc.health.v1 service.
+- Real `elastic-emb serve` shards answer the standard grpc.health.v1 service,
+  asked with grpcio-health-checking's client (an independent implementation:
+  our messages are wire-compatible) and with ours, both imported here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import client as client_module
+from elastic_emb.ps import health
 from elastic_emb.ps.client import GRPC_OPTIONS, SERVICE, ShardClient
 from elastic_emb.ps.cluster import Cluster
 from elastic_emb.ps.servicer import Servicer
@@ -176,6 +179,47 @@ def test_shards_answer_the_standard_health_service():
         with pytest.raises(grpc.RpcError) as info:
             stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        # Our own client (elastic-emb health's) gets the same answers.
+        for service in ("", SERVICE):
+            assert health.check(channel, service, timeout=10).status == health.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            health.check(channel, "no.such.Service", timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_watch_streams_changes_and_ends_when_the_server_stops():
+    servicer = health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    servicer.add_to_server(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service="svc"), timeout=10)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            servicer.set("svc", health.SERVING)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            # A cancelled Watch gives its server thread back: 4 more calls still get answers.
+            watch.cancel()
+            cancelled = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=10) for _ in range(4)]
+            for call in cancelled:
+                assert next(call).status == health_pb2.HealthCheckResponse.SERVING
+                call.cancel()
+            last = stub.Watch(health_pb2.HealthCheckRequest(service="svc"), timeout=10)
+            assert next(last).status == health_pb2.HealthCheckResponse.SERVING
+            servicer.enter_graceful_shutdown()
+            servicer.set("svc", health.SERVING)  # ignored from now on
+            assert [r.status for r in last] == [health_pb2.HealthCheckResponse.NOT_SERVING]
+            assert last.code() == grpc.StatusCode.OK
+            t0 = time.monotonic()
+            server.stop(30).wait()  # no Watch left open to wait for
+            assert time.monotonic() - t0 < 5
+    finally:
+        server.stop(0)
 
 
 def test_a_checkpoint_directory_the_shard_cannot_write_is_the_callers_problem(tmp_path):

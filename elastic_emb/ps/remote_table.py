@@ -177,8 +177,8 @@ class _RemoteStep(StepFusion):
         distinct, _ = _core.unique_keys(check_keys(keys))
         return self._cluster, (self._name, self._dim, distinct)
 
-    def push_gradient(self, keys: np.ndarray, grads: np.ndarray, num_replicas: int) -> None:
-        # Each replica's push counts once toward the step (see Cluster.collect).
+    def push_gradient(self, keys: np.ndarray, grads: np.ndarray, step_pushes: int) -> None:
+        # Each push counts once toward the step (see Cluster.collect).
         k = check_keys(keys)
         distinct, sums = _core.sum_by_key(k, check_rows(grads, "grads", len(k), self._dim))
         self._cluster.push_gradient(self._name, self._dim, distinct, sums)

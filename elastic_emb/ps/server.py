@@ -15,12 +15,12 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from elastic_emb import checkpoint
 from elastic_emb.ps.balance import LoadMeter, Policy
 from elastic_emb.ps.checkpointer import PeriodicCheckpoints
 from elastic_emb.ps.client import GRPC_OPTIONS, SERVICE
+from elastic_emb.ps.health import SERVING, HealthServicer
 from elastic_emb.ps.security import Tokens, peer_security, server_credentials
 from elastic_emb.ps.servicer import Servicer, add_to_server
 
@@ -125,12 +125,12 @@ def serve(
         except (OSError, AuditError) as e:
             log.error("cannot use the audit log %s: %s", audit_log, e)
             return 1
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthServicer()
     # No SO_REUSEPORT: a second server on a port in use must fail, not share its traffic.
     options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=options)
     add_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.add_to_server(server)
     try:
         if credentials is None:
             bound = server.add_insecure_port(f"{host}:{port}")
@@ -143,7 +143,7 @@ def serve(
         return 1
     server.start()
     for service in ("", SERVICE):  # "": the whole server
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set(service, SERVING)
     log.info("elastic_emb parameter server listening on %s:%d", host, bound)
     replica = None
     if coordinator:
