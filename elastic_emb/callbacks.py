@@ -11,7 +11,7 @@ from typing import Any
 
 import keras
 
-from elastic_emb import checkpoint, placement
+from elastic_emb import checkpoint, keras_patches, placement
 
 __all__ = ["Checkpoint", "Metrics"]
 
@@ -121,6 +121,9 @@ class Checkpoint(keras.callbacks.Callback):
         self._epoch = state["epoch"]
         self._global_step = state["global_step"]
         # The same hook keras.callbacks.BackupAndRestore uses to skip epochs.
+        keras_patches.require(
+            hasattr(self.model, "_initial_epoch"), "Model._initial_epoch", "resuming fit"
+        )
         self.model._initial_epoch = self._epoch
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
@@ -299,7 +302,6 @@ class Metrics(keras.callbacks.Callback):
 
 def _tables(model: Any) -> list[Any]:
     """The tables of `model`'s elastic_emb layers."""
-    from elastic_emb.layers import Embedding
+    from elastic_emb.layers import embedding_layers
 
-    layers = model._flatten_layers(include_self=False, recursive=True)
-    return [layer.table for layer in layers if isinstance(layer, Embedding)]
+    return [layer.table for layer in embedding_layers(model)]

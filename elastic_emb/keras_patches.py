@@ -1,24 +1,43 @@
-"""The places where elastic_emb changes Keras' own code, each guarded.
+"""Where elastic_emb reaches into Keras beyond its public extension points, each gated.
 
-- `export_through_serving()` wraps the public `keras.Model.export` so that
-  the tables of ee.Embedding layers are exported as stock TensorFlow ops
-  (`elastic_emb.serving`); models without such layers export as before.
-  Applied when `elastic_emb.layers` is imported.
-- `refuse_legacy_h5()` wraps `keras.Model.save` so that the legacy HDF5
-  format (`.h5`, which stores `layer.weights` only) refuses models with
-  tables instead of writing a file without their rows.
-- `route_dense_weights()` wraps `compile` (of Keras' private `Trainer`, where
-  it is defined, so `load_model` still compiles) so that,
-  with `ee.init(dense="ps")`, a compiled model's dense weights train on the
-  PS (`elastic_emb.dense_ps`); otherwise compile is unchanged.
+Keras is supported from `OLDEST` (what TensorFlow 2.16 installs) and tested
+up to `LAST_TESTED` (docs/keras.md#supported-versions); `check_keras()`
+refuses an older one at import. The layer itself uses public mechanisms
+only (`build`, `call`, `compute_output_spec`, `save_own_variables`, a
+variable's `overwrite_with_gradient`, the optimizer's `apply`). These are
+the exceptions, each checked where it is used: a missing internal raises a
+`RuntimeError` naming the Keras version and what to do (`require()`), or,
+where an exact fallback exists, warns once and takes it.
+
 - `fuse_functional_lookups()` wraps the private `Functional.call` (which
   Sequential models run too) so that a model looks up the rows of all its
-  ee.Embedding layers in one call (`elastic_emb.lookup.fused_call`). Where
-  that internal is missing (another Keras), every layer looks up on its own.
+  ee.Embedding layers in one call (`elastic_emb.lookup.fused_call`, which
+  reads `_nodes_by_depth`, `_standardize_inputs`, `_run_through_graph` and
+  `Sequential._functional`). Keras has no public hook before a model's
+  layers run. Fallback: every layer looks up on its own (the same results,
+  one lookup per layer).
+- `after_compile()` wraps `compile` where Keras defines it (the private
+  `Trainer`, so `load_model` still compiles loaded models; fallback: the
+  public `keras.Model.compile`): `ee.init(dense="ps")` and `mixed_float16`
+  need the compiled optimizer, and Keras has no compile callback.
 - `fix_keras_multi_worker()` replaces two private functions of Keras'
-  TensorFlow trainer for `model.fit` under MultiWorkerMirroredStrategy. It
-  checks the Keras version it patches (Keras 3.0 through `LAST_TESTED`; newer
-  releases are patched if the two internals are still there, with a warning).
+  TensorFlow trainer for `model.fit` under MultiWorkerMirroredStrategy
+  (below); required.
+- Outside this module: `elastic_emb.layers.embedding_layers` walks
+  `Layer._flatten_layers` (the only walk that finds layers nested in other
+  layers); `ee.callbacks.Checkpoint` sets `Model._initial_epoch`, as
+  `keras.callbacks.BackupAndRestore` does; `ee.optimizers.from_keras` reads
+  `Optimizer._learning_rate` (the schedule object itself; the public
+  `learning_rate` is its current value). All are required (`require()`).
+
+Public functions wrapped, all of them applied when `elastic_emb.layers` is
+imported: `keras.Model.export` (`export_through_serving()`: tables exported
+as stock TensorFlow ops), `tf.saved_model.save` (`save_through_serving()`,
+the same for a Keras model), `keras.Model.save` (`refuse_legacy_h5()`: the
+HDF5 format, which cannot hold tables, refuses models with them). Per
+instance: `dense_ps.attach` wraps a compiled model's `train_step`,
+`test_step`, `predict_step`, `fit` and its optimizer's `apply_gradients`;
+`loss_scaling.attach` a `LossScaleOptimizer`'s `apply`.
 
 The rest of this docstring is about the multi-worker fix.
 
@@ -39,6 +58,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -51,17 +71,24 @@ from elastic_emb.errors import ElasticEmbWarning
 
 __all__ = [
     "LAST_TESTED",
+    "OLDEST",
+    "after_compile",
+    "check_keras",
     "export_through_serving",
     "fix_keras_multi_worker",
     "fuse_functional_lookups",
+    "keras_version",
     "refuse_legacy_h5",
-    "route_dense_weights",
+    "require",
+    "save_through_serving",
 ]
 
-LAST_TESTED = (3, 15)  # the newest Keras release this patch was tested with
+OLDEST = (3, 3)  # the oldest Keras supported (setup.py: keras>=3.3.3)
+LAST_TESTED = (3, 15)  # the newest Keras release tested
 _applied = False
 _export_wrapped = False
 _save_wrapped = False
+_tf_save_wrapped = False
 _call_wrapped = False
 _compile_wrapped = False
 
@@ -109,7 +136,32 @@ def export_through_serving(
     _export_wrapped = True
 
 
-def route_dense_weights(attach: Callable[[keras.Model], None]) -> None:
+def save_through_serving(
+    serving: Callable[[keras.Model, Any], AbstractContextManager[Any]],
+) -> None:
+    """Runs `tf.saved_model.save(model, export_dir, ...)` of a Keras model within
+    `serving(model, export_dir)` (idempotent)."""
+    global _tf_save_wrapped
+    if _tf_save_wrapped:
+        return
+    tf_save = tf.saved_model.save
+
+    @functools.wraps(tf_save)
+    def save(obj: Any, export_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(obj, keras.Model):
+            return tf_save(obj, export_dir, *args, **kwargs)
+        with serving(obj, export_dir):
+            return tf_save(obj, export_dir, *args, **kwargs)
+
+    # Every module that holds the function (its own, which a later import of
+    # `tensorflow.saved_model` reads again, and the public aliases).
+    for module in list(sys.modules.values()):
+        if getattr(module, "__dict__", {}).get("save") is tf_save:
+            module.save = save  # type: ignore[attr-defined]
+    _tf_save_wrapped = True
+
+
+def after_compile(attach: Callable[[keras.Model], None]) -> None:
     """Runs `attach(model)` after every `model.compile(...)` (idempotent).
 
     Patched where Keras defines `compile` (its `Trainer`), so that
@@ -137,11 +189,21 @@ def route_dense_weights(attach: Callable[[keras.Model], None]) -> None:
 def fuse_functional_lookups(fused_call: Callable[..., Any]) -> None:
     """Runs `Functional.call` as `fused_call(model, inputs, training, call)` (idempotent)."""
     global _call_wrapped
+    if _call_wrapped:
+        return
     try:
         from keras.src.models.functional import Functional
     except ImportError:
-        return
-    if _call_wrapped:
+        Functional = None
+    internals = ("call", "_standardize_inputs", "_run_through_graph")
+    if Functional is None or not all(hasattr(Functional, name) for name in internals):
+        warnings.warn(
+            f"Keras {keras.__version__} changed keras.src.models.functional.Functional "
+            f"(elastic_emb was tested with Keras {_tested()}): each ee.Embedding layer looks "
+            "up its rows on its own (the same results, one lookup per layer)",
+            ElasticEmbWarning,
+            stacklevel=2,
+        )
         return
     keras_call = Functional.call
 
@@ -160,6 +222,31 @@ def keras_version() -> tuple[int, int]:
     """(major, minor) of the Keras imported."""
     match = re.match(r"(\d+)\.(\d+)", keras.__version__)
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def _tested() -> str:
+    return f"{OLDEST[0]}.{OLDEST[1]} through {LAST_TESTED[0]}.{LAST_TESTED[1]}"
+
+
+def check_keras() -> None:
+    """Refuses a Keras older than `OLDEST` or other than Keras 3."""
+    version = keras_version()
+    if version[0] != 3 or version < OLDEST:
+        raise ImportError(
+            f"elastic_emb supports Keras {_tested()} (Keras 3); this is Keras "
+            f"{keras.__version__}. Install a supported one: pip install 'keras>=3.3.3'"
+        )
+
+
+def require(present: bool, internal: str, use: str) -> None:
+    """Raises if a Keras internal elastic_emb relies on (`internal`, for `use`) is missing."""
+    if not present:
+        raise RuntimeError(
+            f"Keras {keras.__version__} no longer has {internal}, which elastic_emb uses for "
+            f"{use} (tested with Keras {_tested()}). Install one of those "
+            f"(pip install 'keras<={LAST_TESTED[0]}.{LAST_TESTED[1]}.*') or an elastic_emb "
+            "release that supports this Keras."
+        )
 
 
 def fix_keras_multi_worker() -> None:

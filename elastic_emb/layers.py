@@ -16,6 +16,7 @@ from elastic_emb import (
     initializers,
     keras_patches,
     lookup,
+    loss_scaling,
     optimizers,
     serving,
 )
@@ -23,6 +24,8 @@ from elastic_emb.errors import ElasticEmbWarning
 from elastic_emb.table import Table, TableState, check_nonfinite_policy
 
 __all__ = ["Embedding", "embedding_layers", "export_saved_model", "lookahead", "string_keys"]
+
+keras_patches.check_keras()  # Keras 3.3 or newer
 
 _COMBINERS = (None, "sum", "mean", "sqrtn")
 # Above this a table's rows are not written into Keras weights files (ee.save is).
@@ -165,13 +168,6 @@ class Embedding(keras.layers.Layer):
                 f'`key_dtype` must be "int64" or "string". Received: key_dtype={key_dtype!r}'
             )
         check_nonfinite_policy(nonfinite)
-        if self.dtype_policy.name == "mixed_float16":
-            # Keras then scales the loss; the scaled gradients would reach the
-            # table (which cannot see the scale) instead of the true ones.
-            raise ValueError(
-                "elastic_emb.Embedding does not support the mixed_float16 policy (loss scaling); "
-                "use mixed_bfloat16 or float32. Received: dtype policy mixed_float16"
-            )
         self.output_dim = output_dim
         self.combiner = combiner
         self.key_dtype = key_dtype
@@ -347,8 +343,9 @@ class Embedding(keras.layers.Layer):
             if self._serving_table is None:
                 raise ValueError(
                     f"elastic_emb.Embedding {self.name!r} reads its rows through Python, which "
-                    "a SavedModel cannot hold. Export with ee.export_saved_model(model, path) "
-                    "or model.export(path): they write its rows as stock TensorFlow ops."
+                    "a SavedModel cannot hold. Export the Keras model itself, with "
+                    "model.export(path), ee.export_saved_model(model, path) or "
+                    "tf.saved_model.save(model, path): they write its rows as stock TensorFlow ops."
                 )
             children["ee_serving"] = self._serving_table
         return children
@@ -531,6 +528,9 @@ def lookahead(dataset: tf.data.Dataset, model: keras.Model) -> tf.data.Dataset:
 
 def embedding_layers(model: keras.Model) -> list[Embedding]:
     """The ee.Embedding layers of `model`, nested ones included."""
+    keras_patches.require(
+        hasattr(model, "_flatten_layers"), "Layer._flatten_layers", "finding ee.Embedding layers"
+    )
     return [
         layer
         for layer in model._flatten_layers(include_self=True, recursive=True)
@@ -542,8 +542,20 @@ def embedding_layers(model: keras.Model) -> list[Embedding]:
 keras_patches.export_through_serving(
     lambda model, path: serving.serving(model, embedding_layers(model), path=path)
 )
-# With ee.init(dense="ps"), compiled models train their dense weights on the PS.
-keras_patches.route_dense_weights(dense_ps.attach)
+
+
+def _after_compile(model: keras.Model) -> None:
+    # With ee.init(dense="ps"), compiled models train their dense weights on the PS.
+    dense_ps.attach(model)
+    # Under mixed_float16, the tables train on unscaled gradients in the steps Keras applies.
+    loss_scaling.attach(model, embedding_layers(model))
+
+
+keras_patches.after_compile(_after_compile)
+# So does `tf.saved_model.save(model, path)`.
+keras_patches.save_through_serving(
+    lambda model, path: serving.serving(model, embedding_layers(model), path=path)
+)
 # `model.save("m.h5")` (legacy format, no rows) refuses them.
 keras_patches.refuse_legacy_h5(lambda model: bool(embedding_layers(model)))
 # A Functional model looks up the rows of all its layers in one call. (Looked up

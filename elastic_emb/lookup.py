@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from elastic_emb import loss_scaling
 from elastic_emb.table import StepFusion
 
 if TYPE_CHECKING:
@@ -74,14 +75,21 @@ def rows_of(lookups: list[tuple[Embedding, tf.Tensor]], training: bool | None) -
     # push is a step of its own (one per replica).
     step_pushes: collections.Counter[int] | None = None
 
+    held = [loss_scaling.steps_of(layer) for layer, _ in lookups]
+
     def push(*arrays: np.ndarray) -> np.ndarray:
         keys, grads = arrays[: len(pushing)], arrays[len(pushing) :]
+        finite = True
         for i, k, g in zip(pushing, keys, grads, strict=True):
             fusion = requests[i].fusion
-            fusion.push_gradient(
-                k, g, local_replicas() if step_pushes is None else step_pushes[id(fusion)]
-            )
-        return np.zeros((1,), np.float32)
+            pushes = local_replicas() if step_pushes is None else step_pushes[id(fusion)]
+            steps = held[i]
+            if steps is None:
+                fusion.push_gradient(k, g, pushes)
+            else:  # (loss-scaled: pushed once Keras has applied the step)
+                finite = steps.hold(fusion, k, g, pushes) and finite
+        # A NaN trigger gradient makes a LossScaleOptimizer skip the step.
+        return np.full((1,), 0.0 if finite else np.nan, np.float32)
 
     @tf.custom_gradient
     def looked_up(*inputs: tf.Tensor) -> Any:
@@ -319,6 +327,8 @@ def _plan_of(model: Any, layer_type: type[Embedding]) -> _Plan | None:
 
 
 def _plan(model: Any, layer_type: type[Embedding]) -> _Plan | None:
+    if not hasattr(model, "_nodes_by_depth"):  # (another Keras: each layer looks up alone)
+        return None
     nodes = [
         node
         for depth in sorted(model._nodes_by_depth, reverse=True)  # Keras' own order

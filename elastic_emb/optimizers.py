@@ -277,6 +277,12 @@ def from_keras(optimizer: keras.optimizers.Optimizer) -> Optimizer:
                 f"keras.optimizers.{name} option `{option}` is not supported by elastic_emb "
                 f"tables. Received: {option}={value!r}"
             )
+    # A schedule is kept as it is (Keras has no public accessor for it).
+    from elastic_emb import keras_patches
+
+    keras_patches.require(
+        hasattr(optimizer, "_learning_rate"), "Optimizer._learning_rate", "learning-rate schedules"
+    )
     lr = optimizer._learning_rate
     if not _is_schedule(lr):
         lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))

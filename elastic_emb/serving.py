@@ -215,6 +215,7 @@ def serving(
                 attached.append(layer)
         yield
         if attached and path is not None and (Path(path) / "saved_model.pb").exists():
+            record_table_shapes(Path(path))
             write_manifest(Path(path), model, [layer.serving_table for layer in attached])
     finally:
         for layer in attached:
@@ -292,6 +293,31 @@ def checkpoint_entries(reader: Any) -> list[tuple[str, str, str]]:
     graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH))
     attributes = [a for node in graph.nodes for a in node.attributes]
     return [(a.checkpoint_key, a.name, a.full_name) for a in attributes]
+
+
+def record_table_shapes(path: Path) -> None:
+    """Writes the rows of each table variable into the SavedModel's object graph.
+
+    The variables are created with `None` rows, so that a delta can change
+    their number, and so the graph and its functions take any; the object
+    graph records the number this version holds, so that loaders which copy
+    the variables into new ones (`keras.layers.TFSMLayer`) know their shapes.
+    """
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    reader = tf.train.load_checkpoint(variables_prefix(path))
+    shapes = reader.get_variable_to_shape_map()
+    by_name = {
+        name: shapes[key]
+        for key, attribute, name in checkpoint_entries(reader)
+        if attribute == "VARIABLE_VALUE" and name.startswith(SERVING_SCOPE + "/")
+    }
+    saved = saved_model_pb2.SavedModel()
+    saved.ParseFromString((path / "saved_model.pb").read_bytes())
+    for node in saved.meta_graphs[0].object_graph_def.nodes:
+        if node.WhichOneof("kind") == "variable" and node.variable.name in by_name:
+            node.variable.shape.CopyFrom(tf.TensorShape(by_name[node.variable.name]).as_proto())
+    (path / "saved_model.pb").write_bytes(saved.SerializeToString())
 
 
 def write_manifest(path: Path, model: keras.Model, tables: list[ServingTable]) -> None:

@@ -377,6 +377,7 @@ def _write_version(base: Path, output: Path, tensors: dict[str, np.ndarray]) -> 
             shutil.copytree(base / folder, output / folder)
     (output / "variables").mkdir()
     _save_bundle(serving.variables_prefix(output), tensors)
+    serving.record_table_shapes(output)
     _write_fingerprint(output)
 
 

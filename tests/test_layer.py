@@ -62,12 +62,6 @@ def test_one_push_per_training_step_with_every_compile_optimizer(optimizer_name)
     assert np.all(layer.table.metadata(np.unique(x))[1] >= 1)
 
 
-def test_mixed_float16_policy_rejected():
-    # Loss scaling would hand the table scaled gradients.
-    with pytest.raises(ValueError, match="mixed_float16"):
-        ee.Embedding(4, dtype="mixed_float16")
-
-
 def test_frozen_layer_neither_inserts_nor_pushes():
     layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name="frozen")
     model = _model(layer)
