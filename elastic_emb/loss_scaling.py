@@ -81,6 +81,14 @@ def attach(model: keras.Model, layers: list[Embedding]) -> None:
             f"{strategy.num_replicas_in_sync} replicas. Use mixed_bfloat16 (no loss scaling), "
             "or one replica."
         )
+    remote = [layer.name for layer in layers if layer.table.step_fusion().two_phase]
+    if remote:
+        # A skipped step would leave the cluster waiting for pushes that never come.
+        raise ValueError(
+            "The mixed_float16 policy (loss scaling) trains in-process tables only; the "
+            f"tables of {remote} are on parameter servers. Use mixed_bfloat16 (no loss "
+            "scaling) or float32."
+        )
     if "_ee_dense_originals" in model.__dict__:
         raise ValueError(
             "ee.init(dense='ps') does not train under the mixed_float16 policy (loss scaling); "

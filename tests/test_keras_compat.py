@@ -253,3 +253,14 @@ def test_tf_saved_model_save_writes_the_stock_ops_model(tmp_path):
     x, y = _batches(seed=4)
     model.fit(x, y, batch_size=16, verbose=0)
     assert not np.array_equal(model.get_layer("tf_save").table.export_rows()[1], rows_before)
+
+
+def test_mixed_float16_with_remote_tables_is_refused_at_compile(mixed_float16):
+    with shards(1) as servers:
+        ee.init(ps=[s.address for s in servers], mode="async")
+        try:
+            layer = ee.Embedding(DIM, name="mixed16_remote")
+            with pytest.raises(ValueError, match="in-process tables only"):
+                _mixed_model(layer)
+        finally:
+            ee.shutdown()
