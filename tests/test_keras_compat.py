@@ -12,6 +12,8 @@ import tensorflow as tf
 from _cluster import shards
 
 import elastic_emb as ee
+from elastic_emb import keras_patches
+from elastic_emb import layers as ee_layers
 from elastic_emb.keras_patches import keras_version
 
 VOCAB, DIM = 30, 4
@@ -264,3 +266,22 @@ def test_mixed_float16_with_remote_tables_is_refused_at_compile(mixed_float16):
                 _mixed_model(layer)
         finally:
             ee.shutdown()
+
+
+# The gates on Keras internals (docs/keras.md#supported-versions).
+
+
+def test_a_keras_older_than_the_floor_is_refused_by_name(monkeypatch):
+    keras_patches.check_keras()  # this one is supported
+    monkeypatch.setattr(keras, "__version__", "3.2.1")
+    with pytest.raises(ImportError, match=r"Keras 3\.3 through 3\.\d+.*this is Keras 3\.2\.1"):
+        keras_patches.check_keras()
+
+
+def test_a_missing_keras_internal_fails_loudly_with_the_versions_and_the_remedy():
+    class NotKeras:  # has no _flatten_layers
+        pass
+
+    message = rf"Keras {keras.__version__} no longer has Layer\._flatten_layers.*tested with"
+    with pytest.raises(RuntimeError, match=message):
+        ee_layers.embedding_layers(NotKeras())
