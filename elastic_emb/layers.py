@@ -312,7 +312,7 @@ class Embedding(keras.layers.Layer):
 
     def load_own_variables(self, store: Any) -> None:
         self._push_trigger.assign(np.asarray(store["0"]))
-        saved_keys = set(store.keys())  # (Keras < 3.6 stores have no `in`)
+        saved_keys = set(store.keys())  # (Keras < 3.11 stores have no `in`)
         if "table_config" not in saved_keys:
             warnings.warn(
                 f"The saved layer {self.name!r} holds no table rows (written by elastic_emb "

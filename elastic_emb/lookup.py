@@ -74,6 +74,7 @@ def rows_of(lookups: list[tuple[Embedding, tf.Tensor]], training: bool | None) -
     # lookup whose gradient the step computes, on every replica. Eagerly, a
     # push is a step of its own (one per replica).
     step_pushes: collections.Counter[int] | None = None
+    eager_pushes = local_replicas()
 
     held = [loss_scaling.steps_of(layer) for layer, _ in lookups]
 
@@ -82,7 +83,7 @@ def rows_of(lookups: list[tuple[Embedding, tf.Tensor]], training: bool | None) -
         finite = True
         for i, k, g in zip(pushing, keys, grads, strict=True):
             fusion = requests[i].fusion
-            pushes = local_replicas() if step_pushes is None else step_pushes[id(fusion)]
+            pushes = eager_pushes if step_pushes is None else step_pushes[id(fusion)]
             steps = held[i]
             if steps is None:
                 fusion.push_gradient(k, g, pushes)

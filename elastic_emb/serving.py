@@ -318,6 +318,18 @@ def record_table_shapes(path: Path) -> None:
         if node.WhichOneof("kind") == "variable" and node.variable.name in by_name:
             node.variable.shape.CopyFrom(tf.TensorShape(by_name[node.variable.name]).as_proto())
     (path / "saved_model.pb").write_bytes(saved.SerializeToString())
+    write_fingerprint(path)
+
+
+def write_fingerprint(path: Path) -> None:
+    """`fingerprint.pb` of the SavedModel at `path` (TensorFlow's own function, where it
+    has one)."""
+    try:
+        from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
+
+        (path / "fingerprint.pb").write_bytes(fingerprinting.CreateFingerprintDef(str(path)))
+    except (ImportError, AttributeError):  # optional: loaders do without it
+        pass
 
 
 def write_manifest(path: Path, model: keras.Model, tables: list[ServingTable]) -> None:

@@ -377,15 +377,4 @@ def _write_version(base: Path, output: Path, tensors: dict[str, np.ndarray]) -> 
             shutil.copytree(base / folder, output / folder)
     (output / "variables").mkdir()
     _save_bundle(serving.variables_prefix(output), tensors)
-    serving.record_table_shapes(output)
-    _write_fingerprint(output)
-
-
-def _write_fingerprint(path: Path) -> None:
-    """`fingerprint.pb` of the new variables (TensorFlow's own function, where it has one)."""
-    try:
-        from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
-
-        (path / "fingerprint.pb").write_bytes(fingerprinting.CreateFingerprintDef(str(path)))
-    except (ImportError, AttributeError):  # optional: loaders do without it
-        pass
+    serving.record_table_shapes(output)  # (and its fingerprint)
