@@ -61,7 +61,7 @@ class DenseOnPS:
         variables = [
             v
             for v in model.trainable_variables
-            if not getattr(v, "overwrite_with_gradient", False)  # ee.Embedding push triggers
+            if not getattr(v, "ee_push_trigger", False)  # (ee.Embedding's)
         ]
         paths = [v.path for v in variables]
         if len(set(paths)) != len(paths):

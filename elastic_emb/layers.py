@@ -221,6 +221,7 @@ class Embedding(keras.layers.Layer):
         # raises "No gradients provided": there the update rule runs, on a
         # zero gradient, which leaves the trigger at zero.)
         self._push_trigger.overwrite_with_gradient = keras_patches.keras_version() >= (3, 10)
+        self._push_trigger.ee_push_trigger = True  # (not a dense weight: dense_ps)
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:

@@ -98,7 +98,8 @@ def features_model() -> keras.Model:
     out = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=3))(
         keras.layers.Concatenate()(embedded)
     )
-    model = keras.Model({"user": user, "items": items, "city": city, "counts": counts}, out)
+    # (Keys in sorted order: Keras 3.8-3.9's export fails on others, stock layers too.)
+    model = keras.Model({"city": city, "counts": counts, "items": items, "user": user}, out)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     return model
 
