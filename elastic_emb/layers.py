@@ -539,10 +539,14 @@ def embedding_layers(model: keras.Model) -> list[Embedding]:
     ]
 
 
-# `model.export(...)` writes these layers' tables as stock TensorFlow ops.
-keras_patches.export_through_serving(
-    lambda model, path: serving.serving(model, embedding_layers(model), path=path)
-)
+def _serving(model: keras.Model, path: Any) -> Any:
+    return serving.serving(model, embedding_layers(model), path=path)
+
+
+# `model.export(...)` and `tf.saved_model.save(model, ...)` write these layers'
+# tables as stock TensorFlow ops.
+keras_patches.export_through_serving(_serving)
+keras_patches.save_through_serving(_serving)
 
 
 def _after_compile(model: keras.Model) -> None:
@@ -553,10 +557,6 @@ def _after_compile(model: keras.Model) -> None:
 
 
 keras_patches.after_compile(_after_compile)
-# So does `tf.saved_model.save(model, path)`.
-keras_patches.save_through_serving(
-    lambda model, path: serving.serving(model, embedding_layers(model), path=path)
-)
 # `model.save("m.h5")` (legacy format, no rows) refuses them.
 keras_patches.refuse_legacy_h5(lambda model: bool(embedding_layers(model)))
 # A Functional model looks up the rows of all its layers in one call. (Looked up
