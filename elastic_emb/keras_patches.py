@@ -22,7 +22,7 @@ where an exact fallback exists, warns once and takes it.
   need the compiled optimizer, and Keras has no compile callback.
 - `fix_keras_multi_worker()` replaces two private functions of Keras'
   TensorFlow trainer for `model.fit` under MultiWorkerMirroredStrategy
-  (below); required.
+  (below; the first only where it exists, Keras 3.5 and newer); required.
 - Outside this module: `elastic_emb.layers.embedding_layers` walks
   `Layer._flatten_layers` (the only walk that finds layers nested in other
   layers); `ee.callbacks.Checkpoint` sets `Model._initial_epoch`, as
@@ -41,7 +41,7 @@ instance: `dense_ps.attach` wraps a compiled model's `train_step`,
 
 The rest of this docstring is about the multi-worker fix.
 
-Keras 3 (through at least 3.15) fails in `model.fit` under
+Keras 3.5 through at least 3.15 fails in `model.fit` under
 `tf.distribute.MultiWorkerMirroredStrategy` before the first step: to build
 the model's variables it averages the first batch over the workers with
 `strategy.reduce`, which that strategy cannot do for a nested batch
@@ -254,25 +254,15 @@ def fix_keras_multi_worker() -> None:
     global _applied
     if _applied:
         return
-    version = keras_version()
-    if version[0] != 3:
-        raise RuntimeError(
-            f"elastic_emb's multi-worker patch supports Keras 3; this is Keras {keras.__version__}"
-        )
     from keras.src import tree
     from keras.src.backend.tensorflow import trainer
 
-    if not (
-        hasattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build")
-        and hasattr(trainer, "reduce_per_replica")
-    ):
-        raise RuntimeError(
-            f"Keras {keras.__version__} changed the internals elastic_emb patches for "
-            "MultiWorkerMirroredStrategy (TensorFlowTrainer._maybe_symbolic_build, "
-            "reduce_per_replica); use Keras <= "
-            f"{LAST_TESTED[0]}.{LAST_TESTED[1]} or an elastic_emb release that supports it"
-        )
-    if version > LAST_TESTED:
+    require(
+        hasattr(trainer, "reduce_per_replica"),
+        "keras.src.backend.tensorflow.trainer.reduce_per_replica",
+        "model.fit under MultiWorkerMirroredStrategy",
+    )
+    if keras_version() > LAST_TESTED:
         warnings.warn(
             f"Keras {keras.__version__} is newer than the last Keras elastic_emb's "
             f"multi-worker patch was tested with ({LAST_TESTED[0]}.{LAST_TESTED[1]})",
@@ -307,6 +297,8 @@ def fix_keras_multi_worker() -> None:
             return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
         return keras_reduce_per_replica(values, strategy, reduction)
 
-    trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    # (The first batch averaged over the workers: Keras 3.5 and newer.)
+    if hasattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build"):
+        trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
     trainer.reduce_per_replica = reduce_per_replica
     _applied = True
