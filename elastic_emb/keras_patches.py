@@ -41,9 +41,9 @@ instance: `dense_ps.attach` wraps a compiled model's `train_step`,
 
 The rest of this docstring is about the multi-worker fix.
 
-Keras 3.5 through at least 3.15 fails in `model.fit` under
-`tf.distribute.MultiWorkerMirroredStrategy` before the first step: to build
-the model's variables it averages the first batch over the workers with
+Keras 3 (through at least 3.15) fails in `model.fit` under
+`tf.distribute.MultiWorkerMirroredStrategy`. From 3.5, before the first
+step: to build the model's variables it averages the first batch over the workers with
 `strategy.reduce`, which that strategy cannot do for a nested batch
 (keras-team/keras#20585, tensorflow/tensorflow#72388); and after each step it
 averages the scalar logs (the loss) with `reduce(..., axis=0)`, which fails on
