@@ -29,7 +29,7 @@ from elastic_emb.table import Table, TableState
 if TYPE_CHECKING:
     from elastic_emb.ps.remote_table import RemoteTable
 
-__all__ = ["CheckpointError", "clone", "compact", "restore", "save"]
+__all__ = ["CheckpointError", "clone", "compact", "file_sha256", "hash_file", "restore", "save"]
 
 FORMAT = "elastic_emb.checkpoint"
 VERSION = 1  # ordinary checkpoints: one data file per table
@@ -60,12 +60,18 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def hash_file(digest: Any, path: Path) -> None:
+    """Feeds the bytes of the file at `path` to `digest` (a `hashlib` object), in blocks."""
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+            digest.update(block)
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of the file at `path`, in hex."""
+    digest = hashlib.sha256()
+    hash_file(digest, path)
+    return digest.hexdigest()
 
 
 def _layout(
@@ -284,7 +290,7 @@ def _save_part(root: Path, tables: dict[str, Table]) -> None:
             "num_counts": _num_counts(state),
             "file": file_name,
             "bytes": sum(a.nbytes for a in arrays),
-            "sha256": _sha256(root / file_name),
+            "sha256": file_sha256(root / file_name),
         }
     _write_manifest(root, {"format": FORMAT, "version": VERSION, "tables": entries})
     # The new manifest is in place: files of older checkpoints (and leftovers
@@ -357,7 +363,7 @@ def _write_data(root: Path, file_name: str, arrays: list[np.ndarray]) -> tuple[i
     tmp = root / (file_name + ".tmp")
     _fsync_write(tmp, [a.reshape(-1).view(np.uint8).data for a in arrays])
     os.replace(tmp, root / file_name)
-    return sum(a.nbytes for a in arrays), _sha256(root / file_name)
+    return sum(a.nbytes for a in arrays), file_sha256(root / file_name)
 
 
 def _num_counts(state: TableState) -> int:
@@ -658,7 +664,7 @@ def _read_data(
             f"Checkpoint file {path} of {what} is truncated or padded: "
             f"{size} bytes, expected {link['bytes']}"
         )
-    if _sha256(path) != link["sha256"]:
+    if file_sha256(path) != link["sha256"]:
         raise CheckpointError(f"Checkpoint file {path} of {what} fails its checksum")
     raw = path.read_bytes()
     arrays: dict[str, np.ndarray] = {}

@@ -42,8 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_emb import optimizers, placement
-from elastic_emb.ps.security import DENSE_TABLE_PREFIX
-from elastic_emb.table import Table
+from elastic_emb.table import DENSE_TABLE_PREFIX, Table
 
 if TYPE_CHECKING:
     from elastic_emb.ps.cluster import Cluster

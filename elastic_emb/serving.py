@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
+from elastic_emb.checkpoint import file_sha256, hash_file
 from elastic_emb.initializers import InitializerSpec
 from elastic_emb.rows import CompactRows, export_rows
 
@@ -274,15 +275,13 @@ def variables_digest(path: Path) -> str:
     digest = hashlib.sha256()
     for file in sorted((path / "variables").iterdir()):
         digest.update(file.name.encode() + b"\0")
-        with file.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
+        hash_file(digest, file)
     return digest.hexdigest()
 
 
 def graph_digest(path: Path) -> str:
     """SHA-256 of the SavedModel's graph (`saved_model.pb`)."""
-    return hashlib.sha256((path / "saved_model.pb").read_bytes()).hexdigest()
+    return file_sha256(path / "saved_model.pb")
 
 
 def checkpoint_entries(reader: Any) -> list[tuple[str, str, str]]:

@@ -22,7 +22,6 @@ applied to any other, it is refused. Layout of a delta directory:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import secrets
@@ -35,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_emb import serving
+from elastic_emb.checkpoint import file_sha256
 from elastic_emb.rows import export_rows
 
 if TYPE_CHECKING:
@@ -270,7 +270,7 @@ def _write_delta(path: Path, tensors: dict[str, np.ndarray], description: dict[s
     try:
         tmp.mkdir(parents=True)
         _save_bundle(str(tmp / BUNDLE), tensors)
-        description["files"] = {f.name: _file_digest(f) for f in sorted(tmp.iterdir())}
+        description["files"] = {f.name: file_sha256(f) for f in sorted(tmp.iterdir())}
         description["bytes"] = sum(f.stat().st_size for f in tmp.iterdir())
         (tmp / DELTA).write_text(json.dumps(description, indent=1, sort_keys=True))
         os.rename(tmp, path)
@@ -298,14 +298,6 @@ def _as_tensor(array: Any) -> tf.Tensor:
         return tf.constant(array)
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # Apply.
 
 
@@ -321,7 +313,7 @@ def _read_description(delta: Path) -> dict[str, Any]:
             f"{str(delta)!r} is not a delta written by ee.export_delta ({err})"
         ) from None
     for name, digest in files.items():
-        if not (delta / name).exists() or _file_digest(delta / name) != digest:
+        if not (delta / name).exists() or file_sha256(delta / name) != digest:
             raise ValueError(f"The delta file {str(delta / name)!r} is missing or damaged")
     return dict(description)
 

@@ -24,6 +24,7 @@ from elastic_emb import initializers, optimizers
 from elastic_emb import storage as storage_module
 
 __all__ = [
+    "DENSE_TABLE_PREFIX",
     "NONFINITE_POLICIES",
     "POLICY_COUNTS",
     "ROW_STORAGE_DTYPES",
@@ -46,6 +47,10 @@ POLICY_COUNTS = ("evicted_rows", "evicted_bytes", "admitted_keys", "rejected_upd
 
 # What a table does with a push whose gradients hold NaN or ±Inf (`nonfinite=`).
 NONFINITE_POLICIES = ("raise", "skip")
+
+# The names of the tables of models' dense weights (`elastic_emb.dense_ps`); the
+# servers let workers create them and store their first values (`ps.security`).
+DENSE_TABLE_PREFIX = "ee_dense/"
 
 
 def check_nonfinite_policy(nonfinite: Any) -> str:

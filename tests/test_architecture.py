@@ -11,6 +11,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from _processes import run_python
 
 PACKAGE = Path(__file__).resolve().parent.parent / "elastic_emb"
 
@@ -132,6 +133,8 @@ FORBIDDEN = {
     # Only the PS package speaks protobuf (docs/architecture.md).
     "elastic_emb.layers": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
     "elastic_emb.lookup": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
+    "elastic_emb.loss_scaling": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
+    "elastic_emb.dense_ps": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
     "elastic_emb.placement": {"grpc", "elastic_emb._proto", "tensorflow"},
     # The library never depends on its examples.
     "elastic_emb.": {"elastic_emb.examples"},
@@ -189,3 +192,16 @@ def test_every_table_kind_implements_the_whole_interface():
         assert issubclass(kind, Table)
         missing = [n for n in required if raises(inspect.getattr_static(kind, n))]
         assert not missing, f"{kind.__name__} does not implement {missing}"
+
+
+def test_the_keras_layer_loads_neither_grpc_nor_the_ps_in_a_fresh_process():
+    # Transitively, as a user's process runs it: a model with a layer, compiled.
+    code = (
+        "import sys, keras, elastic_emb as ee\n"
+        "ids = keras.Input((), dtype='int64')\n"
+        "keras.Model(ids, ee.Embedding(4, name='t')(ids)).compile('sgd', 'mse')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpc_health')\n"
+        "    or m.startswith(('elastic_emb.ps', 'elastic_emb._proto'))))\n"
+    )
+    out = run_python("-c", code)
+    assert out.strip().splitlines()[-1] == "[]"

@@ -50,9 +50,6 @@ WORKER_METHODS = frozenset(
      "ExportRows", "Metadata", "Stats", "Health", "CreateTables")
 )  # fmt: skip
 ROLES = ("worker", "admin")
-# Tables of models' dense weights (`elastic_emb.dense_ps`): workers create them and store
-# their first values (CreateTables, ImportRows without `replace`) with the worker role.
-DENSE_TABLE_PREFIX = "ee_dense/"
 
 
 def _read(path: Any, what: str) -> bytes:
@@ -123,7 +120,7 @@ class Tokens:
     def allows(caller: Caller, method: str, workers_may: Callable[[], bool]) -> bool:
         """Whether `caller` may call `method`; `workers_may()` tells whether a
         CreateTables or ImportRows touches only what workers may: tables that exist
-        (CreateTables), or the dense-weight tables (`DENSE_TABLE_PREFIX`)."""
+        (CreateTables), or the dense-weight tables (`table.DENSE_TABLE_PREFIX`)."""
         if caller.role == "admin":
             return True
         if method in ("CreateTables", "ImportRows"):

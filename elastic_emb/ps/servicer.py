@@ -27,8 +27,9 @@ from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps import protocol
 from elastic_emb.ps.audit import AuditLog, summary
 from elastic_emb.ps.balance import LoadMeter
-from elastic_emb.ps.security import DENSE_TABLE_PREFIX, Caller, Tokens
+from elastic_emb.ps.security import Caller, Tokens
 from elastic_emb.ps.shard import Ranges, RequestError, Shard, invalid
+from elastic_emb.table import DENSE_TABLE_PREFIX
 
 if TYPE_CHECKING:
     from elastic_emb.ps.replication import Replica
