@@ -313,12 +313,14 @@ def shutdown() -> None:
 def dense_placement() -> tuple[str, bool]:
     """Where the dense weights of models compiled now train ("local" or "ps"), and
     whether `ee.init`'s caller chose it (else it is the mode's default)."""
-    return (_dense, _dense_explicit) if _cluster is not None else ("local", False)
+    with _lock:
+        return (_dense, _dense_explicit) if _cluster is not None else ("local", False)
 
 
 def dense_pull_every() -> int:
     """Every how many training steps dense weights on the PS are pulled."""
-    return _dense_pull_every
+    with _lock:
+        return _dense_pull_every
 
 
 def current_cluster() -> Cluster | None:

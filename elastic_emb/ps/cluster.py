@@ -148,7 +148,7 @@ class Cluster:
         # The worker's cache of pulled rows (`ee.init(cache_rows=...)`), or None.
         self.cache = RowCache(cache_rows, cache_staleness) if cache_rows else None
         self._reads = itertools.count()  # round robin over a group's replicas
-        self._layout_lock = threading.Lock()
+        self._layout_lock = threading.Lock()  # guards _layout (changed with a coordinator)
         if routing is None:
             self._layout = RangeLayout.even(len(addresses))
         else:
@@ -236,7 +236,7 @@ class Cluster:
     def layout(self) -> RangeLayout:
         """The slot ranges as the coordinator's map has them now (fixed without one)."""
         if self.routing is None:
-            return self._layout
+            return self._layout  # (fixed: never changes)
         with self._layout_lock:
             current = self.routing.layout()
             if (current.ids, current.slots) != (self._layout.ids, self._layout.slots):
@@ -351,7 +351,9 @@ class Cluster:
         if "range" in request.DESCRIPTOR.fields_by_name:
             range_id = request.range
         else:
-            range_id = self._layout.ids[min(index, len(self._layout.ids) - 1)]
+            with self._layout_lock:
+                ids = self._layout.ids
+            range_id = ids[min(index, len(ids) - 1)]
         spread = self.read_from_backups or routing.hot(range_id)
         if spread and method == "Pull" and not request.train:
             replicas = routing.replicas_of(range_id)

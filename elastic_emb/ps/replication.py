@@ -161,7 +161,7 @@ class Replica:
         self._incoming: dict[int, _Incoming] = {}
         self._rebalance_due = False
         self._stopped = False
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, grpc.Channel] = {}  # guarded by _cond
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="ee-replicate")
         self._threads: list[threading.Thread] = []
         self._watch: Any = None
@@ -195,7 +195,9 @@ class Replica:
         except EtcdError:
             pass
         self._pool.shutdown(wait=False)
-        for channel in self._channels.values():
+        with self._cond:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
             channel.close()
 
     def _register(self, fresh: bool = False) -> None:

@@ -111,7 +111,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     def __init__(self) -> None:
         self.ranges = Ranges()
-        self.replica: Replica | None = None  # set once, before the server starts
+        self.replica: Replica | None = None  # set once, before it joins the coordinator
         self.audit: AuditLog | None = None  # set once, before the server starts
         self.tokens: Tokens | None = None  # set once, before the server starts
         self.load: LoadMeter | None = None  # set once, before the server starts

@@ -282,16 +282,19 @@ class Shard:
 
     def _check_worker(self, worker: int, step: int) -> None:
         s = self._steps
-        if s.gone is not None:
-            raise RequestError("ABORTED", s.gone)
-        if s.elastic and worker not in s.live:
+        with s.cond:
+            gone, elastic, live = s.gone, s.elastic, worker in s.live
+            joined, num_workers = s.mode is not None, s.num_workers
+        if gone is not None:
+            raise RequestError("ABORTED", gone)
+        if elastic and not live:
             raise RequestError(
                 "FAILED_PRECONDITION",
                 f"worker {worker} is not an elastic worker of this shard (it left, or its lease "
                 "expired): it must join again",
             )
-        if not s.elastic and s.mode is not None and not 0 <= worker < s.num_workers:
-            raise invalid(f"worker {worker} is not one of the {s.num_workers} workers that joined")
+        if not elastic and joined and not 0 <= worker < num_workers:
+            raise invalid(f"worker {worker} is not one of the {num_workers} workers that joined")
         if step < 1:
             raise invalid(f"wrong step {step}: steps start at 1")
 
@@ -412,7 +415,8 @@ class Shard:
 
     def mode_name(self) -> str | None:
         """ "sync" or "async" once a worker joined, else None."""
-        mode = self._steps.mode
+        with self._steps.cond:
+            mode = self._steps.mode
         return None if mode is None else _MODE_NAMES[mode].lower()
 
     def step(self) -> int:
@@ -534,8 +538,8 @@ class Shard:
         if max_deltas < 0:
             raise invalid(f"max_deltas must be >= 0, not {max_deltas}")
         s = self._steps
-        held = hold and bool(after_step) and s.mode == SYNC
         with s.cond:
+            held = hold and bool(after_step) and s.mode == SYNC
             if held:
                 if s.applied > after_step or s.hold is not None:
                     raise RequestError(
