@@ -361,15 +361,17 @@ class Replica:
             self._follow_ranges(new, group)
             self._rebalance_due = True
             self._cond.notify_all()
+            joining: list[str] = []
+            if group is not None and group.primary == self.address:
+                joining = [a for a in group.joining if a not in self._copying]
         if old_group is not None and group is None:
             log.warning("%s was removed from group %d: rejoining", self.address, old_group.id)
             self._in_background(self._rejoin)
         elif old_group is None and group is None and new.lacking():
             self._in_background(self._fill_in)
-        elif group is not None and group.primary == self.address:
-            for address in group.joining:
-                if address not in self._copying:
-                    self._in_background(self._copy_to, address)
+        else:
+            for address in joining:  # (_copy_to checks again, under the lock)
+                self._in_background(self._copy_to, address)
 
     def _server_gone(self, address: str) -> None:
         """A server's lease ended: its primary drops it; if it was our primary, take over."""
@@ -1012,10 +1014,13 @@ class Replica:
                     for p in chunk.pending
                 ]
                 shard.install(shard.tables(), json.loads(chunk.steps_json), pending)
-                incoming.installed = True
+                with self._cond:
+                    incoming.installed = True
         elif request.HasField("change"):
             change = request.change
-            if change.method not in WORKER_CHANGES or not incoming.installed:
+            with self._cond:
+                installed = incoming.installed
+            if change.method not in WORKER_CHANGES or not installed:
                 raise aborted(f"MoveIn {request.index}: {change.method} before the snapshot")
             message = getattr(ps_pb2, f"{change.method}Request")()
             message.ParseFromString(change.request)
@@ -1025,7 +1030,8 @@ class Replica:
             part = protocol.restricted(change.method, message, shard.slots, shard.table)
             part.range = rid
             self._apply(change.method, part)
-        incoming.index = request.index
+        with self._cond:
+            incoming.index = request.index
         return sum(len(t) for t in shard.tables())
 
     def _send_all(self, address: str, changes: list[ps_pb2.ReplicateRequest]) -> None:
@@ -1037,7 +1043,7 @@ class Replica:
 @dataclasses.dataclass
 class _Incoming:
     """A range moving into this group: its source's epoch, the last MoveIn, and whether
-    its step state is installed (the snapshot's last part)."""
+    its step state is installed (the snapshot's last part). Guarded by `Replica._cond`."""
 
     epoch: int
     index: int = 0
