@@ -73,12 +73,7 @@ class Checkpoint(keras.callbacks.Callback):
             raise ValueError(
                 f"`max_to_keep` must be a positive int. Received: max_to_keep={max_to_keep!r}"
             )
-        if not isinstance(incremental, bool):
-            raise ValueError(f"`incremental` must be a bool. Received: incremental={incremental!r}")
-        if isinstance(max_deltas, bool) or not isinstance(max_deltas, int) or max_deltas < 0:
-            raise ValueError(
-                f"`max_deltas` must be a non-negative int. Received: max_deltas={max_deltas!r}"
-            )
+        checkpoint.check_incremental(incremental, max_deltas)
         self.directory = Path(directory)
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep

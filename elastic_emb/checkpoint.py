@@ -29,7 +29,16 @@ from elastic_emb.table import Table, TableState
 if TYPE_CHECKING:
     from elastic_emb.ps.remote_table import RemoteTable
 
-__all__ = ["CheckpointError", "clone", "compact", "file_sha256", "hash_file", "restore", "save"]
+__all__ = [
+    "CheckpointError",
+    "check_incremental",
+    "clone",
+    "compact",
+    "file_sha256",
+    "hash_file",
+    "restore",
+    "save",
+]
 
 FORMAT = "elastic_emb.checkpoint"
 VERSION = 1  # ordinary checkpoints: one data file per table
@@ -58,6 +67,16 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_incremental(incremental: Any, max_deltas: Any) -> None:
+    """Raises `ValueError` unless `incremental` is a bool and `max_deltas` an int >= 0."""
+    if not isinstance(incremental, bool):
+        raise ValueError(f"`incremental` must be a bool. Received: incremental={incremental!r}")
+    if isinstance(max_deltas, bool) or not isinstance(max_deltas, int) or max_deltas < 0:
+        raise ValueError(
+            f"`max_deltas` must be a non-negative int. Received: max_deltas={max_deltas!r}"
+        )
 
 
 def hash_file(digest: Any, path: Path) -> None:
@@ -169,12 +188,7 @@ def save(
         ValueError: an invalid argument.
         NotImplementedError: `incremental=True` with in-process GPU tables.
     """
-    if not isinstance(incremental, bool):
-        raise ValueError(f"`incremental` must be a bool. Received: incremental={incremental!r}")
-    if isinstance(max_deltas, bool) or not isinstance(max_deltas, int) or max_deltas < 0:
-        raise ValueError(
-            f"`max_deltas` must be a non-negative int. Received: max_deltas={max_deltas!r}"
-        )
+    check_incremental(incremental, max_deltas)
     root = Path(directory).absolute()
     chosen = _tables_arg(tables)
     remote_tables = {n: t for n, t in chosen.items() if _is_remote(t)}

@@ -30,7 +30,7 @@ import numpy as np
 
 from elastic_emb import _core, sharding
 from elastic_emb.local import LocalTable, core_options
-from elastic_emb.table import TableConfig, TableState, check_keys, check_rows
+from elastic_emb.table import Table, TableConfig, TableState, check_keys, check_rows
 
 __all__ = ["DiskRows", "TieredTable", "make_local_table"]
 
@@ -303,9 +303,8 @@ class TieredTable(LocalTable):
             self._core.import_rows(k, v)
             self._fit_ram()
 
-    def export_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        state = self.export_state()
-        return state.keys, state.values
+    # Table's (from every tier's state), not LocalTable's (the RAM tier's rows).
+    export_rows = Table.export_rows
 
     def erase(self, keys: Any) -> int:
         k = check_keys(keys)
