@@ -27,10 +27,10 @@ import time
 import numpy as np
 
 import elastic_emb as ee
-from elastic_emb import sharding
-from elastic_emb.ps import balance
-from elastic_emb.ps.local_cluster import LocalCluster
-from elastic_emb.ps.membership import ClusterMap
+from elastic_emb.ps.coord import balance
+from elastic_emb.ps.coord.local_cluster import LocalCluster
+from elastic_emb.ps.coord.membership import ClusterMap
+from elastic_emb.tables import sharding
 
 DIM = 16
 HOT_SHARE = 0.75  # of a step's ids: Zipf over ids whose slots are group 0's

@@ -105,7 +105,7 @@ def servers(n: int) -> Iterator[list[str]]:
     if n == 0:
         yield []
         return
-    from elastic_emb.ps.local_cluster import cli_command, free_port
+    from elastic_emb.ps.coord.local_cluster import cli_command, free_port
 
     ports = sorted({free_port() for _ in range(4 * n)})[:n]
     procs = [

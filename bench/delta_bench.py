@@ -56,7 +56,7 @@ def main() -> None:
     import numpy as np
 
     import elastic_emb as ee
-    from elastic_emb import serving
+    from elastic_emb.serving import export as serving
 
     rng = np.random.default_rng(0)
     ids = keras.Input((), dtype="int64", name="ids")

@@ -98,7 +98,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from elastic_emb.ps.local_cluster import LocalCluster
+    from elastic_emb.ps.coord.local_cluster import LocalCluster
 
     cpu = platform.processor() or platform.machine()
     print(f"# Elastic workers on one queue ({os.cpu_count()} cores, {cpu}, no GPU)\n")

@@ -134,8 +134,8 @@ def kernel_calls(
 
 
 def run_dim(cp: Any, copy: Copy, dim: int, args: argparse.Namespace) -> list[list[Any]]:
-    from elastic_emb import optimizers
-    from elastic_emb.table import Table
+    from elastic_emb.tables.policies import optimizers
+    from elastic_emb.tables.table import Table
 
     rng = np.random.default_rng(dim)
     n, num_rows = args.n, args.rows

@@ -204,7 +204,7 @@ def e2e_worker(
     import tensorflow as tf
 
     import elastic_emb as ee
-    from elastic_emb.ps.remote_table import RemoteTable
+    from elastic_emb.ps.client.remote_table import RemoteTable
 
     cluster = ee.init(ps=ps, mode="async", wire_dtype=wire) if ps else None
     arrays, vocab_sizes = c.load_data(data_path)

@@ -1,7 +1,7 @@
 """Replicated PS groups: the cost of R=2, failover and copy times, live slot moves.
 
 Real etcd and `elastic-emb serve --coordinator` processes on 127.0.0.1
-(`elastic_emb.ps.local_cluster.LocalCluster`), a worker driving a remote
+(`elastic_emb.ps.coord.local_cluster.LocalCluster`), a worker driving a remote
 table through `ee.Table.pull` / `push` in sync mode (no Keras: the PS path
 alone, so the ratio is the replication's own cost).
 
@@ -33,8 +33,8 @@ import time
 import numpy as np
 
 import elastic_emb as ee
-from elastic_emb import sharding
-from elastic_emb.ps.local_cluster import LocalCluster, drain_server
+from elastic_emb.ps.coord.local_cluster import LocalCluster, drain_server
+from elastic_emb.tables import sharding
 
 DIM = 16
 KEYS_PER_STEP = 4096

@@ -138,7 +138,7 @@ def variant_worker(conn: Any, variant: str, ps: list[str] | None, cases: list, s
     import elastic_emb as ee
 
     if variant.endswith(PER_LAYER):  # no model is fused: every layer looks up alone
-        from elastic_emb import lookup
+        from elastic_emb.keras import lookup
 
         lookup._plan = lambda model, layer_type: None
     if ps:

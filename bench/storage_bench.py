@@ -63,7 +63,7 @@ def formats(args: argparse.Namespace, train: Any, test: Any) -> None:
     import elastic_emb as ee
     from elastic_emb.examples import criteo as data
     from elastic_emb.examples.dlrm import build_dlrm
-    from elastic_emb.rows import ROW_DTYPES
+    from elastic_emb.tables.rows import ROW_DTYPES
 
     keras.utils.set_random_seed(args.seed)
     layers: list[ee.Embedding] = []

@@ -19,55 +19,51 @@ import importlib
 import platform
 from typing import TYPE_CHECKING, Any
 
-# Imported first: `Table(...)` asks the placement where a new table lives.
-from elastic_emb import placement as _placement  # noqa: F401
+# The first `Table(...)` connects to the parameter servers ELASTIC_EMB_PS names, if any.
+from elastic_emb import placement as _placement
 from elastic_emb.errors import ElasticEmbWarning
 from elastic_emb.keras_registration import register_when_keras_loads as _register_keras
-from elastic_emb.table import Table
+from elastic_emb.tables.table import Table
 
 # `keras.models.load_model` finds ee.Embedding after `import elastic_emb` alone.
 _register_keras()
+_placement.install()
 
 # Public submodules, by attribute: those that need TensorFlow with Keras 3,
 # and those that work without it (remote tables aside).
 _TF_SUBMODULES = {
-    "callbacks": "elastic_emb.callbacks",
+    "callbacks": "elastic_emb.keras.callbacks",
     "data": "elastic_emb.examples.criteo",
-    "keras_patches": "elastic_emb.keras_patches",
-    "layers": "elastic_emb.layers",
+    "keras_patches": "elastic_emb.keras.patches",
+    "layers": "elastic_emb.keras.layers",
     "models": "elastic_emb.examples.dlrm",
-    "serving": "elastic_emb.serving",
-    "serving_delta": "elastic_emb.serving_delta",
 }
 _PLAIN_SUBMODULES = {
-    name: f"elastic_emb.{name}"
-    for name in (
-        "admission",
-        "checkpoint",
-        "eviction",
-        "gpu",
-        "initializers",
-        "optimizers",
-        "placement",
-        "shard_queue",
-        "sharding",
-        "storage",
-        "table",
-    )
+    "admission": "elastic_emb.tables.policies.admission",
+    "checkpoint": "elastic_emb.persistence.checkpoint",
+    "eviction": "elastic_emb.tables.policies.eviction",
+    "gpu": "elastic_emb.tables.gpu",
+    "initializers": "elastic_emb.tables.policies.initializers",
+    "optimizers": "elastic_emb.tables.policies.optimizers",
+    "placement": "elastic_emb.placement",
+    "shard_queue": "elastic_emb.shard_queue",
+    "sharding": "elastic_emb.tables.sharding",
+    "storage": "elastic_emb.tables.policies.storage",
+    "table": "elastic_emb.tables.table",
 }
 _SUBMODULES = _TF_SUBMODULES | _PLAIN_SUBMODULES
 _NAMES = {
-    "CheckpointError": "elastic_emb.checkpoint",
-    "restore": "elastic_emb.checkpoint",
-    "save": "elastic_emb.checkpoint",
-    "DistributedEmbedding": "elastic_emb.multi_feature",
-    "Embedding": "elastic_emb.layers",
-    "apply_delta": "elastic_emb.serving_delta",
-    "export_delta": "elastic_emb.serving_delta",
-    "export_saved_model": "elastic_emb.layers",
-    "export_rows": "elastic_emb.rows",
+    "CheckpointError": "elastic_emb.persistence.checkpoint",
+    "restore": "elastic_emb.persistence.checkpoint",
+    "save": "elastic_emb.persistence.checkpoint",
+    "DistributedEmbedding": "elastic_emb.keras.multi_feature",
+    "Embedding": "elastic_emb.keras.layers",
+    "apply_delta": "elastic_emb.serving.delta",
+    "export_delta": "elastic_emb.keras.models",
+    "export_saved_model": "elastic_emb.keras.models",
+    "export_rows": "elastic_emb.tables.rows",
     "init": "elastic_emb.placement",
-    "lookahead": "elastic_emb.layers",
+    "lookahead": "elastic_emb.keras.models",
     "shutdown": "elastic_emb.placement",
 }
 
@@ -142,25 +138,19 @@ def _version_of(module: str) -> str | None:
 
 
 if TYPE_CHECKING:
-    from elastic_emb import (
-        admission,
-        callbacks,
-        eviction,
-        initializers,
-        keras_patches,
-        optimizers,
-        placement,
-        shard_queue,
-        sharding,
-        storage,
-    )
-    from elastic_emb.checkpoint import CheckpointError, restore, save
+    from elastic_emb import placement, shard_queue
     from elastic_emb.examples import criteo as data
     from elastic_emb.examples import dlrm as models
-    from elastic_emb.layers import Embedding, export_saved_model, lookahead
+    from elastic_emb.keras import callbacks
+    from elastic_emb.keras import patches as keras_patches
+    from elastic_emb.keras.layers import Embedding
+    from elastic_emb.keras.models import export_delta, export_saved_model, lookahead
+    from elastic_emb.persistence.checkpoint import CheckpointError, restore, save
     from elastic_emb.placement import init, shutdown
-    from elastic_emb.rows import export_rows
-    from elastic_emb.serving_delta import apply_delta, export_delta
+    from elastic_emb.serving.delta import apply_delta
+    from elastic_emb.tables import sharding
+    from elastic_emb.tables.policies import admission, eviction, initializers, optimizers, storage
+    from elastic_emb.tables.rows import export_rows
 
 __all__ = [
     "CheckpointError",

@@ -43,8 +43,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from elastic_emb.ps import server
-    from elastic_emb.ps.balance import Policy
+    from elastic_emb.ps.coord.balance import Policy
+    from elastic_emb.ps.server import server
 
     handler = logging.StreamHandler()
     if args.log_format == "json":
@@ -100,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _cluster_status(args: argparse.Namespace) -> int:
     import json
 
-    from elastic_emb.ps.local_cluster import cluster_status
+    from elastic_emb.ps.coord.local_cluster import cluster_status
 
     security = _client_security(args, "cluster status")
     if security is False:
@@ -138,7 +138,7 @@ def _cluster_status(args: argparse.Namespace) -> int:
 
 
 def _cluster_drain(args: argparse.Namespace) -> int:
-    from elastic_emb.ps.local_cluster import drain_server
+    from elastic_emb.ps.coord.local_cluster import drain_server
 
     try:
         drain_server(args.coordinator, args.server, args.timeout)
@@ -153,7 +153,7 @@ def _cluster_local(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from elastic_emb.ps.local_cluster import LocalCluster
+    from elastic_emb.ps.coord.local_cluster import LocalCluster
 
     command = args.worker_command
     command = command[1:] if command[:1] == ["--"] else command
@@ -192,7 +192,7 @@ def _cluster_local(args: argparse.Namespace) -> int:
 
 
 def _top(args: argparse.Namespace) -> int:
-    from elastic_emb.ps.top import render, sample
+    from elastic_emb.ps.client.top import render, sample
 
     if args.interval <= 0:
         print("elastic-emb top: --interval must be positive", file=sys.stderr)
@@ -215,7 +215,7 @@ def _top(args: argparse.Namespace) -> int:
 def _client_security(args: argparse.Namespace, command: str) -> Any:
     """The `ClientSecurity` of `--tls-ca`, `--tls-cert`, `--tls-key` and `--token` (None:
     plaintext); False after printing why they do not go together."""
-    from elastic_emb.ps.security import ClientSecurity
+    from elastic_emb.ps.wire.security import ClientSecurity
 
     try:
         return ClientSecurity.make(args.tls_ca, args.tls_cert, args.tls_key, args.token)
@@ -234,7 +234,7 @@ def _add_client_security(parser: argparse.ArgumentParser) -> None:
 
 
 def _audit_verify(args: argparse.Namespace) -> int:
-    from elastic_emb.ps.audit import AuditError, verify
+    from elastic_emb.ps.server.audit import AuditError, verify
 
     try:
         records, digest = verify(args.file)
@@ -246,7 +246,7 @@ def _audit_verify(args: argparse.Namespace) -> int:
 
 
 def _apply_delta(args: argparse.Namespace) -> int:
-    from elastic_emb.serving_delta import apply_delta
+    from elastic_emb.serving.delta import apply_delta
 
     try:
         output = apply_delta(args.base, args.delta, args.output)
@@ -261,7 +261,7 @@ def _health(args: argparse.Namespace) -> int:
     """Asks the standard gRPC health service (grpc.health.v1), as Kubernetes' probes do."""
     import grpc
 
-    from elastic_emb.ps.health import SERVING, HealthCheckResponse, check
+    from elastic_emb.ps.server.health import SERVING, HealthCheckResponse, check
 
     with grpc.insecure_channel(args.address) as channel:
         try:

@@ -1,7 +1,7 @@
 """Registers elastic_emb's Keras classes as soon as Keras is imported.
 
 `keras.models.load_model` and `from_config` find `elastic_emb>Embedding` only
-if `elastic_emb.layers` was imported. `import elastic_emb` must be enough,
+if `elastic_emb.keras.layers` was imported. `import elastic_emb` must be enough,
 yet must not import TensorFlow itself (`elastic-emb serve` and `health` never
 need it). So the package calls `register_when_keras_loads()`: if Keras is
 already imported the classes are registered at once; otherwise a one-shot
@@ -23,7 +23,7 @@ __all__ = ["register_when_keras_loads"]
 
 # The modules whose import registers Keras classes (decorated with
 # keras.saving.register_keras_serializable).
-KERAS_MODULES = ("elastic_emb.layers", "elastic_emb.multi_feature")
+KERAS_MODULES = ("elastic_emb.keras.layers", "elastic_emb.keras.multi_feature")
 
 
 def register_when_keras_loads() -> None:
@@ -44,7 +44,7 @@ def _register() -> None:
     except Exception as e:  # never break the user's `import keras`
         warnings.warn(
             f"elastic_emb could not register its Keras classes ({type(e).__name__}: {e}); "
-            "import elastic_emb.layers before loading models that use them",
+            "import elastic_emb.keras.layers before loading models that use them",
             ElasticEmbWarning,
             stacklevel=2,
         )

@@ -1,38 +1,38 @@
-"""Where tables live, and by what name: the one place that decides.
+"""`ee.init` and `ee.shutdown`: this process's connection to parameter servers.
 
-`Table(...)` (the public constructor) comes here: a table with
-`device="gpu"` is a `GpuTable` in this process; otherwise, once
-`init(ps=[...])` has connected this process to parameter servers (or the
-`ELASTIC_EMB_PS` variable names them), a `RemoteTable` on those shards;
-otherwise a `LocalTable`. Tables created before `init` stay where they are.
-
-Names: the tables created here are registered by name for `ee.save` and
-`ee.restore` (which match tables by name). A new table with the name of a
-live one takes the name over: re-running the code that builds a model (a
-notebook cell, `clone_model`, `from_config`) gives tables with the same
-names, so checkpoints keep matching. The older table keeps working, but is
-no longer saved or restored by `ee.save()` / `ee.restore()` without
-`tables=`. A table kept alive only by the registry is dropped with it.
+`init` checks its options (`InitOptions`), reads the environment
+(`ELASTIC_EMB_PS`, `ELASTIC_EMB_COORDINATOR`, `TF_CONFIG`), connects a
+`Cluster` (TLS, a coordinator's routing) and hands the registry of tables
+(`elastic_emb.tables.registry`) a `Connection`: later `Table(...)`s are
+remote tables on it, and Keras models compiled later read its dense-weights
+policy from there. The one module that wires the client in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
-from elastic_emb import table as table_module
-from elastic_emb.table import Table, TableConfig
-from elastic_emb.tiered import make_local_table
+from elastic_emb.tables import registry
+from elastic_emb.tables.registry import (
+    Connection,
+    create_table,
+    current_cluster,
+    registered_tables,
+    unregister,
+)
 
 if TYPE_CHECKING:
-    from elastic_emb.ps.cluster import Cluster
+    from elastic_emb.ps.client.cluster import Cluster, ClusterOptions
+    from elastic_emb.ps.client.routing import Routing
+    from elastic_emb.tables.table import Table, TableConfig
 
 __all__ = [
     "ENV_COORDINATOR",
     "ENV_PS",
+    "InitOptions",
     "create_table",
     "current_cluster",
     "init",
@@ -44,63 +44,75 @@ __all__ = [
 ENV_PS = "ELASTIC_EMB_PS"
 ENV_COORDINATOR = "ELASTIC_EMB_COORDINATOR"
 
-_lock = threading.RLock()  # guards every global below (init runs under it)
-_tables: weakref.WeakValueDictionary[str, Table] = weakref.WeakValueDictionary()
-_cluster: Cluster | None = None
-# Where models' dense weights train (ee.init's `dense`, resolved): "local" or "ps";
-# and whether the caller asked for it (else: the default of the mode).
-_dense, _dense_explicit = "local", False
-_dense_pull_every = 1  # ee.init's `dense_pull_every`
-_env_checked = False  # ELASTIC_EMB_PS was read (once, at the first table or init)
 
+@dataclasses.dataclass(frozen=True)
+class InitOptions:
+    """`ee.init`'s arguments (see `init`), checked by `check`."""
 
-def create_table(
-    dim: int,
-    optimizer: Any = None,
-    initializer: Any = "uniform",
-    name: str = "table",
-    seed: int | None = None,
-    device: str = "cpu",
-    nonfinite: str = "raise",
-    admission: Any = None,
-    eviction: Any = None,
-    row_dtype: str = "float32",
-    storage: Any = None,
-) -> Table:
-    """`Table(...)`: a new table, placed and registered (arguments as `Table`)."""
-    config = TableConfig.make(
-        dim, optimizer, initializer, name, seed, nonfinite, admission, eviction, row_dtype, storage
-    )
-    if device == "gpu":
-        from elastic_emb.gpu import GpuTable
+    ps: list[str] | str | None = None
+    mode: str = "async"
+    staleness: int | None = None
+    wire_dtype: str = "float32"
+    worker_index: int | None = None
+    num_workers: int | None = None
+    timeout: float = 300.0
+    connect_timeout: float = 30.0
+    coordinator: str | None = None
+    failover_timeout: float = 60.0
+    read_from_backups: bool = False
+    cache_rows: int = 0
+    cache_staleness: int = 0
+    tls_ca: str | os.PathLike[str] | None = None
+    tls_cert: str | os.PathLike[str] | None = None
+    tls_key: str | os.PathLike[str] | None = None
+    token: str | None = None
+    dense: str | None = None
+    dense_pull_every: int = 1
 
-        table: Table = GpuTable(config)
-    elif device == "cpu":
-        cluster = current_cluster()
-        if cluster is None:
-            table = make_local_table(config)
-        else:
-            from elastic_emb.ps.remote_table import RemoteTable
+    def check(self) -> None:
+        """Raises ValueError for options that contradict each other (the cluster
+        checks the rest when it connects)."""
+        every, dense = self.dense_pull_every, self.dense
+        if isinstance(every, bool) or not isinstance(every, int):
+            raise ValueError(f"`dense_pull_every` must be a positive integer. Received: {every!r}")
+        if every < 1 or (every > 1 and dense == "local"):
+            raise ValueError(
+                "`dense_pull_every` must be a positive integer, and > 1 only with the dense "
+                f"weights on the PS. Received: dense_pull_every={every}, dense={dense!r}"
+            )
+        if dense not in (None, "local", "ps"):
+            raise ValueError(f"`dense` must be 'local', 'ps' or None. Received: dense={dense!r}")
+        if dense == "ps" and self.mode != "async":
+            raise ValueError(
+                "dense='ps' trains dense weights asynchronously on the PS; with mode='sync' they "
+                "stay local (under MultiWorkerMirroredStrategy). Received: mode='sync'"
+            )
+        if self.ps is not None and self.coordinator is not None:
+            raise ValueError("Pass `ps` or `coordinator`, not both")
 
-            table = RemoteTable(config, cluster)
-    else:
-        raise ValueError(f'`device` must be "cpu" or "gpu". Received: device={device!r}')
-    with _lock:
-        _tables[table.name] = table
-    return table
+    def from_environment(self) -> InitOptions:
+        """These options, with `ps` or `coordinator` read from the environment if neither
+        is given."""
+        if self.ps is not None or self.coordinator is not None:
+            return self
+        ps = os.environ.get(ENV_PS) or None
+        coordinator = None if ps else os.environ.get(ENV_COORDINATOR) or None
+        return dataclasses.replace(self, ps=ps, coordinator=coordinator)
 
+    def dense_placement(self) -> str:
+        """Where dense weights train: `dense`, else "ps" with a coordinator in async mode."""
+        if self.dense is not None:
+            return self.dense
+        return "ps" if self.coordinator is not None and self.mode == "async" else "local"
 
-def registered_tables() -> dict[str, Table]:
-    """The live tables of this process, by name."""
-    with _lock:
-        return dict(_tables.items())
+    def cluster_options(self, worker_index: int, num_workers: int) -> ClusterOptions:
+        from elastic_emb.ps.client.cluster import ClusterOptions
 
-
-def unregister(table: Table) -> None:
-    """Removes `table` from the registry (its name becomes free)."""
-    with _lock:
-        if _tables.get(table.name) is table:
-            del _tables[table.name]
+        return ClusterOptions(
+            self.mode, self.staleness, self.wire_dtype, worker_index, num_workers, self.timeout,
+            self.connect_timeout, self.failover_timeout, self.read_from_backups, self.cache_rows,
+            self.cache_staleness,
+        )  # fmt: skip
 
 
 def init(
@@ -160,7 +172,7 @@ def init(
             the new one (see docs/fault-tolerance.md).
         cache_rows: rows of remote tables this worker keeps, the ones it
             pulls most often (0, the default: no cache). Pushes still go to
-            the shards. See `elastic_emb.ps.row_cache` and docs/storage.md.
+            the shards. See `elastic_emb.ps.client.row_cache` and docs/storage.md.
         cache_staleness: steps a cached row may be served without asking
             its shard. 0 (default): every pull asks, sending the versions of
             the cached rows, and the shard sends only rows that changed; the
@@ -190,7 +202,7 @@ def init(
             mode): in one more table on the PS, pulled at each step and
             updated there with the optimizer given to `model.compile`; each
             worker runs plain `model.fit`, without all-reduce
-            (`elastic_emb.dense_ps`, docs/distributed.md). None (default):
+            (`elastic_emb.keras.dense_ps`, docs/distributed.md). None (default):
             "ps" with a coordinator in async mode, for models compiled
             without a multi-replica `tf.distribute` strategy (elastic workers
             come and go, which an all-reduce cannot survive); else "local".
@@ -208,89 +220,97 @@ def init(
         ValueError: invalid arguments, or already connected.
         ConnectionError: a PS did not answer within `connect_timeout`.
     """
-    global _cluster, _dense, _dense_explicit, _dense_pull_every, _env_checked
-    if isinstance(dense_pull_every, bool) or not isinstance(dense_pull_every, int):
-        raise ValueError(
-            f"`dense_pull_every` must be a positive integer. Received: {dense_pull_every!r}"
-        )
-    if dense_pull_every < 1 or (dense_pull_every > 1 and dense == "local"):
-        raise ValueError(
-            "`dense_pull_every` must be a positive integer, and > 1 only with the dense "
-            f"weights on the PS. Received: dense_pull_every={dense_pull_every}, dense={dense!r}"
-        )
-    if dense not in (None, "local", "ps"):
-        raise ValueError(f"`dense` must be 'local', 'ps' or None. Received: dense={dense!r}")
-    if dense == "ps" and mode != "async":
-        raise ValueError(
-            "dense='ps' trains dense weights asynchronously on the PS; with mode='sync' they "
-            "stay local (under MultiWorkerMirroredStrategy). Received: mode='sync'"
-        )
-    with _lock:
-        _env_checked = True
-        if ps is not None and coordinator is not None:
-            raise ValueError("Pass `ps` or `coordinator`, not both")
-        if ps is None and coordinator is None:
-            ps = os.environ.get(ENV_PS) or None
-            coordinator = None if ps else os.environ.get(ENV_COORDINATOR) or None
-        if ps is None and coordinator is None:
+    options = InitOptions(**{k: v for k, v in locals().items() if k in _INIT_FIELDS})
+    return connect(options)
+
+
+_INIT_FIELDS = frozenset(f.name for f in dataclasses.fields(InitOptions))
+
+
+def connect(options: InitOptions) -> Cluster | None:
+    """`init` with its arguments as `InitOptions`."""
+    options.check()
+    with registry.LOCK:
+        registry.connect_from_environment(None)  # (asked for explicitly: the environment's is not)
+        options = options.from_environment()
+        if options.ps is None and options.coordinator is None:
             return None
-        addresses = [a.strip() for a in ps.split(",")] if isinstance(ps, str) else list(ps or [])
-        if _cluster is not None:
+        connected = registry.connection()
+        if connected is not None:
             raise ValueError(
-                f"elastic_emb is already connected to {_cluster.addresses}; "
+                f"elastic_emb is already connected to {connected.cluster.addresses}; "
                 "call ee.shutdown() first"
             )
-        auto_index = (
-            worker_index is None and coordinator is not None and not os.environ.get("TF_CONFIG")
-        )
-        if worker_index is None or num_workers is None:
-            index, count = _tf_config_worker()
-            worker_index = index if worker_index is None else worker_index
-            num_workers = count if num_workers is None else num_workers
-        if num_workers > 1:
-            import keras  # noqa: F401  (first: loading Keras imports elastic_emb.layers)
-
-            from elastic_emb.keras_patches import fix_keras_multi_worker
-
-            fix_keras_multi_worker()
-        from elastic_emb.ps.cluster import Cluster
-        from elastic_emb.ps.security import ClientSecurity
-
-        security = ClientSecurity.make(tls_ca, tls_cert, tls_key, token)
-
-        routing = None
-        if coordinator is not None:
-            from elastic_emb.ps.cluster import WORKER_LEASE_SECONDS
-            from elastic_emb.ps.routing import Routing
-
-            routing = Routing(coordinator, connect_timeout)
-            if auto_index:  # elastic workers without an index take the lowest free one
-                try:
-                    worker_index = routing.register_worker(None, WORKER_LEASE_SECONDS)
-                except BaseException:
-                    routing.close()
-                    raise
-        _dense_explicit = dense is not None
-        if dense is None:
-            dense = "ps" if coordinator is not None and mode == "async" else "local"
-        if dense_pull_every > 1 and dense != "ps":
+        dense = options.dense_placement()
+        if options.dense_pull_every > 1 and dense != "ps":
             raise ValueError(
-                f"`dense_pull_every`={dense_pull_every} needs the dense weights on the PS; "
-                f"they stay local here (mode={mode!r}, coordinator={coordinator!r}). Pass "
-                "dense='ps' with mode='async'."
+                f"`dense_pull_every`={options.dense_pull_every} needs the dense weights on the "
+                f"PS; they stay local here (mode={options.mode!r}, "
+                f"coordinator={options.coordinator!r}). Pass dense='ps' with mode='async'."
             )
-        _dense, _dense_pull_every = dense, dense_pull_every
-        try:
-            _cluster = Cluster(
-                addresses, mode, staleness, wire_dtype, worker_index, num_workers, timeout,
-                connect_timeout, routing, failover_timeout, read_from_backups, cache_rows,
-                cache_staleness, security,
-            )  # fmt: skip
-        except BaseException:
-            if routing is not None:
+        cluster = _connect_cluster(options)
+        registry.connect(
+            Connection(
+                cluster,
+                _remote_table_maker(cluster),
+                dense,
+                options.dense is not None,
+                options.dense_pull_every,
+            )
+        )
+        return cluster
+
+
+def _connect_cluster(options: InitOptions) -> Cluster:
+    """The `Cluster` of `options` (`ps` or `coordinator` set), connected."""
+    from elastic_emb.ps.client.cluster import WORKER_LEASE_SECONDS, Cluster
+    from elastic_emb.ps.wire.security import ClientSecurity
+
+    ps, coordinator = options.ps, options.coordinator
+    addresses = [a.strip() for a in ps.split(",")] if isinstance(ps, str) else list(ps or [])
+    worker_index, num_workers = options.worker_index, options.num_workers
+    auto_index = (
+        worker_index is None and coordinator is not None and not os.environ.get("TF_CONFIG")
+    )
+    if worker_index is None or num_workers is None:
+        index, count = _tf_config_worker()
+        worker_index = index if worker_index is None else worker_index
+        num_workers = count if num_workers is None else num_workers
+    if num_workers > 1:
+        import keras  # noqa: F401  (first: loading Keras imports elastic_emb.keras)
+
+        from elastic_emb.keras.patches import fix_keras_multi_worker
+
+        fix_keras_multi_worker()
+    security = ClientSecurity.make(options.tls_ca, options.tls_cert, options.tls_key, options.token)
+    routing: Routing | None = None
+    if coordinator is not None:
+        from elastic_emb.ps.client.routing import Routing
+
+        routing = Routing(coordinator, options.connect_timeout)
+        if auto_index:  # elastic workers without an index take the lowest free one
+            try:
+                worker_index = routing.register_worker(None, WORKER_LEASE_SECONDS)
+            except BaseException:
                 routing.close()
-            raise
-        return _cluster
+                raise
+    try:
+        return Cluster(
+            addresses, options.cluster_options(worker_index, num_workers), routing, security
+        )
+    except BaseException:
+        if routing is not None:
+            routing.close()
+        raise
+
+
+def _remote_table_maker(cluster: Cluster) -> Any:
+    def make(config: TableConfig) -> Table:
+        from elastic_emb.ps.client.remote_table import RemoteTable
+
+        return RemoteTable(config, cluster)
+
+    return make
 
 
 def shutdown() -> None:
@@ -299,36 +319,23 @@ def shutdown() -> None:
     The remote tables of the connection can no longer be used; they leave
     the registry (so `ee.save()` no longer sees them).
     """
-    global _cluster
-    with _lock:
-        cluster, _cluster = _cluster, None
-        if cluster is not None:
-            for name, table in list(_tables.items()):
-                if getattr(table, "cluster", None) is cluster:
-                    del _tables[name]
-    if cluster is not None:
-        cluster.close()
+    with registry.LOCK:
+        registry.connect_from_environment(None)
+        old = registry.disconnect()
+    if old is not None:
+        old.cluster.close()
 
 
-def dense_placement() -> tuple[str, bool]:
-    """Where the dense weights of models compiled now train ("local" or "ps"), and
-    whether `ee.init`'s caller chose it (else it is the mode's default)."""
-    with _lock:
-        return (_dense, _dense_explicit) if _cluster is not None else ("local", False)
+def _from_environment() -> None:
+    """`init()` from ELASTIC_EMB_PS / ELASTIC_EMB_COORDINATOR, if either is set."""
+    if os.environ.get(ENV_PS) or os.environ.get(ENV_COORDINATOR):
+        init()
 
 
-def dense_pull_every() -> int:
-    """Every how many training steps dense weights on the PS are pulled."""
-    with _lock:
-        return _dense_pull_every
-
-
-def current_cluster() -> Cluster | None:
-    """The cluster new tables go to (connecting from `ELASTIC_EMB_PS` once), or None."""
-    with _lock:
-        if not _env_checked and (os.environ.get(ENV_PS) or os.environ.get(ENV_COORDINATOR)):
-            init()
-        return _cluster
+def install() -> None:
+    """The first table, or the first ask for the connection, connects from the
+    environment (`elastic_emb/__init__.py` calls this once)."""
+    registry.connect_from_environment(_from_environment)
 
 
 def _tf_config_worker() -> tuple[int, int]:
@@ -346,6 +353,3 @@ def _tf_config_worker() -> tuple[int, int]:
         return index, max(chiefs + workers, 1)
     except (ValueError, AttributeError, TypeError) as e:
         raise ValueError(f"TF_CONFIG is not valid: {e}") from e
-
-
-table_module._Placed.create = create_table

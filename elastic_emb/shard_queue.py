@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from elastic_emb.ps.etcd import Compare, Etcd, Op
+from elastic_emb.ps.coord.etcd import Compare, Etcd, Op
 
 __all__ = ["ShardQueue"]
 

@@ -14,7 +14,7 @@ python3 -m venv "$tmp/venv"
 mkdir -p "$tmp/out"
 "$tmp/venv/bin/python" -m grpc_tools.protoc -Iprotos --python_out="$tmp/out" \
   --pyi_out="$tmp/out" --grpc_python_out="$tmp/out" protos/elastic_emb/ps/v1/ps.proto
-# health.proto: messages only (elastic_emb/ps/health.py registers the service).
+# health.proto: messages only (elastic_emb/ps/server/health.py registers the service).
 "$tmp/venv/bin/python" -m grpc_tools.protoc -Iprotos --python_out="$tmp/out" \
   --pyi_out="$tmp/out" protos/elastic_emb/ps/v1/health.proto
 gen="$tmp/out/elastic_emb/ps/v1"

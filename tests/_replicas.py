@@ -8,9 +8,9 @@ from _states import sorted_state
 
 import elastic_emb as ee
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps import protocol
-from elastic_emb.ps.local_cluster import LocalCluster
-from elastic_emb.table import TableState
+from elastic_emb.ps.coord.local_cluster import LocalCluster
+from elastic_emb.ps.wire import protocol
+from elastic_emb.tables.table import TableState
 
 
 def export(address: str, table: str) -> dict[str, np.ndarray]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elastic_emb.table import TableState
+from elastic_emb.tables.table import TableState
 
 
 def sorted_state(state: TableState) -> dict[str, np.ndarray]:

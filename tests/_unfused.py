@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 import elastic_emb as ee
-from elastic_emb.lookup import local_replicas
+from elastic_emb.keras.lookup import local_replicas
 
 _LOCK = threading.Lock()
 _PENDING: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # a step's pushes by table

@@ -98,9 +98,9 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_is_read_from_the_source():
     graph = _graph()
     # Known edges, so that an empty graph cannot pass the other tests.
-    assert "elastic_emb.table" in graph["elastic_emb.local"]
-    assert "elastic_emb.ps.cluster" in graph["elastic_emb.ps.remote_table"]
-    assert "elastic_emb.ps.protocol" in graph["elastic_emb.ps.servicer"]
+    assert "elastic_emb.tables.table" in graph["elastic_emb.tables.local"]
+    assert "elastic_emb.ps.client.cluster" in graph["elastic_emb.ps.client.remote_table"]
+    assert "elastic_emb.ps.wire.protocol" in graph["elastic_emb.ps.server.servicer"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
@@ -110,35 +110,112 @@ def test_no_import_cycles():
     assert cycle is None, " -> ".join(cycle or [])
 
 
-# Module (or package prefix) -> what it must never import, even lazily.
-FORBIDDEN = {
-    # The table interface and in-process tables work without TF, Keras and gRPC.
-    "elastic_emb.table": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
-    "elastic_emb.local": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
-    "elastic_emb.gpu": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
-    "elastic_emb.checkpoint": {"tensorflow", "keras", "grpc", "elastic_emb._proto"},
-    "elastic_emb.rows": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
-    "elastic_emb.admission": {"tensorflow", "keras", "grpc", "numpy", "elastic_emb."},
-    "elastic_emb.eviction": {"tensorflow", "keras", "grpc", "numpy", "elastic_emb."},
-    "elastic_emb.storage": {"tensorflow", "keras", "grpc", "numpy", "elastic_emb."},
-    "elastic_emb.tiered": {"tensorflow", "keras", "grpc", "elastic_emb.ps"},
-    # The PS never needs TensorFlow or Keras, nor the layer.
-    "elastic_emb.ps": {
-        "tensorflow",
-        "keras",
-        "elastic_emb.layers",
-        "elastic_emb.lookup",
-        "elastic_emb.callbacks",
+# Package -> the packages its modules may import (its own included), lowest first.
+# A module belongs to the longest package prefix listed; docs/architecture.md
+# draws the same map.
+# The base: warnings, the C++ core, the supported Keras range (Keras imported only if asked).
+BASE = {"elastic_emb.errors", "elastic_emb._core", "elastic_emb.keras_range"}
+TABLES = {"elastic_emb.tables", *BASE}
+ALLOWED = {
+    "elastic_emb.errors": set(),
+    "elastic_emb.keras_range": set(),
+    "elastic_emb.ps": set(),  # its __init__: the sub-packages below
+    "elastic_emb.tables": TABLES,
+    "elastic_emb.tables.policies": {"elastic_emb.tables.policies", *BASE},
+    "elastic_emb.persistence": {"elastic_emb.persistence", *TABLES},
+    "elastic_emb.serving": {"elastic_emb.serving", "elastic_emb.persistence", *TABLES},
+    "elastic_emb.ps.wire": {"elastic_emb.ps.wire", "elastic_emb._proto", *TABLES},
+    "elastic_emb.ps.coord": {
+        "elastic_emb.ps.coord",
+        "elastic_emb.ps.wire",
+        "elastic_emb._proto",
+        *TABLES,
     },
-    # Only the PS package speaks protobuf (docs/architecture.md).
-    "elastic_emb.layers": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
-    "elastic_emb.lookup": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
-    "elastic_emb.loss_scaling": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
-    "elastic_emb.dense_ps": {"grpc", "elastic_emb._proto", "elastic_emb.ps"},
-    "elastic_emb.placement": {"grpc", "elastic_emb._proto", "tensorflow"},
+    "elastic_emb.ps.server": {
+        "elastic_emb.ps.server",
+        "elastic_emb.ps.coord",
+        "elastic_emb.ps.wire",
+        "elastic_emb._proto",
+        "elastic_emb.persistence",
+        *TABLES,
+    },
+    "elastic_emb.ps.client": {
+        "elastic_emb.ps.client",
+        "elastic_emb.ps.coord",
+        "elastic_emb.ps.wire",
+        "elastic_emb._proto",
+        "elastic_emb.persistence",
+        *TABLES,
+    },
+    "elastic_emb.keras": {
+        "elastic_emb.keras",
+        "elastic_emb.serving",
+        "elastic_emb.persistence",
+        *TABLES,
+    },
+    # Data shards handed out through etcd, with a Keras callback (Keras imported lazily).
+    "elastic_emb.shard_queue": {"elastic_emb.ps.coord", *TABLES},
+    # ee.init: wires the client (and, with several workers, a Keras fix) in.
+    "elastic_emb.placement": {
+        "elastic_emb.ps.client",
+        "elastic_emb.ps.wire",
+        "elastic_emb.keras",
+        *TABLES,
+    },
+}
+# May import anything: the public names, the CLI, the demo; the one-shot hook that
+# imports the Keras package once Keras is imported.
+TOP = ("elastic_emb", "elastic_emb.cli", "elastic_emb.examples", "elastic_emb.keras_registration")
+
+
+def _package_of(module: str) -> str | None:
+    found = [p for p in ALLOWED if module == p or module.startswith(p + ".")]
+    return max(found, key=len) if found else None
+
+
+def test_every_module_has_a_place_and_imports_only_downward():
+    placed, upward = 0, []
+    for name, imported in sorted(_graph().items()):
+        if name == "elastic_emb._core" or name == TOP[0] or name.startswith(TOP[1:]):
+            continue
+        package = _package_of(name)
+        assert package is not None, f"{name} is in no package of the map"
+        placed += 1
+        allowed = ALLOWED[package]
+        upward += [
+            f"{name} -> {m}"
+            for m in sorted(imported)
+            if not any(m == a or m.startswith(a + ".") for a in allowed)
+        ]
+    assert placed > 40
+    assert not upward, "imports running up the map:\n" + "\n".join(upward)
+
+
+# Module (or package prefix) -> what else it must never import, even lazily.
+FORBIDDEN = {
+    # Tables, their files and exports of rows work without TF, Keras and gRPC.
+    "elastic_emb.tables": {"tensorflow", "keras", "grpc"},
+    "elastic_emb.persistence": {"tensorflow", "keras", "grpc"},
+    "elastic_emb.keras_range": {"tensorflow", "grpc"},
+    # Policies check their arguments only; optimizers and initializers import Keras
+    # only to convert the user's Keras objects.
+    "elastic_emb.tables.policies.admission": {"numpy"},
+    "elastic_emb.tables.policies.eviction": {"numpy"},
+    "elastic_emb.tables.policies.storage": {"numpy"},
+    # The PS never needs TensorFlow or Keras.
+    "elastic_emb.ps": {"tensorflow", "keras"},
+    # Only the PS package speaks gRPC and protobuf (docs/architecture.md).
+    "elastic_emb.keras": {"grpc"},
+    "elastic_emb.serving": {"grpc"},
+    "elastic_emb.placement": {"grpc", "tensorflow"},
     # The library never depends on its examples.
     "elastic_emb.": {"elastic_emb.examples"},
 }
+# Keras objects, converted when the user passes them.
+KERAS_CONVERTERS = (
+    "elastic_emb.tables.policies.optimizers",
+    "elastic_emb.tables.policies.initializers",
+)
 
 
 @pytest.mark.parametrize("prefix", sorted(FORBIDDEN))
@@ -156,6 +233,8 @@ def test_layers_import_only_what_they_may(prefix: str):
             continue  # the examples themselves; the CLI runs the demo; the lazy names
         checked += 1
         imported = _imports(path, modules)
+        if name in KERAS_CONVERTERS:
+            imported.discard("keras")
         bad = {
             m
             for m in imported
@@ -176,10 +255,10 @@ def test_protobuf_messages_are_built_only_in_the_ps_package():
 def test_every_table_kind_implements_the_whole_interface():
     import inspect
 
-    from elastic_emb.gpu import GpuTable
-    from elastic_emb.local import LocalTable
-    from elastic_emb.ps.remote_table import RemoteTable
-    from elastic_emb.table import Table
+    from elastic_emb.ps.client.remote_table import RemoteTable
+    from elastic_emb.tables.gpu import GpuTable
+    from elastic_emb.tables.local import LocalTable
+    from elastic_emb.tables.table import Table
 
     def raises(member: object) -> bool:
         function = member.fget if isinstance(member, property) else member
@@ -194,14 +273,35 @@ def test_every_table_kind_implements_the_whole_interface():
         assert not missing, f"{kind.__name__} does not implement {missing}"
 
 
-def test_the_keras_layer_loads_neither_grpc_nor_the_ps_in_a_fresh_process():
-    # Transitively, as a user's process runs it: a model with a layer, compiled.
+def _loaded_in_a_fresh_process(code: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules starting with one of `prefixes` that a fresh process running `code` loads."""
+    script = (
+        f"import sys\n{code}\nprint(sorted(m for m in sys.modules if m.startswith({prefixes!r})))\n"
+    )
+    return ast.literal_eval(run_python("-c", script).strip().splitlines()[-1])
+
+
+def _every_module(package: str) -> str:
+    names = sorted(n for n, p in _modules().items() if n.startswith(package) and p.suffix == ".py")
+    assert len(names) > 1
+    return "\n".join(f"import {n}" for n in names)
+
+
+def test_the_keras_package_loads_neither_grpc_nor_the_ps_in_a_fresh_process():
+    # Transitively: every module of elastic_emb.keras, and a model with a layer, compiled.
     code = (
-        "import sys, keras, elastic_emb as ee\n"
+        f"{_every_module('elastic_emb.keras')}\n"
+        "import keras, elastic_emb as ee\n"
         "ids = keras.Input((), dtype='int64')\n"
         "keras.Model(ids, ee.Embedding(4, name='t')(ids)).compile('sgd', 'mse')\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpc_health')\n"
-        "    or m.startswith(('elastic_emb.ps', 'elastic_emb._proto'))))\n"
     )
-    out = run_python("-c", code)
-    assert out.strip().splitlines()[-1] == "[]"
+    prefixes = ("grpc", "grpc_health", "elastic_emb.ps", "elastic_emb._proto")
+    assert "elastic_emb.keras.layers" in _loaded_in_a_fresh_process(code, ("elastic_emb.keras",))
+    assert _loaded_in_a_fresh_process(code, prefixes) == []
+
+
+def test_tables_and_their_files_load_neither_tensorflow_keras_nor_grpc_in_a_fresh_process():
+    code = f"{_every_module('elastic_emb.tables')}\n{_every_module('elastic_emb.persistence')}"
+    prefixes = ("tensorflow", "keras", "grpc", "elastic_emb.ps", "elastic_emb.keras.")
+    assert "elastic_emb.tables.tiered" in _loaded_in_a_fresh_process(code, ("elastic_emb.",))
+    assert _loaded_in_a_fresh_process(code, prefixes) == []

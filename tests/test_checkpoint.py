@@ -20,8 +20,8 @@ import pytest
 from _processes import run_python
 
 import elastic_emb as ee
-from elastic_emb import optimizers as eo
-from elastic_emb.checkpoint import CheckpointError
+from elastic_emb.persistence.checkpoint import CheckpointError
+from elastic_emb.tables.policies import optimizers as eo
 
 _names = itertools.count()
 
@@ -219,7 +219,7 @@ CHILD = (
 import sys
 import numpy as np
 import elastic_emb as ee
-from elastic_emb import optimizers as eo
+from elastic_emb.tables.policies import optimizers as eo
 
 prefix = sys.argv[1]
 a = ee.Table(dim=5, optimizer=eo.Adam(0.05), initializer="normal", name=prefix + "_a", seed=1)

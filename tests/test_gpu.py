@@ -1,4 +1,4 @@
-"""Tests of the GPU table: `Table(..., device="gpu")`, an `elastic_emb.gpu.GpuTable`.
+"""Tests of the GPU table: `Table(..., device="gpu")`, an `elastic_emb.tables.gpu.GpuTable`.
 
 The CPU table is the reference: the same seeded pulls and pushes run on both,
 and pulled values and exported states must agree (floats to rtol 1e-6, the
@@ -22,10 +22,10 @@ import pytest
 from _numpy_reference import adagrad_update
 
 from elastic_emb import _core
-from elastic_emb import checkpoint as ckpt
-from elastic_emb import optimizers as eo
+from elastic_emb.persistence import checkpoint as ckpt
 from elastic_emb.placement import unregister
-from elastic_emb.table import Table, TableState
+from elastic_emb.tables.policies import optimizers as eo
+from elastic_emb.tables.table import Table, TableState
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +47,7 @@ if not getattr(_core, "with_cuda", False):
 if _cuda_devices() == 0:
     pytest.skip("no CUDA device visible", allow_module_level=True)
 
-from elastic_emb import gpu  # noqa: E402 - needs the CUDA build checked above
+from elastic_emb.tables import gpu  # noqa: E402 - needs the CUDA build checked above
 
 try:
     import cupy

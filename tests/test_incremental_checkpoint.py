@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 import elastic_emb as ee
-from elastic_emb import checkpoint
-from elastic_emb import optimizers as eo
-from elastic_emb.checkpoint import CheckpointError
+from elastic_emb.persistence import checkpoint, files
+from elastic_emb.persistence.checkpoint import CheckpointError
+from elastic_emb.tables.policies import optimizers as eo
 
 _names = itertools.count()
 
@@ -325,7 +325,7 @@ def test_invalid_arguments_are_refused(bad: Any, tmp_path: Path) -> None:
 
 
 def test_tables_that_do_not_track_changes_are_refused(tmp_path: Path) -> None:
-    from elastic_emb.table import TableConfig
+    from elastic_emb.tables.table import TableConfig
 
     class OtherTable(ee.Table):
         device = "cpu"
@@ -465,7 +465,7 @@ def test_a_failed_save_loses_no_change(tmp_path: Path, monkeypatch) -> None:
     def disk_full(*args: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_manifest", disk_full)
+    monkeypatch.setattr(files, "write_manifest", disk_full)
     with pytest.raises(OSError, match="No space"):
         ee.save(tmp_path, tables=[t], incremental=True)
     monkeypatch.undo()
@@ -523,7 +523,7 @@ def test_a_push_during_a_save_goes_to_the_next_delta(tmp_path: Path, monkeypatch
     t.push(np.arange(10), np.ones((10, 2), np.float32))
     ee.save(tmp_path, tables=[t], incremental=True)
     t.push(np.array([1]), np.ones((1, 2), np.float32))
-    write_data = checkpoint._write_data
+    write_data = files._write_data
     during: list[dict[str, Any]] = []
 
     def write_while_training(*args: Any) -> Any:
@@ -536,7 +536,7 @@ def test_a_push_during_a_save_goes_to_the_next_delta(tmp_path: Path, monkeypatch
         during.append(_state(t))
         return write_data(*args)
 
-    monkeypatch.setattr(checkpoint, "_write_data", write_while_training)
+    monkeypatch.setattr(files, "_write_data", write_while_training)
     ee.save(tmp_path, tables=[t], incremental=True)
     monkeypatch.undo()
     delta = _links(tmp_path, t.name)[-1]

@@ -12,9 +12,9 @@ import tensorflow as tf
 from _cluster import shards
 
 import elastic_emb as ee
-from elastic_emb import keras_patches
-from elastic_emb import layers as ee_layers
-from elastic_emb.keras_patches import keras_version
+from elastic_emb.keras import models as ee_models
+from elastic_emb.keras import patches as keras_patches
+from elastic_emb.keras.patches import keras_version
 
 VOCAB, DIM = 30, 4
 
@@ -284,4 +284,4 @@ def test_a_missing_keras_internal_fails_loudly_with_the_versions_and_the_remedy(
 
     message = rf"Keras {keras.__version__} no longer has Layer\._flatten_layers.*tested with"
     with pytest.raises(RuntimeError, match=message):
-        ee_layers.embedding_layers(NotKeras())
+        ee_models.embedding_layers(NotKeras())

@@ -18,7 +18,7 @@ import tensorflow as tf
 from _processes import run_python
 
 import elastic_emb as ee
-from elastic_emb import layers as ee_layers
+from elastic_emb.keras import layers as ee_layers
 
 _names = itertools.count()
 
@@ -202,7 +202,7 @@ def test_load_model_in_a_fresh_process_needs_only_import_elastic_emb(tmp_path):
         """
     )
     out = run_python("-c", script, cwd=tmp_path)
-    assert "LOADED elastic_emb.layers" in out
+    assert "LOADED elastic_emb.keras.layers" in out
 
 
 # 4. The stock layer's behaviours.

@@ -10,7 +10,7 @@ import tensorflow as tf
 from _processes import run_python
 
 import elastic_emb as ee
-from elastic_emb.keras_patches import keras_version
+from elastic_emb.keras.patches import keras_version
 
 HERE = Path(__file__).parent
 

@@ -16,11 +16,11 @@ from _replicas import cluster_state, export, health, make_table, role
 from _states import assert_same_state, sorted_state
 
 import elastic_emb as ee
-from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps import balance
-from elastic_emb.ps.local_cluster import LocalCluster, cluster_status
-from elastic_emb.ps.membership import ClusterMap
+from elastic_emb.ps.coord import balance
+from elastic_emb.ps.coord.local_cluster import LocalCluster, cluster_status
+from elastic_emb.ps.coord.membership import ClusterMap
+from elastic_emb.tables import sharding
 
 NUM_SLOTS = sharding.NUM_SLOTS
 

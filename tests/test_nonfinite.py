@@ -17,9 +17,9 @@ import pytest
 
 import elastic_emb as ee
 from elastic_emb import _core
-from elastic_emb import optimizers as eo
-from elastic_emb.local import LocalTable, core_options
-from elastic_emb.table import TableConfig, TableState, check_finite_gradients
+from elastic_emb.tables.local import LocalTable, core_options
+from elastic_emb.tables.policies import optimizers as eo
+from elastic_emb.tables.table import TableConfig, TableState, check_finite_gradients
 
 _names = itertools.count()
 
@@ -353,7 +353,7 @@ def test_layer_config_round_trip_keeps_the_policy() -> None:
 def test_gpu_table_refuses_non_finite_device_gradients(nonfinite: str) -> None:
     if not (_core.with_cuda and _core.cuda_device_count() > 0):
         pytest.skip("needs a CUDA build and a visible GPU")
-    from elastic_emb import gpu
+    from elastic_emb.tables import gpu
 
     name = _name()
     table = ee.Table(DIM, optimizer="adam", name=name, device="gpu", nonfinite=nonfinite)

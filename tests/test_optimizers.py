@@ -18,7 +18,7 @@ import pytest
 from _numpy_reference import F32, ReferenceTable
 
 import elastic_emb as ee
-from elastic_emb import optimizers as eo
+from elastic_emb.tables.policies import optimizers as eo
 
 _names = itertools.count()
 

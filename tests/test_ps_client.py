@@ -26,11 +26,12 @@ from _cluster import shards
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps import client as client_module
-from elastic_emb.ps import health
-from elastic_emb.ps.client import GRPC_OPTIONS, SERVICE, ShardClient
-from elastic_emb.ps.cluster import Cluster
-from elastic_emb.ps.servicer import Servicer
+from elastic_emb.ps.client import shard_client as client_module
+from elastic_emb.ps.client.cluster import Cluster, ClusterOptions
+from elastic_emb.ps.client.shard_client import ShardClient
+from elastic_emb.ps.server import health
+from elastic_emb.ps.server.servicer import Servicer
+from elastic_emb.ps.wire.security import GRPC_OPTIONS, SERVICE
 
 
 def _free_port() -> int:
@@ -97,12 +98,14 @@ def _rpc_threads() -> set[threading.Thread]:
 
 def test_a_refused_join_releases_threads_and_channels():
     with shards(1) as (shard,):
-        first = Cluster([shard.address], "sync", None, "float32", 0, 1, 10.0, 30)
+        first = Cluster([shard.address], ClusterOptions("sync", None, "float32", 0, 1, 10.0, 30))
         try:
             before = _rpc_threads()
             for _ in range(3):
                 with pytest.raises(ValueError, match="this shard runs"):
-                    Cluster([shard.address], "async", None, "float32", 0, 1, 10.0, 30)
+                    Cluster(
+                        [shard.address], ClusterOptions("async", None, "float32", 0, 1, 10.0, 30)
+                    )
             assert _rpc_threads() == before
         finally:
             first.close()

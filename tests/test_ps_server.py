@@ -32,11 +32,12 @@ import pytest
 from _cluster import serve_command, shards
 
 import elastic_emb as ee
-from elastic_emb import placement, sharding
+from elastic_emb import placement
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps import protocol as wire
-from elastic_emb.ps.cluster import Cluster
-from elastic_emb.ps.remote_table import RemoteTable
+from elastic_emb.ps.client.cluster import Cluster
+from elastic_emb.ps.client.remote_table import RemoteTable
+from elastic_emb.ps.wire import protocol as wire
+from elastic_emb.tables import sharding
 
 # Every Join to the module's shards must agree: ASYNC, 4 workers, unbounded
 # staleness. The ee.init sessions are worker 0; the raw-stub tests are worker 3.

@@ -11,13 +11,13 @@ import numpy as np
 from _states import assert_same_state, sorted_state
 
 import elastic_emb as ee
-from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2
-from elastic_emb.local import LocalTable
-from elastic_emb.ps import protocol
-from elastic_emb.ps.replication import _Snapshot
-from elastic_emb.ps.shard import SYNC, Shard
-from elastic_emb.table import TableConfig
+from elastic_emb.ps.server.replication import _Snapshot
+from elastic_emb.ps.server.shard import SYNC, Shard
+from elastic_emb.ps.wire import protocol
+from elastic_emb.tables import sharding
+from elastic_emb.tables.local import LocalTable
+from elastic_emb.tables.table import TableConfig
 
 CONFIG = TableConfig.make(dim=4, optimizer=ee.optimizers.Adam(0.01), name="t", seed=2).to_dict()
 

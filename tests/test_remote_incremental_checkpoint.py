@@ -23,9 +23,9 @@ from _cluster import shards
 from _states import assert_same_state, sorted_state
 
 import elastic_emb as ee
-from elastic_emb import checkpoint
-from elastic_emb.ps.shard import SYNC, RequestError, Shard
-from elastic_emb.table import TableConfig
+from elastic_emb.persistence import checkpoint
+from elastic_emb.ps.server.shard import SYNC, RequestError, Shard
+from elastic_emb.tables.table import TableConfig
 
 VOCAB = 2000
 

@@ -19,12 +19,13 @@ from _cluster import serve_command, shards
 from _processes import run_python
 
 import elastic_emb as ee
-from elastic_emb import checkpoint, placement
+from elastic_emb import placement
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps import protocol as wire
-from elastic_emb.ps.cluster import Cluster
-from elastic_emb.ps.local_cluster import LocalCluster
-from elastic_emb.ps.remote_table import RemoteTable
+from elastic_emb.persistence import checkpoint
+from elastic_emb.ps.client.cluster import Cluster, ClusterOptions
+from elastic_emb.ps.client.remote_table import RemoteTable
+from elastic_emb.ps.coord.local_cluster import LocalCluster
+from elastic_emb.ps.wire import protocol as wire
 
 WORKER = Path(__file__).parent / "_remote_worker.py"
 
@@ -256,7 +257,10 @@ def _sgd_table(cluster: Cluster, name: str) -> None:
 def test_sync_sums_the_workers_pushes_and_waits_for_all_of_them():
     with shards(2) as ps:
         addresses = [s.address for s in ps]
-        workers = [Cluster(addresses, "sync", None, "float32", i, 2, 3.0, 30) for i in (0, 1)]
+        workers = [
+            Cluster(addresses, ClusterOptions("sync", None, "float32", i, 2, 3.0, 30))
+            for i in (0, 1)
+        ]
         try:
             _sgd_table(workers[0], "sync_sum")
             keys = np.arange(6)
@@ -277,7 +281,9 @@ def test_sync_sums_the_workers_pushes_and_waits_for_all_of_them():
 def test_bounded_staleness_holds_the_fast_worker_back():
     with shards(1) as ps:
         addresses = [ps[0].address]
-        workers = [Cluster(addresses, "async", 1, "float32", i, 2, 2.0, 30) for i in (0, 1)]
+        workers = [
+            Cluster(addresses, ClusterOptions("async", 1, "float32", i, 2, 2.0, 30)) for i in (0, 1)
+        ]
         try:
             _sgd_table(workers[0], "stale")
             keys = np.arange(3)
@@ -488,7 +494,7 @@ def test_a_push_never_waits_behind_pulls_the_shards_hold():
     """Pulls of step 2 (rows read ahead are such pulls) are held by the shard until this
     worker's push of step 1 arrives: they must not keep the client from sending it."""
     with shards(1) as ps:
-        worker = Cluster([ps[0].address], "sync", None, "float32", 0, 1, 20.0, 30)
+        worker = Cluster([ps[0].address], ClusterOptions("sync", None, "float32", 0, 1, 20.0, 30))
         held = concurrent.futures.ThreadPoolExecutor(4)
         try:
             _sgd_table(worker, "held")

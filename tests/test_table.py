@@ -21,7 +21,7 @@ from _numpy_reference import ReferenceTable
 from _processes import run_python
 
 import elastic_emb as ee
-from elastic_emb import optimizers as eo
+from elastic_emb.tables.policies import optimizers as eo
 
 _names = itertools.count()
 
@@ -309,7 +309,7 @@ def test_tables_optimizers_and_checkpoints_work_without_tensorflow_and_keras(
     import numpy as np
 
     import elastic_emb as ee
-    import elastic_emb.table as T
+    import elastic_emb.tables.table as T
 
     keys, grads = np.load("keys.npy"), np.load("grads.npy")
     t = T.Table(dim=4, optimizer="adagrad", name="t")

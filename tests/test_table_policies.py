@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import elastic_emb as ee
-from elastic_emb import checkpoint
-from elastic_emb.local import LocalTable
-from elastic_emb.table import TableConfig
+from elastic_emb.persistence import checkpoint
+from elastic_emb.tables.local import LocalTable
+from elastic_emb.tables.table import TableConfig
 
 DIM = 3
 LR = 0.5
@@ -343,7 +343,7 @@ def two_shards():
 def test_shards_apply_the_policies_to_their_own_rows(two_shards, tmp_path: Path):
     """Admission and TTL act per row, so the shards hold what one table does; LRU's
     max_rows holds per shard: each shard is its own reference."""
-    from elastic_emb import sharding
+    from elastic_emb.tables import sharding
 
     admission = ee.admission.Frequency(min_count=2, sketch_bytes=BIG_SKETCH)
     ttl = _table("remote_ttl", admission=admission, eviction=ee.eviction.TTL(steps=6))
@@ -418,8 +418,8 @@ def test_keras_saves_and_loads_the_policies_and_counts(tmp_path: Path):
 def test_a_range_snapshot_in_parts_carries_the_counts_once():
     """Backups and slot moves get a table in parts; the table-wide counts must not be
     added up once per part."""
-    from elastic_emb.ps.replication import _Snapshot
-    from elastic_emb.ps.shard import Shard
+    from elastic_emb.ps.server.replication import _Snapshot
+    from elastic_emb.ps.server.shard import Shard
 
     shard = Shard()
     config = TableConfig.make(DIM, ee.optimizers.SGD(LR), "zeros", "snap", 0, "raise",

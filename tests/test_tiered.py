@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import elastic_emb as ee
-from elastic_emb import optimizers as eo
+from elastic_emb.tables.policies import optimizers as eo
 
 
 def _pair(tmp_path: Path, name: str, ram_rows: int = 64, **kwargs) -> tuple[ee.Table, ee.Table]:

@@ -1,0 +1,283 @@
+"""`ShardClient`: the connections to a set of PS shards, and how calls to them go.
+
+Channels and stubs, deadlines, the retry policy of idempotent calls (gRPC's
+service config: a call that found a shard UNAVAILABLE before it could start
+is tried again with backoff), the mapping of gRPC errors to Python
+exceptions, and client-side traffic statistics. No training logic: that is
+`elastic_emb.ps.client.cluster`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from elastic_emb._proto import ps_pb2_grpc
+from elastic_emb.ps.wire import security
+from elastic_emb.ps.wire.security import GRPC_OPTIONS, SERVICE, ClientSecurity
+
+__all__ = ["NotPrimary", "RangeChanged", "ShardClient", "ShardStats", "error_of"]
+
+# Calls that change nothing when repeated (Pull inserts deterministic rows;
+# ImportRows and Restore set state). Push, EraseRows and Save are not retried.
+IDEMPOTENT_METHODS = (
+    "CreateTables", "DescribeTables", "Join", "Pull", "ImportRows", "ExportRows", "Metadata",
+    "Restore", "Stats", "Health",
+)  # fmt: skip
+RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "2s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+_SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [{"service": SERVICE, "method": m} for m in IDEMPOTENT_METHODS],
+            "retryPolicy": RETRY_POLICY,
+        }
+    ]
+}
+# Reconnect to a restarted shard within a retry policy's window (default: 1 s, then more).
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+CLIENT_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+    *_RECONNECT_OPTIONS,
+]
+# With a coordinator the worker re-routes a failed call itself (to a new primary).
+NO_RETRY_OPTIONS = [*GRPC_OPTIONS, ("grpc.enable_retries", 0), *_RECONNECT_OPTIONS]
+
+
+class NotPrimary(ConnectionError):
+    """The server is not (or no longer) the primary of its group: re-route."""
+
+
+class RangeChanged(Exception):
+    """A slot range was split since the request was made: split it again and re-send."""
+
+
+@dataclasses.dataclass
+class ShardStats:
+    """Client-side traffic to one PS shard."""
+
+    address: str
+    rpcs: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    max_seconds: float = 0.0
+
+
+class ShardClient:
+    """Channels to PS shards; calls one or all of them, concurrently.
+
+    Thread-safe: any thread may call any method. `call` and `call_all` block
+    until the answers (or `timeout`); `close` blocks until the calls started
+    by `call_all` have finished.
+
+    Args:
+        addresses: "host:port" of each shard.
+        timeout: default seconds a call may take.
+        retry: retry idempotent calls that found a shard unavailable (off
+            when the caller re-routes them itself).
+        security: TLS and a token (`elastic_emb.ps.wire.security`); None: plaintext.
+
+    Raises:
+        ValueError: malformed addresses.
+    """
+
+    def __init__(
+        self,
+        addresses: list[str],
+        timeout: float,
+        retry: bool = True,
+        security: ClientSecurity | None = None,
+    ) -> None:
+        if not addresses or not all(isinstance(a, str) and ":" in a for a in addresses):
+            raise ValueError(f'`ps` must list "host:port" addresses. Received: {addresses!r}')
+        self.timeout = float(timeout)
+        self._options = CLIENT_OPTIONS if retry else NO_RETRY_OPTIONS
+        self._security = security
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}  # by address; guarded by _lock
+        self._stubs = [self._stub(a) for a in addresses]  # guarded by _lock
+        self.addresses = list(addresses)  # changed only by `set_address`
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(2 * len(addresses), 4), thread_name_prefix="ee-rpc"
+        )
+        # Pushes have their own threads: a shard holds a Pull until this worker's
+        # push of the step before arrives, so pulls must never keep that push waiting.
+        self._push_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(len(addresses), 2), thread_name_prefix="ee-push-rpc"
+        )
+        self._stats_lock = threading.Lock()
+        self._stats = [ShardStats(a) for a in addresses]  # guarded by _stats_lock
+
+    def _stub(self, address: str) -> Any:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = security.channel(
+                address, self._options, self._security
+            )
+        return ps_pb2_grpc.ParameterServerStub(channel)
+
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Sends later calls to these shards (the cluster's slot ranges changed)."""
+        with self._lock:
+            self._stubs = [self._stub(a) for a in addresses]
+            self.addresses = list(addresses)
+        with self._stats_lock:  # the traffic so far stays with the shard's position
+            old = self._stats
+            self._stats = [
+                old[i] if i < len(old) else ShardStats(a) for i, a in enumerate(addresses)
+            ]
+            for s, a in zip(self._stats, addresses, strict=True):
+                s.address = a
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    def connect(self, timeout: float) -> None:
+        """Waits until every shard answers; closes and raises ConnectionError if one does not."""
+        for address in self.addresses:
+            try:
+                grpc.channel_ready_future(self._channels[address]).result(timeout=timeout)
+            except grpc.FutureTimeoutError:
+                self.close()
+                raise ConnectionError(
+                    f"elastic_emb: parameter server {address} is unreachable "
+                    f"(no answer within {timeout:g} s)"
+                ) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._push_pool.shutdown(wait=True)
+        with self._lock:
+            channels = list(self._channels.values())
+        for channel in channels:
+            channel.close()
+
+    def call(
+        self,
+        shard: int,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        abandon: Callable[[str], bool] | None = None,
+        address: str | None = None,
+    ) -> Any:
+        """`method` on one shard; gRPC errors become Python exceptions (`error_of`).
+
+        `abandon(address)`, asked every 50 ms while the call runs, may give
+        it up (it then raises `NotPrimary`): its server was replaced.
+        `address`: another server of the shard's group to ask (a backup).
+        """
+        with self._lock:
+            if address is None:
+                address, stub = self.addresses[shard], self._stubs[shard]
+            else:
+                stub = self._stub(address)
+        start = time.perf_counter()
+        deadline = self.timeout if timeout is None else timeout
+        try:
+            if abandon is None:
+                response = getattr(stub, method)(request, timeout=deadline)
+            else:
+                future = getattr(stub, method).future(request, timeout=deadline)
+                while True:
+                    try:
+                        response = future.result(timeout=0.05)
+                        break
+                    except grpc.FutureTimeoutError:
+                        if abandon(address):
+                            future.cancel()
+                            raise NotPrimary(
+                                f"elastic_emb PS {address} {method}: abandoned, the server "
+                                "was replaced"
+                            ) from None
+        except grpc.RpcError as e:
+            raise error_of(address, method, e) from None
+        elapsed = time.perf_counter() - start
+        with self._stats_lock:
+            if shard >= len(self._stats):  # the shards changed meanwhile
+                return response
+            s = self._stats[shard]
+            s.address = address
+            s.rpcs += 1
+            s.bytes_sent += request.ByteSize()
+            s.bytes_received += response.ByteSize()
+            s.seconds += elapsed
+            s.max_seconds = max(s.max_seconds, elapsed)
+        return response
+
+    def call_all(
+        self,
+        method: str,
+        requests: list[Any],
+        timeout: float | None = None,
+        call: Callable[..., Any] | None = None,
+    ) -> list[Any]:
+        """Calls shard i with requests[i] (None: skip it and answer None), concurrently.
+
+        `call(shard, method, request, timeout)` replaces `self.call` (a caller's re-routing).
+        """
+        pool = self._push_pool if method == "Push" else self._pool
+        jobs = {
+            i: pool.submit(call or self.call, i, method, r, timeout)
+            for i, r in enumerate(requests)
+            if r is not None
+        }
+        return [jobs[i].result() if i in jobs else None for i in range(len(requests))]
+
+    def per_shard(
+        self, method: str, make: Callable[[int], Any], timeout: float | None = None
+    ) -> list[Any]:
+        """Calls `method` on every shard with `make(shard_index)`'s request."""
+        return self.call_all(method, [make(i) for i in range(self.num_shards)], timeout)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Client-side RPC count, bytes and latency per shard."""
+        with self._stats_lock:
+            return [dataclasses.asdict(s) for s in self._stats]
+
+    def reset_stats(self) -> None:
+        with self._stats_lock:
+            self._stats = [ShardStats(a) for a in self.addresses]
+
+
+def error_of(address: str, method: str, e: grpc.RpcError) -> Exception:
+    """The Python exception a failed call raises: the shard's message and what it means."""
+    code = e.code()
+    message = f"elastic_emb PS {address} {method}: {e.details()}"
+    if code == grpc.StatusCode.ABORTED:
+        return NotPrimary(message)
+    if code == grpc.StatusCode.OUT_OF_RANGE:
+        return RangeChanged(message)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ConnectionError(f"{message} (parameter server {address} unreachable)")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(message)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return PermissionError(f"{message} ({code.name})")
+    if code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ):
+        return ValueError(message)
+    return RuntimeError(f"{message} ({code.name})")

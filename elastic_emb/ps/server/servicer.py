@@ -1,0 +1,499 @@
+"""`Servicer`: the gRPC face of one shard (decode, call the `Shard`, encode, count).
+
+Errors: a request the shard refuses (`RequestError`), a malformed message
+(`protocol.WireError`) or an argument the C++ core rejects is answered with
+its status (INVALID_ARGUMENT, NOT_FOUND, ...) and the shard's message. Any
+other exception is a bug of the shard: it is logged with its traceback and
+answered INTERNAL. A refused or malformed request changes nothing; after a
+bug the shard keeps serving, but a multi-table push or a save may have been
+applied in part.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from elastic_emb import _core
+from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+from elastic_emb.ps.coord.balance import LoadMeter
+from elastic_emb.ps.server.audit import AuditLog, summary
+from elastic_emb.ps.server.shard import Ranges, RequestError, Shard, invalid
+from elastic_emb.ps.wire import protocol
+from elastic_emb.ps.wire.security import Caller, Tokens
+from elastic_emb.tables.table import DENSE_TABLE_PREFIX
+
+if TYPE_CHECKING:
+    from elastic_emb.ps.server.replication import Replica
+
+__all__ = ["Servicer", "add_to_server"]
+
+log = logging.getLogger("elastic_emb.server")
+
+_VALIDATION_ERRORS = (protocol.WireError, _core.InvalidArgument)
+
+
+# The calls an audit log records (`elastic_emb.ps.server.audit`): the administrative
+# ones that change what a server holds or how it trains.
+AUDITED = frozenset(
+    ("CreateTables", "Join", "Leave", "ImportRows", "EraseRows", "Save", "Restore",
+     "InstallSnapshot", "MoveIn")
+)  # fmt: skip
+
+# Refusals of access control, audited whatever the call.
+_AUTH_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+
+# Upper bounds (seconds) of the RPC latency histogram's buckets (`metrics`).
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class _MethodStats:
+    def __init__(self) -> None:
+        self.calls = self.errors = self.request_bytes = self.response_bytes = 0
+        self.seconds = self.max_seconds = 0.0
+        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket, then above the last
+        self.codes: collections.Counter[str] = collections.Counter()  # errors by status code
+
+
+def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a servicer method: errors become statuses, calls are counted."""
+    name = method.__name__
+
+    def handler(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
+        start = time.perf_counter()
+        response = None
+        code = "UNKNOWN"  # what an exception that is none of these leaves (context.abort's)
+        caller = None
+        try:
+            if self.tokens is not None:
+                caller = self._caller(name, context)
+                self._authorize(caller, name, request)
+            response = method(self, request)
+            return response
+        except RequestError as e:
+            code = e.code
+            context.abort(grpc.StatusCode[e.code], str(e))
+        except _VALIDATION_ERRORS as e:
+            code = "INVALID_ARGUMENT"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # a bug: the shard keeps serving
+            code = "INTERNAL"
+            log.exception("%s failed", name)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            self._record(name, time.perf_counter() - start, None if response else code)
+            if self.audit is not None and (name in AUDITED or code in _AUTH_CODES):
+                who = "anonymous" if caller is None else caller.name
+                self._audit(name, request, context, who, "OK" if response is not None else code)
+
+    handler.__name__ = name
+    return handler
+
+
+class Servicer(ps_pb2_grpc.ParameterServerServicer):
+    """The ParameterServer service over a server's `Ranges` (one `Shard` each). Thread-safe.
+
+    A request names its slot range (`range`, 0 without a coordinator). With
+    a `replica` (a server started with a coordinator), only the primary of
+    the range's group serves pulls, pushes and saves, and it replicates
+    every change (the requests of `replication.REPLICATED_METHODS`) to its
+    backups. Any replica answers the reads of DescribeTables, ExportRows and
+    Metadata (a backup's answer may miss the changes still in flight).
+    """
+
+    def __init__(self) -> None:
+        self.ranges = Ranges()
+        self.replica: Replica | None = None  # set once, before it joins the coordinator
+        self.audit: AuditLog | None = None  # set once, before the server starts
+        self.tokens: Tokens | None = None  # set once, before the server starts
+        self.load: LoadMeter | None = None  # set once, before the server starts
+        self.changes = 0  # change requests applied (guarded by _stats_lock)
+        self._stats_lock = threading.Lock()
+        self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
+            _MethodStats
+        )  # guarded by _stats_lock
+
+    def _record(self, method: str, elapsed: float, error: str | None) -> None:
+        """Counts a call: its latency, and its status code if it failed."""
+        with self._stats_lock:
+            stats = self._stats[method]
+            stats.calls += 1
+            stats.seconds += elapsed
+            stats.max_seconds = max(stats.max_seconds, elapsed)
+            stats.latency[bisect.bisect_left(LATENCY_BUCKETS, elapsed)] += 1
+            if error is not None:
+                stats.errors += 1
+                stats.codes[error] += 1
+
+    def _caller(self, method: str, context: Any) -> Caller:
+        """The caller whose token a call carries; RequestError without a valid one."""
+        assert self.tokens is not None
+        caller = self.tokens.caller(context.invocation_metadata())
+        if caller is None:
+            raise RequestError(
+                "UNAUTHENTICATED",
+                f"{method}: no valid token; this server requires one (ee.init(token=...))",
+            )
+        return caller
+
+    def _authorize(self, caller: Caller, method: str, request: Any) -> None:
+        """RequestError unless the caller's role allows the call."""
+
+        def workers_may() -> bool:
+            if method == "ImportRows":
+                return request.table.startswith(DENSE_TABLE_PREFIX) and not request.replace
+            if all(t.name.startswith(DENSE_TABLE_PREFIX) for t in request.tables):
+                return True
+            shard = self.ranges.find(request.range)
+            return shard is not None and all(shard.has_table(t.name) for t in request.tables)
+
+        if not Tokens.allows(caller, method, workers_may):
+            raise RequestError(
+                "PERMISSION_DENIED",
+                f"{method} needs the admin role; {caller.name!r} has the {caller.role} role "
+                "(workers may train on tables that exist and create and fill those of dense "
+                "weights; an admin creates, imports, erases, saves and restores them)",
+            )
+
+    def _audit(self, method: str, request: Any, context: Any, caller: str, result: str) -> None:
+        """Records an administrative call in the audit log (never fails the call)."""
+        try:
+            args = summary(request) if hasattr(request, "ListFields") else {"stream": True}
+            assert self.audit is not None
+            self.audit.record(method, context.peer(), caller, args, result)
+        except Exception:  # the call's outcome stands; the operator sees the failure
+            log.exception("cannot write the audit record of %s", method)
+
+    def method_stats(self) -> dict[str, _MethodStats]:
+        """A copy of each method's counts (`metrics`)."""
+        with self._stats_lock:
+            return {name: copy.deepcopy(m) for name, m in self._stats.items()}
+
+    def count_bytes(self, method: str, received: int = 0, sent: int = 0) -> None:
+        """Adds to a method's request and response bytes (see `add_to_server`)."""
+        with self._stats_lock:
+            stats = self._stats[method]
+            stats.request_bytes += received
+            stats.response_bytes += sent
+
+    def _tables_response(self, tables: list[Any]) -> ps_pb2.TablesResponse:
+        return ps_pb2.TablesResponse(tables=[protocol.table_info(t) for t in tables])
+
+    def _change(self, method: str, request: Any) -> Any:
+        """A request that changes a range: applied here, and by every backup."""
+        if self.replica is None:
+            return self.apply_change(method, request)
+        return self.replica.replicate(method, request, lambda: self.apply_change(method, request))
+
+    def apply_change(self, method: str, request: Any) -> Any:
+        """Applies a change request; its response."""
+        with self._stats_lock:
+            self.changes += 1
+        return getattr(self, f"_{method}")(request)
+
+    def _shard(self, request: Any, serving: bool = False, read_only: bool = False) -> Shard:
+        """The shard of the request's range; `serving`: only if this server serves it now.
+
+        With a coordinator, only the primary of the range's group serves
+        workers (a backup too, for `read_only` requests).
+        """
+        if serving and self.replica is not None:
+            self.replica.check_primary(request.range, backup_too=read_only)
+        return self.ranges.get(request.range)
+
+    # Tables.
+
+    @_rpc
+    def CreateTables(self, request: ps_pb2.CreateTablesRequest) -> ps_pb2.TablesResponse:
+        return self._change("CreateTables", request)
+
+    def _CreateTables(self, request: ps_pb2.CreateTablesRequest) -> ps_pb2.TablesResponse:
+        return self._tables_response(self._shard(request).create(protocol.table_configs(request)))
+
+    @_rpc
+    def DescribeTables(self, request: ps_pb2.DescribeTablesRequest) -> ps_pb2.TablesResponse:
+        return self._tables_response(self._shard(request).tables(list(request.names)))
+
+    # Training.
+
+    @_rpc
+    def Join(self, request: ps_pb2.JoinRequest) -> ps_pb2.JoinResponse:
+        return self._change("Join", request)
+
+    def _Join(self, request: ps_pb2.JoinRequest) -> ps_pb2.JoinResponse:
+        step = self._shard(request).join(
+            request.worker, request.num_workers, request.mode, request.staleness, request.elastic
+        )
+        return ps_pb2.JoinResponse(step=step)
+
+    @_rpc
+    def Leave(self, request: ps_pb2.LeaveRequest) -> ps_pb2.JoinResponse:
+        return self._change("Leave", request)
+
+    def _Leave(self, request: ps_pb2.LeaveRequest) -> ps_pb2.JoinResponse:
+        return ps_pb2.JoinResponse(step=self._shard(request).leave(request.worker))
+
+    def worker_gone(self, worker: int) -> None:
+        """A worker's lease ended (the primary hears it from the coordinator)."""
+        for range_id, _ in self.ranges.items():
+            try:
+                self._change("Leave", ps_pb2.LeaveRequest(worker=worker, range=range_id))
+            except RequestError as e:
+                log.info("worker %d left; not recorded in range %d: %s", worker, range_id, e)
+
+    @_rpc
+    def Pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
+        return self._pull(request)
+
+    @_rpc
+    def PullRanges(self, request: ps_pb2.PullRangesRequest) -> ps_pb2.PullRangesResponse:
+        return ps_pb2.PullRangesResponse(parts=[self._pull(part) for part in request.parts])
+
+    def _pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
+        cpu = time.thread_time()
+        # train=False inserts nothing: a backup may answer it.
+        shard = self._shard(request, serving=True, read_only=not request.train)
+        if request.encoding not in protocol.ENCODINGS.values():
+            raise invalid(f"Unknown encoding {request.encoding}")
+        timeout = request.timeout_ms / 1000 if request.timeout_ms > 0 else 3600.0
+        held = protocol.held_versions(request)
+        keys = protocol.pulled_keys(request)
+        rows = shard.pull(
+            request.worker,
+            request.step,
+            request.train,
+            timeout,
+            keys,
+            [v is not None for v in held],
+        )
+        response = protocol.pull_response(request.encoding, rows, held)
+        self._count_load([k for _, k in keys], request, response, cpu)
+        return response
+
+    @_rpc
+    def Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
+        return self._push(request)
+
+    @_rpc
+    def PushRanges(self, request: ps_pb2.PushRangesRequest) -> ps_pb2.PushRangesResponse:
+        return ps_pb2.PushRangesResponse(parts=[self._push(part) for part in request.parts])
+
+    def _push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
+        cpu = time.thread_time()
+        response = self._change("Push", request)
+        self._count_load(protocol.table_keys(request), request, response, cpu)
+        return response
+
+    def _count_load(self, keys: list[Any], request: Any, response: Any, cpu: float) -> None:
+        """Adds a served Pull or Push to the per-slot load (`elastic_emb.ps.coord.balance`)."""
+        if self.load is not None:
+            nbytes = request.ByteSize() + response.ByteSize()
+            self.load.record(keys, nbytes, time.thread_time() - cpu)
+
+    def _Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
+        shard = self._shard(request)
+        gradients = protocol.pushed_gradients(request, lambda name: shard.table(name).dim)
+        return ps_pb2.PushResponse(step=shard.push(request.worker, request.step, gradients))
+
+    # Row access.
+
+    @_rpc
+    def ImportRows(self, request: ps_pb2.ImportRowsRequest) -> ps_pb2.ImportRowsResponse:
+        return self._change("ImportRows", request)
+
+    def _ImportRows(self, request: ps_pb2.ImportRowsRequest) -> ps_pb2.ImportRowsResponse:
+        shard = self._shard(request)
+        table = shard.table(request.table)
+        if request.replace:
+            table.load_state(protocol.read_state(request, table.dim, table.num_slots))
+        else:
+            keys, values = protocol.imported_rows(request, table.dim)
+            shard.check_keys([keys])
+            table.import_rows(keys, values)
+        return ps_pb2.ImportRowsResponse(rows=len(table))
+
+    @_rpc
+    def ExportRows(self, request: ps_pb2.ExportRowsRequest) -> ps_pb2.ExportRowsResponse:
+        state = self._shard(request).table(request.table).export_state()
+        return protocol.write_state(ps_pb2.ExportRowsResponse(), state, request.with_state)
+
+    @_rpc
+    def EraseRows(self, request: ps_pb2.EraseRowsRequest) -> ps_pb2.EraseRowsResponse:
+        return self._change("EraseRows", request)
+
+    def _EraseRows(self, request: ps_pb2.EraseRowsRequest) -> ps_pb2.EraseRowsResponse:
+        table = self._shard(request).table(request.table)
+        return ps_pb2.EraseRowsResponse(erased=table.erase(protocol.decode_keys(request.keys)))
+
+    @_rpc
+    def Metadata(self, request: ps_pb2.MetadataRequest) -> ps_pb2.MetadataResponse:
+        table = self._shard(request).table(request.table)
+        return protocol.metadata_response(*table.metadata(protocol.decode_keys(request.keys)))
+
+    # Checkpoints.
+
+    @_rpc
+    def Save(self, request: ps_pb2.SaveRequest) -> ps_pb2.SaveResponse:
+        shard = self._shard(request, serving=True)
+        shard.check_slots((request.slot_begin, request.slot_end))
+        rows, step, worker_steps = shard.save(
+            request.directory,
+            list(request.tables),
+            incremental=request.incremental,
+            max_deltas=request.max_deltas,
+            after_step=request.after_step,
+            hold=request.hold,
+        )
+        return ps_pb2.SaveResponse(rows=rows, step=step, worker_steps=worker_steps)
+
+    @_rpc
+    def Restore(self, request: ps_pb2.RestoreRequest) -> ps_pb2.TablesResponse:
+        return self._change("Restore", request)
+
+    def _Restore(self, request: ps_pb2.RestoreRequest) -> ps_pb2.TablesResponse:
+        slots = (request.slot_begin, request.slot_end)
+        shard = self._shard(request)
+        shard.check_slots(slots)
+        restored = shard.restore(
+            list(request.directories),
+            list(request.tables),
+            request.num_shards,
+            request.shard_index,
+            request.num_slots,
+            slots if request.slot_end > request.slot_begin else None,
+        )
+        return self._tables_response(restored)
+
+    # Operations.
+
+    @_rpc
+    def Stats(self, request: ps_pb2.StatsRequest) -> ps_pb2.StatsResponse:
+        with self._stats_lock:
+            methods = [
+                ps_pb2.MethodStats(
+                    method=name,
+                    calls=m.calls,
+                    errors=m.errors,
+                    request_bytes=m.request_bytes,
+                    response_bytes=m.response_bytes,
+                    seconds=m.seconds,
+                    max_seconds=m.max_seconds,
+                )
+                for name, m in sorted(self._stats.items())
+            ]
+        tables = [protocol.table_info(t) for t in self.ranges.tables()]
+        return ps_pb2.StatsResponse(methods=methods, tables=tables, step=self.ranges.step())
+
+    @_rpc
+    def Health(self, request: ps_pb2.HealthRequest) -> ps_pb2.HealthResponse:
+        tables = self.ranges.tables()
+        response = ps_pb2.HealthResponse(
+            serving=True,
+            step=self.ranges.step(),
+            num_tables=len(tables),
+            rows=sum(len(t) for t in tables),
+            ranges=[range_id for range_id, _ in self.ranges.items()],
+        )
+        if self.replica is not None:
+            role, group, epoch, sequence = self.replica.status()
+            response.role, response.group, response.epoch = role, group, epoch
+            response.sequence = sequence
+        return response
+
+    # Replication.
+
+    def _replica(self) -> Replica:
+        if self.replica is None:
+            raise RequestError(
+                "FAILED_PRECONDITION", "this server was not started with --coordinator"
+            )
+        return self.replica
+
+    @_rpc
+    def Replicate(self, request: ps_pb2.ReplicateRequest) -> ps_pb2.ReplicateResponse:
+        return ps_pb2.ReplicateResponse(sequence=self._replica().on_replicate(request))
+
+    @_rpc
+    def InstallSnapshot(self, request: Any) -> ps_pb2.InstallSnapshotResponse:
+        return ps_pb2.InstallSnapshotResponse(rows=self._replica().install_snapshot(request))
+
+    # Moving slot ranges between groups (`elastic_emb.ps.server.replication`).
+
+    @_rpc
+    def MoveIn(self, request: ps_pb2.MoveInRequest) -> ps_pb2.MoveInResponse:
+        return self._replica().replicate(
+            "MoveIn", request, lambda: self.apply_change("MoveIn", request)
+        )
+
+    def _MoveIn(self, request: ps_pb2.MoveInRequest) -> ps_pb2.MoveInResponse:
+        return ps_pb2.MoveInResponse(rows=self._replica().move_in(request))
+
+    def _ShrinkRange(self, request: ps_pb2.ShrinkRangeRequest) -> ps_pb2.TablesResponse:
+        """The slots [slot, end) of a range moved to another group."""
+        shard = self.ranges.get(request.range)
+        if shard.slots is None or not shard.slots[0] < request.slot < shard.slots[1]:
+            raise invalid(
+                f"cannot shrink range {request.range} {shard.slots} to end at {request.slot}"
+            )
+        shard.shrink(request.slot)
+        return ps_pb2.TablesResponse()
+
+    def _DropRange(self, request: ps_pb2.DropRangeRequest) -> ps_pb2.TablesResponse:
+        """A range that moved away is dropped (idempotent)."""
+        shard = self.ranges.pop(request.range)
+        if shard is not None:
+            shard.retire(f"slot range {request.range} moved to another group")
+        return ps_pb2.TablesResponse()
+
+
+def add_to_server(servicer: Servicer, server: Any) -> None:
+    """Registers `servicer` on a gRPC server, counting each message's bytes in its stats.
+
+    The bytes are counted as gRPC parses requests and serializes responses,
+    so no message is encoded a second time to measure it (`ByteSize()` costs
+    as much as serializing: about 1 ms for a 0.8 MB pull response).
+    """
+    captured: list[Any] = []
+
+    class Capture:
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            captured.extend(handlers)
+
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, Capture())
+    server.add_generic_rpc_handlers(tuple(_ByteCounter(h, servicer) for h in captured))
+
+
+class _ByteCounter(grpc.GenericRpcHandler):
+    """A generic handler whose methods count the bytes they parse and serialize."""
+
+    def __init__(self, handler: Any, servicer: Servicer) -> None:
+        self._handler, self._servicer = handler, servicer
+
+    def service(self, handler_call_details: Any) -> Any:
+        handler = self._handler.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        parse, serialize = handler.request_deserializer, handler.response_serializer
+        count = self._servicer.count_bytes
+
+        def counted_parse(raw: bytes) -> Any:
+            count(method, received=len(raw))
+            return parse(raw)
+
+        def counted_serialize(message: Any) -> bytes:
+            raw = serialize(message)
+            count(method, sent=len(raw))
+            return raw
+
+        return handler._replace(
+            request_deserializer=counted_parse, response_serializer=counted_serialize
+        )
