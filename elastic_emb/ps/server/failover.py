@@ -1,0 +1,108 @@
+"""`Failover`: a backup pings its group's primary; when the primary stops answering (or its
+lease ends), the backup revokes the primary's lease and makes itself the primary with a
+new epoch. Workers re-send their unacknowledged pushes to the new primary, which
+de-duplicates them by (worker, step) (`Shard.push`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from elastic_emb._proto import ps_pb2
+from elastic_emb.ps.coord import membership
+from elastic_emb.ps.coord.etcd import Etcd, EtcdError
+from elastic_emb.ps.coord.membership import ClusterMap
+from elastic_emb.ps.server.peer_channels import PeerChannels
+from elastic_emb.ps.server.replica_state import MapEditor, ReplicaState
+
+__all__ = ["PING_FAILURES", "PING_SECONDS", "Failover"]
+
+log = logging.getLogger("elastic_emb.server")
+
+PING_SECONDS = 0.1  # a backup asks its primary this often...
+PING_FAILURES = 3  # ...and takes over after this many failures in a row
+
+
+class Failover:
+    """Watches this backup's primary (`run`, a thread) and takes over from it. Thread-safe.
+
+    Args:
+        state: the replica's shared state.
+        etcd: the coordinator.
+        prefix: the cluster's key prefix in etcd.
+        channels: the channels to the other servers.
+        change_map: changes the cluster map (the promotion).
+        promoted: called once this server became its group's primary.
+    """
+
+    def __init__(
+        self,
+        state: ReplicaState,
+        etcd: Etcd,
+        prefix: str,
+        channels: PeerChannels,
+        change_map: MapEditor,
+        promoted: Callable[[], None],
+    ) -> None:
+        self._state = state
+        self._etcd = etcd
+        self._prefix = prefix
+        self._channels = channels
+        self._change_map = change_map
+        self._promoted = promoted
+
+    def run(self) -> None:
+        """A backup pings its primary; after PING_FAILURES failures it takes over."""
+        state = self._state
+        failures, watched = 0, ""
+        while True:
+            with state.cond:
+                if state.stopped:
+                    return
+                group = state.map.group_of(state.address)
+            primary = group.primary if group and state.address in group.members else ""
+            if primary != watched:
+                failures, watched = 0, primary
+            if primary:
+                try:
+                    self._channels.stub(primary).Health(
+                        ps_pb2.HealthRequest(), timeout=3 * PING_SECONDS
+                    )
+                    failures = 0
+                except grpc.RpcError:
+                    failures += 1
+                    if failures >= PING_FAILURES:
+                        self.take_over(primary)
+                        failures = 0
+            time.sleep(PING_SECONDS)
+
+    def take_over(self, primary: str) -> None:
+        """Ends the lease of an unresponsive primary and becomes the group's primary."""
+        address = self._state.address
+        key = membership.server_key(self._prefix, primary)
+        try:
+            kv = self._etcd.get(key)
+            if kv is not None:
+                self._etcd.revoke(json.loads(kv.value)["lease"])
+
+            def promote(m: ClusterMap) -> ClusterMap | None:
+                group = m.group_of(address)
+                if group is None or group.primary != primary or address not in group.members:
+                    return None
+                return m.promote(group.id, address)
+
+            new = self._change_map(promote, as_primary=False)
+        except EtcdError as e:
+            log.warning("cannot take over from %s: %s", primary, e)
+            return
+        group = new.group_of(address)
+        if group is not None and group.primary == address:
+            self._promoted()
+            log.warning(
+                "%s is now the primary of group %d (epoch %d): %s stopped answering",
+                address, group.id, group.epoch, primary,
+            )  # fmt: skip

@@ -1,0 +1,123 @@
+"""`ReplicaState`: what the parts of a `Replica` share (the newest cluster map, the lease,
+the sequence of the last change applied) under one condition, and the checks made against
+it: a server serves workers only as its group's primary while its lease is known to be
+alive, and a backup takes changes only from its group's current primary and epoch, so a
+deposed primary can neither get a change acknowledged nor serve a stale read for long."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from elastic_emb.ps.coord.membership import ClusterMap, Group
+from elastic_emb.ps.server.shard import RequestError
+
+__all__ = ["MapChange", "MapEditor", "ReplicaState", "aborted"]
+
+# A change of the cluster map: the new map, or None to leave it as it is.
+MapChange = Callable[[ClusterMap], ClusterMap | None]
+
+
+class MapEditor(Protocol):
+    """Applies a `MapChange` in one etcd transaction (`Replica._change_map`); the new map.
+
+    `as_primary`: only while this server is still its group's primary, with its lease.
+    """
+
+    def __call__(self, change: MapChange, as_primary: bool) -> ClusterMap: ...
+
+
+def aborted(message: str) -> RequestError:
+    """A request sent to the wrong replica: the worker reads the map again and re-sends."""
+    return RequestError("ABORTED", message)
+
+
+class ReplicaState:
+    """The shared state of one server's `Replica` and its parts. Thread-safe.
+
+    `order` serializes a primary's changes (a snapshot is taken between two
+    of them while holding it); `cond` guards the fields below it and is
+    notified when the map changes, a change is applied, or the replica stops.
+    Lock order: `order` before `cond`. `cond` is reentrant.
+    """
+
+    def __init__(self, address: str, lease_seconds: int) -> None:
+        self.address = address  # "host:port" of this server (never changes)
+        self.lease_seconds = lease_seconds  # (never changes)
+        self.order = threading.Lock()
+        self.cond = threading.Condition()
+        self.map = ClusterMap()  # guarded by cond: the newest map this server knows
+        self.lease = 0  # guarded by cond: the id of this server's lease
+        self.last_keepalive = 0.0  # guarded by cond: when (monotonic) the lease was renewed
+        # Guarded by cond: sequence of the last change applied; None: no snapshot yet.
+        self.applied: int | None = 0
+        self.applied_epoch = 0  # guarded by cond: the epoch of that change
+        self.stopped = False  # guarded by cond
+        self.rebalance_due = False  # guarded by cond: the map changed since the mover looked
+
+    def group(self) -> Group | None:
+        """This server's group in the newest map; None: a spare."""
+        with self.cond:
+            return self.map.group_of(self.address)
+
+    def is_stopped(self) -> bool:
+        with self.cond:
+            return self.stopped
+
+    def lease_alive(self) -> bool:
+        with self.cond:
+            return time.monotonic() - self.last_keepalive < self.lease_seconds
+
+    def role(self) -> str:
+        """primary, backup, joining (a backup being copied to) or spare."""
+        group = self.group()
+        if group is None:
+            return "spare"
+        if group.primary == self.address:
+            return "primary"
+        return "backup" if self.address in group.members else "joining"
+
+    def check_primary(self, range_id: int | None = None, backup_too: bool = False) -> None:
+        """Raises `aborted` unless this server may serve workers now (range `range_id`).
+
+        `backup_too`: a backup may serve too (reads: it applied every
+        acknowledged change).
+        """
+        with self.cond:
+            group = self.map.group_of(self.address)
+            alive = time.monotonic() - self.last_keepalive < self.lease_seconds
+            where = self.map.range(range_id) if range_id is not None else None
+            sealed = self.map.sealed
+        if (
+            range_id is not None
+            and group is not None
+            and (where is None or where.group != group.id)
+        ):
+            raise aborted(
+                f"slot range {range_id} is not on {self.address}'s group {group.id}"
+                + (f" but on group {where.group}" if where else "")
+            )
+        if range_id is not None and not sealed:
+            raise aborted(f"{self.address} has not seen the sealed cluster map yet")
+        serves = group is not None and (
+            group.primary == self.address or (backup_too and self.address in group.members)
+        )
+        if not serves:
+            why = f"group {group.id}'s primary is {group.primary}" if group else "it is a spare"
+            raise aborted(f"{self.address} is not a primary ({why})")
+        if not alive:
+            raise aborted(f"{self.address} cannot reach the coordinator to renew its lease")
+
+    def check_sender(self, group_id: int, epoch: int, primary: str) -> None:
+        """Raises `aborted` for a change (or snapshot) from anyone but this backup's primary."""
+        with self.cond:
+            group = self.map.group_of(self.address)
+        if group is None or group.id != group_id or self.address == group.primary:
+            raise aborted(f"{self.address} is not a backup of group {group_id}")
+        if epoch < group.epoch or (epoch == group.epoch and primary != group.primary):
+            raise aborted(
+                f"{primary} sent epoch {epoch}; group {group_id} is at epoch {group.epoch} "
+                f"with primary {group.primary}"
+            )

@@ -1,0 +1,200 @@
+"""`Replicator`: a group's changes, from its primary to its backups. The primary applies
+every change (the requests of `REPLICATED_METHODS`) in one order, numbers it (`sequence`)
+and sends it to every backup, answering only once each applied it; a backup that fails to
+is first removed from the group, so an acknowledged change is on every replica. A backup
+applies the changes in sequence order, and only its current primary's: it stays
+bit-identical to the primary. The primary also buffers its changes for the receivers of a
+snapshot catching up (`copies`, `moves`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elastic_emb._proto import ps_pb2
+from elastic_emb.ps.server.catch_up import ChangeBuffers
+from elastic_emb.ps.server.peer_channels import PeerChannels
+from elastic_emb.ps.server.replica_state import ReplicaState
+from elastic_emb.ps.server.shard import RequestError
+
+__all__ = [
+    "FORWARD_TIMEOUT",
+    "REPLICATED_METHODS",
+    "WORKER_CHANGES",
+    "Replicator",
+    "Sent",
+    "parse_request",
+]
+
+log = logging.getLogger("elastic_emb.server")
+
+# The requests that change a shard's state: every replica applies them, in order.
+REPLICATED_METHODS = (
+    "CreateTables", "Join", "Leave", "Push", "ImportRows", "EraseRows", "Restore",
+    "ShrinkRange", "DropRange", "MoveIn",
+)  # fmt: skip
+# The changes a worker sends (the others: servers moving ranges).
+WORKER_CHANGES = REPLICATED_METHODS[:7]
+FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
+GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
+
+
+def parse_request(method: str, raw: bytes) -> Any:
+    """The request message of change `method`, from its bytes."""
+    message = getattr(ps_pb2, f"{method}Request")()
+    message.ParseFromString(raw)
+    return message
+
+
+# A change's sequence, and its sending to each backup (what `wait_for_backups` waits for).
+Sent = tuple[int, dict[str, "concurrent.futures.Future[None]"]]
+
+
+class Replicator:
+    """Sends a primary's changes to its backups, and applies them on a backup. Thread-safe.
+
+    Args:
+        state: the replica's shared state (the map, the applied sequence).
+        apply: applies a change request: apply(method, request).
+        channels: the channels to the other servers.
+        drop: removes a backup from this primary's group: drop(address, why).
+    """
+
+    def __init__(
+        self,
+        state: ReplicaState,
+        apply: Callable[[str, Any], Any],
+        channels: PeerChannels,
+        drop: Callable[[str, str], None],
+    ) -> None:
+        self._state = state
+        self._apply = apply
+        self._channels = channels
+        self._drop = drop
+        self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="ee-replicate")
+        # Joining servers being copied to -> the changes made since their snapshot.
+        self.copies: ChangeBuffers[str] = ChangeBuffers(state.cond)
+        # Ranges being moved away -> their changes made since their snapshot.
+        self.moves: ChangeBuffers[int] = ChangeBuffers(state.cond)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    # The primary's side.
+
+    def replicate(self, method: str, request: Any, apply: Callable[[], Any]) -> Any:
+        """The primary's path of a change: apply, send to every backup, wait for them."""
+        with self._state.order:
+            result, sent = self.replicate_in_order(method, request, apply)
+        self.wait_for_backups(sent)
+        return result
+
+    def replicate_own(self, method: str, request: Any) -> Any:
+        """A change this primary makes itself (not a worker's), replicated like any."""
+        return self.replicate(method, request, lambda: self._apply(method, request))
+
+    def replicate_in_order(
+        self, method: str, request: Any, apply: Callable[[], Any]
+    ) -> tuple[Any, Sent]:
+        """Applies a change and sends it to the backups (the caller holds `state.order`);
+        the result, and what `wait_for_backups` waits for."""
+        state = self._state
+        state.check_primary(request.range if method in WORKER_CHANGES else None)
+        result = apply()
+        with state.cond:
+            group = state.map.group_of(state.address)
+            if group is None or state.applied is None:
+                raise RuntimeError(
+                    f"{state.address} lost its group or its state while applying {method}"
+                )
+            state.applied += 1
+            state.applied_epoch = group.epoch
+            forward = ps_pb2.ReplicateRequest(
+                group=group.id,
+                epoch=group.epoch,
+                sequence=state.applied,
+                method=method,
+                request=request.SerializeToString(),
+                primary=state.address,
+            )
+            backups = list(group.members)
+            self.copies.add_to_all(forward)
+            if method in WORKER_CHANGES:
+                self.moves.add(forward, request.range)
+        sent = {b: self._pool.submit(self._forward, b, forward) for b in backups}
+        return result, (forward.sequence, sent)
+
+    def wait_for_backups(self, sent: Sent) -> None:
+        """Waits for every backup to apply a change; removes those that did not."""
+        sequence, futures = sent
+        for backup, future in futures.items():
+            try:
+                future.result()
+            except Exception as e:
+                self._drop(backup, f"it did not apply change {sequence}: {e}")
+
+    def send_all(self, address: str, changes: list[ps_pb2.ReplicateRequest]) -> None:
+        """Sends changes concurrently (the receiver applies them in order)."""
+        for future in [self._pool.submit(self._forward, address, c) for c in changes]:
+            future.result()
+
+    def _forward(self, address: str, request: ps_pb2.ReplicateRequest) -> None:
+        self._channels.stub(address).Replicate(request, timeout=FORWARD_TIMEOUT)
+
+    # The backup's side.
+
+    def on_replicate(self, request: ps_pb2.ReplicateRequest) -> int:
+        """Applies one change sent by the primary, in sequence order; returns its sequence."""
+        if self._wait_for_turn(request):
+            return int(request.sequence)  # applied already: sent again
+        message = parse_request(request.method, request.request)
+        if request.method not in REPLICATED_METHODS:
+            raise RequestError("INVALID_ARGUMENT", f"{request.method} is not a change")
+        state = self._state
+        try:
+            self._apply(request.method, message)
+        except Exception as e:
+            log.exception("change %d (%s) failed on a backup", request.sequence, request.method)
+            raise RequestError(
+                "DATA_LOSS", f"{state.address} could not apply change {request.sequence}: {e}"
+            ) from e
+        finally:
+            with state.cond:
+                state.applied = request.sequence
+                state.applied_epoch = request.epoch
+                state.cond.notify_all()
+        return int(request.sequence)
+
+    def _wait_for_turn(self, request: ps_pb2.ReplicateRequest) -> bool:
+        """Waits until `request` is the next change to apply (False), or returns True for
+        one applied already. Raises `aborted` for a sender that is not the primary, and
+        DATA_LOSS for a replica that diverged or an earlier change missing too long."""
+        state = self._state
+        deadline = time.monotonic() + GAP_TIMEOUT
+        with state.cond:
+            while True:
+                state.check_sender(request.group, request.epoch, request.primary)
+                applied = state.applied
+                if applied is not None and request.epoch == state.map.group(request.group).epoch:
+                    if request.sequence == applied + 1:
+                        return False
+                    if request.sequence <= applied and request.epoch == state.applied_epoch:
+                        return True
+                    if request.sequence <= applied:
+                        raise RequestError(
+                            "DATA_LOSS",
+                            f"{state.address} applied change {applied} of epoch "
+                            f"{state.applied_epoch}; epoch {request.epoch} sends "
+                            f"{request.sequence}: this replica has diverged",
+                        )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RequestError(
+                        "DATA_LOSS",
+                        f"{state.address} waited {GAP_TIMEOUT:g} s for change "
+                        f"{(applied or 0) + 1} before {request.sequence}",
+                    )
+                state.cond.wait(left)
