@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -59,42 +60,18 @@ def _serve(args: argparse.Namespace) -> int:
     def metrics_ready(port: int) -> None:
         print(f"elastic-emb serve: metrics on http://{args.host}:{port}/metrics", flush=True)
 
-    balance = None
+    fields = {f.name for f in dataclasses.fields(server.ServerOptions)}
     try:
-        if args.load_window <= 0:
-            raise ValueError(f"--load-window must be positive. Received: {args.load_window}")
+        balance = None
         if args.balance_threshold is not None:
             balance = Policy(args.balance_threshold, args.balance_after, args.balance_measure)
+        options = server.ServerOptions(
+            **{k: v for k, v in vars(args).items() if k in fields}, balance=balance
+        )
     except ValueError as e:
         logging.getLogger("elastic_emb.server").error("%s", e)
         return 1
-
-    return server.serve(
-        args.port,
-        host=args.host,
-        threads=args.threads,
-        grace_seconds=args.grace_seconds,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        max_deltas=args.max_deltas,
-        ready=ready,
-        coordinator=args.coordinator,
-        replicas=args.replicas,
-        advertise=args.advertise,
-        lease_seconds=args.lease_seconds,
-        move_pause=args.move_pause,
-        metrics_port=args.metrics_port,
-        metrics_ready=metrics_ready,
-        audit_log=args.audit_log,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        auth_tokens=args.auth_tokens,
-        tls_peer_ca=args.tls_peer_ca,
-        peer_token_file=args.peer_token_file,
-        load_window=args.load_window,
-        balance=balance,
-    )
+    return server.serve(options, ready=ready, metrics_ready=metrics_ready)
 
 
 def _cluster_status(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ probes and `elastic-emb health` ask), stopped gracefully by SIGTERM/SIGINT.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -29,7 +30,7 @@ from elastic_emb.ps.wire.security import (
     server_credentials,
 )
 
-__all__ = ["serve"]
+__all__ = ["ServerOptions", "serve"]
 
 log = logging.getLogger("elastic_emb.server")
 
@@ -37,36 +38,66 @@ log = logging.getLogger("elastic_emb.server")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """What `elastic-emb serve` takes (the flags of the same names; see `serve`)."""
+
+    port: int
+    host: str = "0.0.0.0"
+    threads: int = 64
+    grace_seconds: float = 30.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: float | None = None
+    max_deltas: int = 10
+    coordinator: str | None = None
+    replicas: int = 2
+    advertise: str | None = None
+    lease_seconds: int = 2
+    move_pause: float = 0.0
+    metrics_port: int | None = None
+    audit_log: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_tokens: str | None = None
+    tls_peer_ca: str | None = None
+    peer_token_file: str | None = None
+    load_window: float = 10.0
+    balance: Policy | None = None
+
+    def check(self) -> None:
+        """Raises ValueError for flags that contradict each other or are out of range."""
+        if (self.tls_cert is None) != (self.tls_key is None) or (
+            self.tls_client_ca and not self.tls_cert
+        ):
+            raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+        if not self.coordinator and (self.tls_peer_ca or self.peer_token_file):
+            raise ValueError("--tls-peer-ca and --peer-token-file need --coordinator")
+        if not self.coordinator and self.balance is not None:
+            raise ValueError("--balance-threshold needs --coordinator (slots move between groups)")
+        if self.load_window <= 0:
+            raise ValueError(f"--load-window must be positive. Received: {self.load_window}")
+        if self.checkpoint_every is not None and (
+            not self.checkpoint_dir or self.checkpoint_every <= 0 or self.max_deltas < 0
+        ):
+            raise ValueError(
+                "--checkpoint-every needs --checkpoint-dir, a positive period and --max-deltas >= 0"
+            )
+
+    def advertised(self, bound: int) -> str:
+        """The "host:port" other servers and workers reach this one at."""
+        return self.advertise or f"{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{bound}"
+
+
 def serve(
-    port: int,
-    host: str = "0.0.0.0",
-    threads: int = 64,
-    grace_seconds: float = 30.0,
-    checkpoint_dir: str | None = None,
-    checkpoint_every: float | None = None,
-    max_deltas: int = 10,
+    options: ServerOptions,
     ready: Callable[[int], None] | None = None,
-    coordinator: str | None = None,
-    replicas: int = 2,
-    advertise: str | None = None,
-    lease_seconds: int = 2,
-    move_pause: float = 0.0,
-    metrics_port: int | None = None,
     metrics_ready: Callable[[int], None] | None = None,
-    audit_log: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    tls_client_ca: str | None = None,
-    auth_tokens: str | None = None,
-    tls_peer_ca: str | None = None,
-    peer_token_file: str | None = None,
-    load_window: float = 10.0,
-    balance: Policy | None = None,
 ) -> int:
     """Runs one shard until SIGTERM or SIGINT; returns an exit status.
 
     On a signal the shard reports NOT_SERVING to health checks, stops taking
-    new requests, lets in-flight ones finish (up to `grace_seconds`) and,
+    new requests, lets in-flight ones finish (up to `options.grace_seconds`) and,
     with `checkpoint_dir` (and no coordinator), saves every table there.
     With `checkpoint_every` too, it writes incremental checkpoints there
     periodically (`elastic_emb.ps.server.checkpointer`).
@@ -94,105 +125,153 @@ def serve(
     slots away when it is the most loaded (`elastic_emb.ps.coord.balance`).
     """
     servicer = Servicer()
-    credentials = peers = None
     try:
-        if (tls_cert is None) != (tls_key is None) or (tls_client_ca and not tls_cert):
-            raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
-        if tls_cert and tls_key:
-            credentials = server_credentials(tls_cert, tls_key, tls_client_ca)
-        if auth_tokens:
-            servicer.tokens = Tokens(auth_tokens)
-        if coordinator:
-            peers = peer_security(
-                tls_cert, tls_key, tls_peer_ca or tls_client_ca, servicer.tokens, peer_token_file
-            )
-        elif tls_peer_ca or peer_token_file:
-            raise ValueError("--tls-peer-ca and --peer-token-file need --coordinator")
-        elif balance is not None:
-            raise ValueError("--balance-threshold needs --coordinator (slots move between groups)")
-        if coordinator:
-            servicer.load = LoadMeter(load_window)
+        options.check()
+        credentials, peers = _security(options, servicer)
     except ValueError as e:
         log.error("%s", e)
         return 1
-    if credentials is None and servicer.tokens is None and host not in _LOOPBACK:
+    if options.audit_log:
+        from elastic_emb.ps.server.audit import AuditError, AuditLog
+
+        try:
+            servicer.audit = AuditLog(options.audit_log)
+        except (OSError, AuditError) as e:
+            log.error("cannot use the audit log %s: %s", options.audit_log, e)
+            return 1
+    health = HealthServicer()
+    server, bound = _listen(options, servicer, health, credentials)
+    if server is None:
+        return 1
+    replica = None
+    if options.coordinator:
+        # Set before the server starts: a replicated server's calls need their replica.
+        replica = _replica(options, options.coordinator, servicer, peers, bound)
+        servicer.replica = replica
+    server.start()
+    for service in ("", SERVICE):  # "": the whole server
+        health.set(service, SERVING)
+    log.info("elastic_emb parameter server listening on %s:%d", options.host, bound)
+    if replica is not None:
+        try:
+            replica.start()
+        except Exception as e:
+            log.error("cannot join the cluster at %s: %s", options.coordinator, e)
+            server.stop(0)
+            return 1
+    periodic = None
+    if options.checkpoint_every is not None and options.checkpoint_dir:
+        periodic = PeriodicCheckpoints(
+            servicer.ranges, options.checkpoint_dir, options.checkpoint_every,
+            options.max_deltas, replica, changes=lambda: servicer.changes,
+        )  # fmt: skip
+        periodic.start()
+    if options.metrics_port is not None and not _serve_metrics(options, servicer, metrics_ready):
+        server.stop(0)
+        return 1
+    _wait_for_a_signal(ready, bound)
+    log.info("stopping: finishing in-flight requests (up to %.0f s)", options.grace_seconds)
+    health.enter_graceful_shutdown()
+    if periodic is not None:
+        periodic.stop()
+    if replica is not None:
+        replica.stop()  # backups take over at once
+    server.stop(options.grace_seconds).wait()
+    if options.checkpoint_dir and replica is None:  # (a replica's rows live on in its group)
+        if periodic is not None:
+            periodic.save_now()
+        else:
+            checkpoint.save(options.checkpoint_dir, servicer.ranges.tables())
+        log.info("saved every table to %s", options.checkpoint_dir)
+    return 0
+
+
+def _security(options: ServerOptions, servicer: Servicer) -> tuple[Any, Any]:
+    """The server's TLS credentials and its security towards its peers (each or None);
+    sets the servicer's tokens and load meter."""
+    credentials = peers = None
+    if options.tls_cert and options.tls_key:
+        credentials = server_credentials(options.tls_cert, options.tls_key, options.tls_client_ca)
+    if options.auth_tokens:
+        servicer.tokens = Tokens(options.auth_tokens)
+    if options.coordinator:
+        peers = peer_security(
+            options.tls_cert, options.tls_key, options.tls_peer_ca or options.tls_client_ca,
+            servicer.tokens, options.peer_token_file,
+        )  # fmt: skip
+        servicer.load = LoadMeter(options.load_window)
+    if credentials is None and servicer.tokens is None and options.host not in _LOOPBACK:
         log.warning(
             "listening on %s without TLS or tokens: anyone who reaches this port can read and "
             "change every table. Use --tls-cert/--tls-key and --auth-tokens (docs/operations.md"
             "#security), or --host 127.0.0.1",
-            host,
+            options.host,
         )
-    if audit_log:
-        from elastic_emb.ps.server.audit import AuditError, AuditLog
+    return credentials, peers
 
-        try:
-            servicer.audit = AuditLog(audit_log)
-        except (OSError, AuditError) as e:
-            log.error("cannot use the audit log %s: %s", audit_log, e)
-            return 1
-    health_servicer = HealthServicer()
+
+def _listen(
+    options: ServerOptions, servicer: Servicer, health: HealthServicer, credentials: Any
+) -> tuple[Any, int]:
+    """The gRPC server with both services, bound (not started), and its port; or
+    (None, 0) if the port cannot be bound."""
     # No SO_REUSEPORT: a second server on a port in use must fail, not share its traffic.
-    options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=options)
+    grpc_options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+    executor = futures.ThreadPoolExecutor(max_workers=options.threads)
+    server = grpc.server(executor, options=grpc_options)
     add_to_server(servicer, server)
-    health_servicer.add_to_server(server)
+    health.add_to_server(server)
+    address = f"{options.host}:{options.port}"
     try:
         if credentials is None:
-            bound = server.add_insecure_port(f"{host}:{port}")
+            bound = server.add_insecure_port(address)
         else:
-            bound = server.add_secure_port(f"{host}:{port}", credentials)
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError:  # grpcio >= 1.60 raises where older versions returned 0
         bound = 0
     if bound == 0:
-        log.error("cannot listen on %s:%d (is the port in use?)", host, port)
-        return 1
-    server.start()
-    for service in ("", SERVICE):  # "": the whole server
-        health_servicer.set(service, SERVING)
-    log.info("elastic_emb parameter server listening on %s:%d", host, bound)
-    replica = None
-    if coordinator:
-        from elastic_emb.ps.coord.etcd import Etcd
-        from elastic_emb.ps.server.replication import Replica
+        log.error("cannot listen on %s:%d (is the port in use?)", options.host, options.port)
+        return None, 0
+    return server, bound
 
-        address = advertise or f"{'127.0.0.1' if host == '0.0.0.0' else host}:{bound}"
-        replica = Replica(
-            servicer.ranges, servicer.apply_change, Etcd(coordinator), address, replicas,
-            lease_seconds, move_pause=move_pause, security=peers, load=servicer.load,
-            balance=balance,
-        )  # fmt: skip
-        servicer.replica = replica
-        replica.worker_gone = servicer.worker_gone
-        try:
-            replica.start()
-        except Exception as e:
-            log.error("cannot join the cluster at %s: %s", coordinator, e)
-            server.stop(0)
-            return 1
-    periodic = None
-    if checkpoint_every is not None:
-        if not checkpoint_dir or checkpoint_every <= 0 or max_deltas < 0:
-            log.error("--checkpoint-every needs --checkpoint-dir, a positive period and "
-                      "--max-deltas >= 0")  # fmt: skip
-            server.stop(0)
-            return 1
-        periodic = PeriodicCheckpoints(
-            servicer.ranges, checkpoint_dir, checkpoint_every, max_deltas, replica,
-            changes=lambda: servicer.changes,
-        )  # fmt: skip
-        periodic.start()
-    if metrics_port is not None:
-        from elastic_emb.ps.server.metrics import start_metrics_server
 
-        try:
-            metrics = start_metrics_server(servicer, host, metrics_port, tls_cert, tls_key)
-        except OSError as e:
-            log.error("cannot serve metrics on %s:%d: %s", host, metrics_port, e)
-            server.stop(0)
-            return 1
-        log.info("metrics on http://%s:%d/metrics", host, metrics.server_port)
-        if metrics_ready is not None:
-            metrics_ready(metrics.server_port)
+def _replica(
+    options: ServerOptions, coordinator: str, servicer: Servicer, peers: Any, bound: int
+) -> Any:
+    """This server's `Replica` in the coordinated cluster (not started)."""
+    from elastic_emb.ps.coord.etcd import Etcd
+    from elastic_emb.ps.server.replication import Replica
+
+    replica = Replica(
+        servicer.ranges, servicer.apply_change, Etcd(coordinator),
+        options.advertised(bound), options.replicas, options.lease_seconds,
+        move_pause=options.move_pause, security=peers, load=servicer.load,
+        balance=options.balance,
+    )  # fmt: skip
+    replica.worker_gone = servicer.worker_gone
+    return replica
+
+
+def _serve_metrics(
+    options: ServerOptions, servicer: Servicer, ready: Callable[[int], None] | None
+) -> bool:
+    """Starts the Prometheus endpoint; False (logged) if it cannot listen."""
+    from elastic_emb.ps.server.metrics import start_metrics_server
+
+    host, port = options.host, options.metrics_port or 0
+    try:
+        metrics = start_metrics_server(servicer, host, port, options.tls_cert, options.tls_key)
+    except OSError as e:
+        log.error("cannot serve metrics on %s:%d: %s", host, port, e)
+        return False
+    log.info("metrics on http://%s:%d/metrics", host, metrics.server_port)
+    if ready is not None:
+        ready(metrics.server_port)
+    return True
+
+
+def _wait_for_a_signal(ready: Callable[[int], None] | None, bound: int) -> None:
+    """Announces readiness, then waits for SIGTERM or SIGINT."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -204,17 +283,3 @@ def serve(
     if ready is not None:
         ready(bound)
     stop.wait()
-    log.info("stopping: finishing in-flight requests (up to %.0f s)", grace_seconds)
-    health_servicer.enter_graceful_shutdown()
-    if periodic is not None:
-        periodic.stop()
-    if replica is not None:
-        replica.stop()  # backups take over at once
-    server.stop(grace_seconds).wait()
-    if checkpoint_dir and replica is None:  # (a replica's rows live on in its group)
-        if periodic is not None:
-            periodic.save_now()
-        else:
-            checkpoint.save(checkpoint_dir, servicer.ranges.tables())
-        log.info("saved every table to %s", checkpoint_dir)
-    return 0
