@@ -14,8 +14,9 @@ from elastic_emb.errors import ElasticEmbWarning
 from elastic_emb.keras import lookup
 from elastic_emb.keras import patches as keras_patches
 from elastic_emb.persistence import checkpoint
+from elastic_emb.tables import registry
 from elastic_emb.tables.policies import initializers, optimizers
-from elastic_emb.tables.table import Table, TableState, check_nonfinite_policy
+from elastic_emb.tables.table import TableConfig, TableState
 
 __all__ = ["Embedding", "string_keys"]
 
@@ -161,7 +162,6 @@ class Embedding(keras.layers.Layer):
             raise ValueError(
                 f'`key_dtype` must be "int64" or "string". Received: key_dtype={key_dtype!r}'
             )
-        check_nonfinite_policy(nonfinite)
         self.output_dim = output_dim
         self.combiner = combiner
         self.key_dtype = key_dtype
@@ -170,26 +170,14 @@ class Embedding(keras.layers.Layer):
         self.supports_masking = self.mask_zero
         # The table is reached through tf.numpy_function, which XLA cannot compile.
         self.supports_jit = False
-        policies = {
-            "nonfinite": nonfinite,
-            "admission": admission,
-            "eviction": eviction,
-            "storage": storage,
-        }
-        extra = {k: v for k, v in policies.items() if v not in (None, "raise")}
-        if row_dtype != "float32":
-            extra["row_dtype"] = row_dtype
-        self.table = Table(
-            dim=output_dim,
-            optimizer=optimizer,
-            initializer=initializers.get(
-                embeddings_initializer, shape=(input_dim, output_dim) if input_dim else None
-            ),
-            name=self.name,
-            seed=seed,
-            device=device,
-            **extra,
+        initializer = initializers.get(
+            embeddings_initializer, shape=(input_dim, output_dim) if input_dim else None
         )
+        config = TableConfig.make(
+            output_dim, optimizer, initializer, self.name, seed, nonfinite, admission, eviction,
+            row_dtype, storage,
+        )  # fmt: skip
+        self.table = registry.place(config, device)
         self.device = device
         # Set by elastic_emb.keras.models while the model is exported (not tracked by Keras).
         object.__setattr__(self, "_serving_table", None)

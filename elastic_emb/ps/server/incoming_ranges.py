@@ -15,7 +15,7 @@ from typing import Any
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps.coord.membership import ClusterMap, Group
 from elastic_emb.ps.server.replica_state import ReplicaState, aborted
-from elastic_emb.ps.server.replicator import WORKER_CHANGES, parse_request
+from elastic_emb.ps.server.replicator import WORKER_CHANGES
 from elastic_emb.ps.server.shard import Ranges, RequestError, Shard
 from elastic_emb.ps.wire import protocol
 
@@ -143,7 +143,7 @@ class IncomingRanges:
             installed = incoming.installed
         if change.method not in WORKER_CHANGES or not installed:
             raise aborted(f"MoveIn {request.index}: {change.method} before the snapshot")
-        message = parse_request(change.method, change.request)
+        message = protocol.change_request(change.method, change.request)
         if message.range != request.source_range:
             raise RequestError("INVALID_ARGUMENT", f"a change of range {message.range}")
         if shard.slots is None:

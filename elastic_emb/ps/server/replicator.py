@@ -19,6 +19,7 @@ from elastic_emb.ps.server.catch_up import ChangeBuffers
 from elastic_emb.ps.server.peer_channels import PeerChannels
 from elastic_emb.ps.server.replica_state import ReplicaState
 from elastic_emb.ps.server.shard import RequestError
+from elastic_emb.ps.wire import protocol
 
 __all__ = [
     "FORWARD_TIMEOUT",
@@ -26,7 +27,6 @@ __all__ = [
     "WORKER_CHANGES",
     "Replicator",
     "Sent",
-    "parse_request",
 ]
 
 log = logging.getLogger("elastic_emb.server")
@@ -40,13 +40,6 @@ REPLICATED_METHODS = (
 WORKER_CHANGES = REPLICATED_METHODS[:7]
 FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
 GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
-
-
-def parse_request(method: str, raw: bytes) -> Any:
-    """The request message of change `method`, from its bytes."""
-    message = getattr(ps_pb2, f"{method}Request")()
-    message.ParseFromString(raw)
-    return message
 
 
 # A change's sequence, and its sending to each backup (what `wait_for_backups` waits for).
@@ -150,7 +143,7 @@ class Replicator:
         """Applies one change sent by the primary, in sequence order; returns its sequence."""
         if self._wait_for_turn(request):
             return int(request.sequence)  # applied already: sent again
-        message = parse_request(request.method, request.request)
+        message = protocol.change_request(request.method, request.request)
         if request.method not in REPLICATED_METHODS:
             raise RequestError("INVALID_ARGUMENT", f"{request.method} is not a change")
         state = self._state

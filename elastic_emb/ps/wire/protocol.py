@@ -25,6 +25,7 @@ from elastic_emb.tables.table import Table, TableState
 __all__ = [
     "ENCODINGS",
     "WireError",
+    "change_request",
     "decode_floats",
     "decode_keys",
     "encode_floats",
@@ -496,3 +497,10 @@ def restricted(method: str, request: Any, slots: tuple[int, int], table: Any) ->
     if method == "Restore":
         copy.slot_begin, copy.slot_end = slots
     return copy
+
+
+def change_request(method: str, raw: bytes) -> Any:
+    """The request message of a replicated change `method` ("Push", ...), from its bytes."""
+    message = getattr(ps_pb2, f"{method}Request")()
+    message.ParseFromString(raw)
+    return message
