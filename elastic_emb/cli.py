@@ -273,6 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-emb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_demo(sub)
+    _add_serve(sub)
+    _add_cluster(sub)
+    _add_tools(sub)
+    return parser
+
+
+def _add_demo(sub: Any) -> None:
+    """`elastic-emb demo`."""
     demo = sub.add_parser("demo", help="train a DLRM-style CTR model in-process")
     demo.add_argument(
         "--data", help="a real Criteo TSV file (plain or .gz) instead of generated data"
@@ -307,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo)
 
+
+def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
+    """`elastic-emb serve` (its flags are `ServerOptions`'s)."""
     serve = sub.add_parser("serve", help="run one parameter-server shard")
     serve.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
@@ -415,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(run=_serve)
 
+
+def _add_cluster(sub: Any) -> None:
+    """`elastic-emb cluster status|drain|local`."""
     cluster = sub.add_parser("cluster", help="a replicated cluster: status, or one on this machine")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
     status = cluster_sub.add_parser("status", help="groups, members, primaries, rows and lag")
@@ -457,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     local.set_defaults(run=_cluster_local)
 
+
+def _add_tools(sub: Any) -> None:
+    """`elastic-emb health`, `top`, `audit`, `apply-delta`, `bench`."""
     health = sub.add_parser("health", help="exit 0 if the PS at ADDRESS is serving")
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds")
@@ -493,7 +511,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", nargs="?", default="table_bench", help="table_bench or e2e")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=_bench)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

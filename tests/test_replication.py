@@ -554,3 +554,44 @@ def test_workers_join_and_a_dead_one_stops_holding_the_others(cluster, mode, sta
     # Worker 1's last push may have been applied without its answer arriving.
     expected = [-(60 + 10 * k + 100 * 5) for k in (acknowledged, acknowledged + 1)]
     assert value in expected, (value, expected)
+
+
+def test_a_worker_joining_while_a_sync_step_is_applied_on_one_range_only_joins_after_it(cluster):
+    """Worker 0's step 1 reaches range 0 (applied there) but not yet range 1; worker 1
+    joins meanwhile: it finds the ranges at steps 1 and 0, leaves, and joins again once
+    range 1 has applied the step: at step 1 on both. The step is applied once."""
+    from elastic_emb.ps.client.cluster import Cluster, ClusterOptions
+    from elastic_emb.ps.client.routing import Routing
+
+    first = ee.init(coordinator=cluster.coordinator, mode="sync", worker_index=0, num_workers=1)
+    table = ee.Table(1, optimizer=ee.optimizers.SGD(1.0), initializer="zeros", name="j")
+    layout = first.layout()
+    assert len(layout.ids) == 2
+    keys = np.arange(1000)
+    key = int(keys[sharding.slot_of(keys) < layout.slots[0][1]][0])  # a key of range 0
+    step = protocol.push_request(
+        0, 1, protocol.encoding("float32"), [("j", np.array([key]), np.ones((1, 1), np.float32))]
+    )
+    rest = protocol.push_request(0, 1, protocol.encoding("float32"), [])
+    first._router.per_range("Push", lambda layout: [step, None])  # range 0 only
+    joined: dict[str, object] = {}
+
+    def join() -> None:
+        try:
+            second = Cluster(
+                [], ClusterOptions("sync", worker_index=1, num_workers=1, connect_timeout=30),
+                Routing(cluster.coordinator, 30.0),
+            )  # fmt: skip
+            joined["step"] = second.step
+            second.close()
+        except Exception as e:
+            joined["error"] = e
+
+    joiner = threading.Thread(target=join)
+    joiner.start()
+    time.sleep(1.0)  # the joiner finds the ranges at different steps meanwhile
+    assert joiner.is_alive()
+    first._router.per_range("Push", lambda layout: [None, rest])  # the step reaches range 1
+    joiner.join(30)
+    assert joined == {"step": 1}
+    assert float(table.pull(np.array([key]), train=False)[0, 0]) == -1.0

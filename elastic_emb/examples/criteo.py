@@ -717,7 +717,7 @@ def read_criteo(
 # tf.data
 
 
-def criteo_dataset(
+def criteo_dataset(  # (long: one tf.data pipeline, read top to bottom)
     path: str | os.PathLike[str],
     batch_size: int,
     *,

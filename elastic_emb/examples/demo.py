@@ -59,7 +59,7 @@ def _fit_from_queue(model: Any, train: tuple[Any, Any], args: argparse.Namespace
         queue.close()
 
 
-def _run_demo(args: argparse.Namespace, workdir: Path) -> int:
+def _run_demo(args: argparse.Namespace, workdir: Path) -> int:  # (long: the demo, step by step)
     import keras
     import tensorflow as tf
 

@@ -156,7 +156,8 @@ class DenseOnPS:
             rows = fusion.collect(fusion.submit(keys if due else keys[:0], True, True))
             if due:
                 self._last = rows
-            assert self._last is not None
+            if self._last is None:  # (the first step always pulls)
+                raise RuntimeError("dense weights used before their first pull")
             return self._last
 
         rows = tf.numpy_function(read, [], tf.float32, stateful=True)

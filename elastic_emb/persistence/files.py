@@ -288,7 +288,8 @@ def _save_link(
         chain = secrets.token_hex(8)
         link = _write_base(root, f"{stem}.bin", state, table.dim, table.num_slots, seq=0)
         return _chain_entry(table, state, chain, [link]), _Mark(chain, 0, number + 1)
-    assert head is not None
+    if head is None:
+        raise RuntimeError(f"table {table.name!r}: a delta needs the chain it extends")
     parent = head["links"][-1]
     arrays = _state_arrays(state, table.dim, table.num_slots, erased)
     file_name = f"{stem}-delta.bin"

@@ -98,6 +98,11 @@ class LocalTable(Table):
         k = check_keys(keys)
         self._push(k, check_rows(grads, "grads", k.shape[0], self.dim))
 
+    def push_checked(self, keys: np.ndarray, grads: np.ndarray) -> None:
+        """`push` of int64 `(n,)` keys and float32 `(n, dim)` gradients that the caller
+        checked already, finiteness included (`check_finite_gradients`)."""
+        self._push(keys, grads, finite=True)
+
     def _push(
         self,
         keys: np.ndarray,

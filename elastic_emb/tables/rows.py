@@ -40,7 +40,8 @@ class CompactRows:
         """The rows as float32 `(m, dim)`."""
         if self.dtype != "int8":
             return self.values.astype(np.float32)
-        assert self.scale is not None and self.bias is not None
+        if self.scale is None or self.bias is None:
+            raise ValueError("int8 rows need their scale and bias")
         levels = self.values.astype(np.float32) + np.float32(128)
         return levels * self.scale[:, None] + self.bias[:, None]
 

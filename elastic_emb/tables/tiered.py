@@ -189,7 +189,8 @@ class TieredTable(LocalTable):
 
     def __init__(self, config: TableConfig) -> None:
         tier = config.storage
-        assert tier is not None
+        if tier is None:
+            raise ValueError(f"TieredTable {config.name!r} needs storage=ee.storage.Tiered(...)")
         options = core_options(config)
         # The RAM tier: LRU that hands over what it evicts.
         options.eviction.kind = _core.EvictionKind.lru

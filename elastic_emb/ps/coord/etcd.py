@@ -499,7 +499,8 @@ class Watch:
         conn = etcd._connect(etcd.timeout)
         try:
             conn.connect()
-            assert conn.sock is not None
+            if conn.sock is None:
+                raise ConnectionError(f"cannot watch {self.prefix!r}: no connection to etcd")
             with self._lock:
                 if self._cancelled.is_set():
                     return False

@@ -77,7 +77,8 @@ class LocalCluster:
 
     @property
     def coordinator(self) -> str:
-        assert self.etcd is not None
+        if self.etcd is None:
+            raise RuntimeError("the local cluster is not started")
         return self.etcd.url
 
     def start(self, timeout: float = 60.0) -> LocalCluster:

@@ -352,7 +352,8 @@ class ClusterMap:
         new = self.copy()
         move = new.move
         r = new.range(move.range) if move else None
-        assert move is not None and r is not None
+        if move is None or r is None:
+            raise ValueError("no move is under way")
         if move.slot == r.slot_begin:
             r.group = move.to
         else:

@@ -143,7 +143,7 @@ class PeriodicCheckpoints:
             self._saved = changes
             log.info("checkpoint written to %s", self.directory)
             return True
-        if not self._leads():
+        if not self._leads(self.replica):
             return False
         mode = next((m for s in self.ranges.shards() if (m := s.mode_name())), "async")
         for attempt in range(HOLD_ATTEMPTS):
@@ -166,10 +166,10 @@ class PeriodicCheckpoints:
             return True
         return False
 
-    def _leads(self) -> bool:
+    @staticmethod
+    def _leads(replica: Replica) -> bool:
         """This server is the primary of the group that owns slot 0."""
-        assert self.replica is not None
-        m = self.replica.cluster_map()
+        m = replica.cluster_map()
         ranges = m.by_slot()
         group = m.find_group(ranges[0].group) if ranges else None
-        return group is not None and group.primary == self.replica.address
+        return group is not None and group.primary == replica.address

@@ -1,0 +1,176 @@
+"""`TableSet`: one shard's tables (in-process `LocalTable`s) by name: created from configs or
+checked against the existing ones, looked up, swapped whole for a snapshot's; and the table
+side of a step: a worker's push checked before any table applies it (`CheckedPush`), a sync
+step's summed parts applied, rows pulled with their versions (`row_versions`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from elastic_emb.ps.server.request_error import RequestError, invalid
+from elastic_emb.tables.local import LocalTable
+from elastic_emb.tables.table import TableConfig, check_finite_gradients
+from elastic_emb.tables.tiered import make_local_table
+
+__all__ = ["CheckedPush", "TableSet", "pull_rows", "row_versions"]
+
+log = logging.getLogger("elastic_emb.server")
+
+
+class TableSet:
+    """A shard's tables by name. Thread-safe.
+
+    `_tables` changes only under `_lock`: `create` adds tables to it,
+    `replacing` swaps in another dict. Readers take no lock: they see the
+    set before or after a change, and a table they found stays usable.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[str, LocalTable] = {}  # changed under _lock; read without
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> LocalTable:
+        """The table `name`; refuses (NOT_FOUND) an unknown one."""
+        table = self._tables.get(name)
+        if table is None:
+            raise RequestError(
+                "NOT_FOUND", f"Unknown table {name!r}; this shard has {sorted(self._tables)}"
+            )
+        return table
+
+    def find(self, name: str) -> LocalTable | None:
+        return self._tables.get(name)
+
+    def named(self, names: list[str] | None = None) -> list[LocalTable]:
+        """The named tables (all, sorted by name, for None)."""
+        if not names:
+            return [t for _, t in sorted(self._tables.items())]
+        return [self.get(n) for n in names]
+
+    def create(self, configs: list[dict[str, Any]]) -> list[LocalTable]:
+        """The tables `configs` describe: created, or checked against the existing ones.
+
+        All or nothing: on an error none is created.
+        """
+        with self._lock:
+            chosen: dict[str, LocalTable] = {}
+            for config in configs:
+                name = config.get("name")
+                # (not `or`: an empty table is falsy)
+                existing = self._tables.get(name, chosen.get(name))  # type: ignore[arg-type]
+                if existing is not None:
+                    ours = json.dumps(existing.config(), sort_keys=True)
+                    try:  # defaults filled in (a client may omit newer fields)
+                        theirs = json.dumps(TableConfig.from_dict(config).to_dict(), sort_keys=True)
+                    except (ValueError, KeyError, TypeError):
+                        theirs = json.dumps(config, sort_keys=True)
+                    if ours != theirs:
+                        raise RequestError(
+                            "ALREADY_EXISTS",
+                            f"Table {name!r} exists with another configuration: {ours} "
+                            f"(requested {json.dumps(config, sort_keys=True)})",
+                        )
+                    chosen[existing.name] = existing
+                    continue
+                try:
+                    table = make_local_table(TableConfig.from_dict(config))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise invalid(f"Table {name!r}: invalid configuration {config}: {e}") from e
+                chosen[table.name] = table
+            self._tables.update(chosen)
+            return [chosen[c["name"]] for c in configs]
+
+    @contextlib.contextmanager
+    def replacing(self, tables: list[LocalTable]) -> Iterator[None]:
+        """The set becomes exactly `tables` (those not among them are dropped); the body
+        runs under the lock too, so that what changes with the tables changes at once."""
+        with self._lock:
+            self._tables = {t.name: t for t in tables}
+            yield
+
+    def apply_sync_step(
+        self, step: int, parts: dict[str, list[tuple[np.ndarray, np.ndarray]]]
+    ) -> None:
+        """Applies sync step `step`: each table's parts (in worker order) in one push.
+
+        Each part was checked finite (`CheckedPush`); their sum may overflow:
+        that table then skips the step (logged), never raises (the step is
+        acknowledged to every worker already).
+        """
+        for name, table_parts in sorted(parts.items()):
+            table = self._tables[name]
+            if len(table_parts) == 1:  # one worker's part, checked finite already
+                table.push_checked(*table_parts[0])
+                continue
+            keys = np.concatenate([k for k, _ in table_parts])
+            grads = np.concatenate([g for _, g in table_parts])
+            if check_finite_gradients(name, keys, grads, "skip"):
+                table.push_checked(keys, grads)
+            else:
+                log.error("step %d of table %r sums to NaN or Inf: skipped", step, name)
+
+
+class CheckedPush:
+    """A worker's push of one step: its tables found, every table's gradients checked
+    finite before any table applies its part (INVALID_ARGUMENT, NOT_FOUND otherwise)."""
+
+    def __init__(self, tables: TableSet, gradients: list[tuple[str, Any, Any]]) -> None:
+        self._work = [(tables.get(name), keys, grads) for name, keys, grads in gradients]
+        try:
+            self._finite = [
+                check_finite_gradients(t.name, k, g, t.nonfinite) for t, k, g in self._work
+            ]
+        except ValueError as e:
+            raise invalid(str(e)) from e
+
+    def apply(self) -> None:
+        """ASYNC: every table applies its part now."""
+        for table, keys, grads in self._work:
+            table.push(keys, grads)
+
+    def queue(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """SYNC: the (table name, keys, gradients) parts to sum into the step.
+
+        A part that is not finite (nonfinite="skip") is pushed alone, so that
+        its table counts it, and left out of the step's sum.
+        """
+        checked = list(zip(self._work, self._finite, strict=True))
+        for (table, keys, grads), ok in checked:
+            if not ok:
+                table.push(keys, grads)
+        return [(t.name, k, g) for (t, k, g), ok in checked if ok]
+
+
+def pull_rows(
+    work: list[tuple[LocalTable, np.ndarray]], train: bool, versions: list[bool] | None
+) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+    """(name, rows, versions) per (table, keys); versions only where `versions` flags it.
+
+    The versions are read before the rows (`Shard.pull` says why).
+    """
+    out: list[tuple[str, np.ndarray, np.ndarray | None]] = []
+    for i, (table, k) in enumerate(work):
+        now = row_versions(table, k) if versions is not None and versions[i] else None
+        out.append((table.name, table.pull(k, train=train), now))
+    return out
+
+
+def row_versions(table: LocalTable, keys: np.ndarray) -> np.ndarray:
+    """The versions of `keys`' rows in `table`, uint32: the step of the row's last push
+    (`Table.metadata`), 0 for rows never pushed or absent (a version that never matches).
+
+    A row's value changes only by a push, which gives it the table's new step
+    (one per push), or by `import_rows`, which sets its update count to 0,
+    and so its version; after an eviction a new row's first push gives it a
+    later step. So equal versions mean equal values (a restore is the
+    exception: a worker clears its cache when it restores).
+    """
+    last_step, update_count = table.metadata(keys)
+    return np.where(update_count > 0, last_step, 0).astype(np.uint32)
