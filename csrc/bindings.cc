@@ -10,6 +10,8 @@
 
 #include "batch_keys.h"
 #include "check.h"
+#include "py_arrays.h"
+#include "request_bindings.h"
 #include "table.h"
 #include "thread_pool.h"
 #include "varint.h"
@@ -29,32 +31,8 @@ using elastic_emb::InvalidArgument;
 
 namespace {
 
-// Checks dtype, C-contiguity and shape of an argument before any C++ runs.
-// shape entries of -1 match any size.
-template <typename T>
-py::array_t<T> CheckArray(const py::array& a, const char* name, std::vector<py::ssize_t> shape) {
-  EE_CHECK(py::isinstance<py::array_t<T>>(a) && a.dtype().is(py::dtype::of<T>()),
-           "`" << name << "` must have dtype " << std::string(py::str(py::dtype::of<T>()))
-               << ", got " << std::string(py::str(a.dtype())));
-  EE_CHECK(a.ndim() == static_cast<py::ssize_t>(shape.size()),
-           "`" << name << "` must have " << shape.size() << " dimension(s), got " << a.ndim());
-  for (size_t d = 0; d < shape.size(); ++d) {
-    EE_CHECK(shape[d] < 0 || a.shape(d) == shape[d], "`" << name << "` has size " << a.shape(d)
-                                                         << " in dimension " << d << ", expected "
-                                                         << shape[d]);
-  }
-  EE_CHECK(a.flags() & py::array::c_style, "`" << name << "` must be C-contiguous");
-  return py::array_t<T>(a);
-}
-
-// Hands a vector's buffer to numpy without copying.
-template <typename T, typename A>
-py::array_t<T> ToNumpy(std::vector<T, A>&& v, std::vector<py::ssize_t> shape) {
-  using Vector = std::vector<T, A>;
-  auto* owned = new Vector(std::move(v));
-  py::capsule free_when_done(owned, [](void* p) { delete static_cast<Vector*>(p); });
-  return py::array_t<T>(shape, owned->data(), free_when_done);
-}
+using elastic_emb::py_arrays::CheckArray;
+using elastic_emb::py_arrays::ToNumpy;
 
 // The options of Table and DeviceTable: plain structs, checked by their
 // Validate() when a table is built.
@@ -660,6 +638,7 @@ PYBIND11_MODULE(_core, m) {
   BindOptions(m);
   BindBatchKeys(m);
   BindVarint(m);
+  elastic_emb::BindRequests(m);
   py::class_<elastic_emb::Table> table(m, "Table");
   table.def(py::init<const elastic_emb::TableOptions&>(), py::arg("options"));
   BindTableMethods(table);

@@ -7,6 +7,7 @@ both halves after the split is applied once.
 
 from __future__ import annotations
 
+import _shards
 import numpy as np
 from _states import assert_same_state, sorted_state
 
@@ -36,7 +37,7 @@ def _grads(worker: int, step: int) -> np.ndarray:
 
 
 def _push(shard: Shard, worker: int, step: int, keys: np.ndarray) -> None:
-    shard.push(worker, step, [("t", keys, _grads(worker, step)[keys])])
+    _shards.push(shard, worker, step, [("t", keys, _grads(worker, step)[keys])])
 
 
 def _rows(shards: list[Shard]) -> dict[int, np.ndarray]:
@@ -67,9 +68,9 @@ def test_moving_part_of_a_range_mid_step_applies_every_push_once():
     right.install(right.tables(), steps, pending)
     # Worker 1's step 3 reaches the source during the move, and its part is forwarded.
     push = protocol.push_request(1, 3, ps_pb2.FLOAT32, [("t", keys, _grads(1, 3)[keys])])
-    left.push(1, 3, protocol.pushed_gradients(push, lambda name: 4))
+    left.push(protocol.push_message(push))
     part = protocol.restricted("Push", push, (1000, n), right.table)
-    right.push(1, 3, protocol.pushed_gradients(part, lambda name: 4))
+    right.push(protocol.push_message(part))
     left.shrink(1000)
     assert (left.slots, right.slots) == ((0, 1000), (1000, n))
     slots = sharding.slot_of(keys)

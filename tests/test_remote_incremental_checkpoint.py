@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import _shards
 import numpy as np
 import pytest
 from _cluster import shards
@@ -138,7 +139,7 @@ def _sync_shard(workers: int) -> Shard:
 def test_a_sync_save_waits_for_its_step_to_be_applied_everywhere(tmp_path):
     shard = _sync_shard(2)
     keys, ones = np.array([7]), np.ones((1, 2), np.float32)
-    shard.push(0, 1, [("t", keys, ones)])  # worker 1's push of step 1 has not arrived
+    _shards.push(shard, 0, 1, [("t", keys, ones)])  # worker 1's push of step 1 has not arrived
     saved: list = []
     saver = threading.Thread(
         target=lambda: saved.append(shard.save(str(tmp_path), [], after_step=1))
@@ -146,7 +147,7 @@ def test_a_sync_save_waits_for_its_step_to_be_applied_everywhere(tmp_path):
     saver.start()
     saver.join(0.5)
     assert saver.is_alive()  # waiting for step 1
-    shard.push(1, 1, [("t", keys, 2 * ones)])
+    _shards.push(shard, 1, 1, [("t", keys, 2 * ones)])
     saver.join(30)
     rows, step, worker_steps = saved[0]
     assert (rows, step, worker_steps) == (1, 1, {0: 1, 1: 1})
@@ -157,7 +158,7 @@ def test_a_sync_save_waits_for_its_step_to_be_applied_everywhere(tmp_path):
 
 def test_a_sync_save_that_waits_too_long_names_the_late_workers(tmp_path):
     shard = _sync_shard(3)
-    shard.push(0, 1, [("t", np.array([1]), np.ones((1, 2), np.float32))])
+    _shards.push(shard, 0, 1, [("t", np.array([1]), np.ones((1, 2), np.float32))])
     with pytest.raises(RequestError, match=r"workers \[1, 2\] have not pushed it") as raised:
         shard.save(str(tmp_path), [], after_step=1, timeout=0.2)
     assert raised.value.code == "DEADLINE_EXCEEDED"
@@ -168,7 +169,7 @@ def test_a_held_sync_save_applies_no_later_step_until_it_is_written(tmp_path, mo
     shard = _sync_shard(2)
     keys, ones = np.array([3]), np.ones((1, 2), np.float32)
     for worker in (0, 1):
-        shard.push(worker, 1, [("t", keys, ones)])
+        _shards.push(shard, worker, 1, [("t", keys, ones)])
     writing, written = threading.Event(), threading.Event()
     real_save = checkpoint.save
 
@@ -182,20 +183,20 @@ def test_a_held_sync_save_applies_no_later_step_until_it_is_written(tmp_path, mo
     saver.start()
     assert writing.wait(30)
     for worker in (0, 1):  # step 2 is complete, and held
-        shard.push(worker, 2, [("t", keys, ones)])
+        _shards.push(shard, worker, 2, [("t", keys, ones)])
     assert shard.step() == 1
     with pytest.raises(RequestError, match="another save holds step 1"):
         shard.save(str(tmp_path / "other"), [], after_step=1, hold=True)
     # Every worker pushed step 2, but a pull of step 3 must still wait for it to be applied.
     pulled: list = []
     puller = threading.Thread(
-        target=lambda: pulled.append(shard.pull(0, 3, True, 30.0, [("t", keys)]))
+        target=lambda: pulled.append(_shards.pull(shard, 0, 3, True, 30.0, [("t", keys)]))
     )
     puller.start()
     puller.join(0.5)
     assert puller.is_alive() and not pulled
     with pytest.raises(RequestError, match="a checkpoint holds step 1 back"):
-        shard.pull(1, 3, True, 0.1, [("t", keys)])
+        _shards.pull(shard, 1, 3, True, 0.1, [("t", keys)])
     written.set()
     saver.join(30)
     puller.join(30)
@@ -203,7 +204,7 @@ def test_a_held_sync_save_applies_no_later_step_until_it_is_written(tmp_path, mo
     (state,) = checkpoint.read_shards([tmp_path], ["t"])[1].values()
     initial = Shard().create([SGD_TABLE])[0].pull(keys)
     np.testing.assert_array_equal(state.values, initial - 2.0)  # step 1 only
-    ((_, rows, _),) = pulled[0]
+    (rows,) = pulled[0]
     np.testing.assert_array_equal(rows, initial - 4.0)  # steps 1 and 2
     with pytest.raises(RequestError, match="cannot hold at step 1: step 2 is applied"):
         shard.save(str(tmp_path), [], after_step=1, hold=True)

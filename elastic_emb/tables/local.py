@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -20,7 +21,7 @@ from elastic_emb.tables.table import (
     check_rows,
 )
 
-__all__ = ["LocalTable", "core_options"]
+__all__ = ["LocalTable", "core_options", "push_parsed"]
 
 
 def core_options(config: TableConfig, shard_bits: int | None = None) -> _core.TableOptions:
@@ -120,14 +121,24 @@ class LocalTable(Table):
         """
         host = grads if host_grads is None else host_grads
         if not finite and not check_finite_gradients(self.name, keys, host, self._config.nonfinite):
-            with self._step_lock:
-                self._nonfinite_pushes += 1
+            self.skip_nonfinite()
             return
         with self._step_lock:
             self._iterations += 1
             step = self._iterations
             lr = self.optimizer.learning_rate_at(step - 1)
             (apply or self._core.push)(keys, grads, lr, step)
+
+    def core_table(self) -> Any:
+        """The C++ table that a parameter server's request path may pull from and push to
+        itself (`push_parsed`), or None when this table's pulls and pushes do more than
+        call it (a tiered table)."""
+        return self._core if isinstance(self._core, _core.Table) else None
+
+    def skip_nonfinite(self) -> None:
+        """Counts a push skipped for gradients that are not finite (`nonfinite="skip"`)."""
+        with self._step_lock:
+            self._nonfinite_pushes += 1
 
     def import_rows(self, keys: Any, values: Any) -> None:
         k = check_keys(keys)
@@ -299,3 +310,28 @@ class _LocalStep(StepFusion):
         self._table._push(
             np.concatenate([k for k, _ in batch]), np.concatenate([g for _, g in batch])
         )
+
+
+def push_parsed(tables: list[LocalTable | None], message: Any) -> None:
+    """Pushes each table of a parsed Push (`_core.PushMessage`, decoded and checked finite)
+    its part: `tables[i]` gets part i (None: none). The tables with a `core_table` take
+    theirs in one C++ call without the GIL, under all their step locks; the others push
+    one by one."""
+    direct = []
+    for i, table in enumerate(tables):
+        if table is not None and table.core_table() is None:
+            table.push_checked(message.keys(i), message.gradients(i))
+        elif table is not None:
+            direct.append((i, table))
+    cores: list[Any] = [None] * len(tables)
+    rates = [0.0] * len(tables)
+    steps = [0] * len(tables)
+    with contextlib.ExitStack() as locks:
+        for _, table in sorted(direct, key=lambda it: id(it[1])):  # one order: no deadlock
+            locks.enter_context(table._step_lock)
+        for i, table in direct:
+            table._iterations += 1
+            steps[i] = table._iterations
+            rates[i] = table.optimizer.learning_rate_at(table._iterations - 1)
+            cores[i] = table.core_table()
+        message.apply(cores, rates, steps)

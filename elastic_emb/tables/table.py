@@ -339,7 +339,12 @@ def check_finite_gradients(name: str, keys: np.ndarray, grads: np.ndarray, polic
         problem = f"{bad} of {g.size} gradient values are not finite (NaN or Inf)"
     if policy == "skip":
         return False
-    raise ValueError(
+    raise ValueError(nonfinite_message(name, problem))
+
+
+def nonfinite_message(name: str, problem: str) -> str:
+    """The error of a push refused for gradients that are not finite (`problem` says how)."""
+    return (
         f"Table {name!r}: {problem}; nothing was applied. Pass nonfinite='skip' to skip "
         "such pushes."
     )

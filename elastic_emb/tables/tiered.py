@@ -297,6 +297,9 @@ class TieredTable(LocalTable):
             super()._push(keys, grads, apply, host_grads, finite)
             self._demote()
 
+    def core_table(self) -> Any:
+        return None  # pulls and pushes move rows between the tiers
+
     def import_rows(self, keys: Any, values: Any) -> None:
         k = check_keys(keys)
         v = check_rows(values, "values", k.shape[0], self.dim)

@@ -107,6 +107,11 @@ class LoadMeter:
         counts = np.zeros(NUM_SLOTS)
         for k in keys:
             counts += _core.count_by_slot(np.ascontiguousarray(k, np.int64).ravel(), NUM_SLOTS)
+        self.record_counts(counts, nbytes, cpu_seconds)
+
+    def record_counts(self, counts: np.ndarray, nbytes: int, cpu_seconds: float) -> None:
+        """`record` of a request whose keys per slot are `counts` (`NUM_SLOTS`,)."""
+        counts = np.asarray(counts, np.float64)
         n = counts.sum()
         if not n:
             return

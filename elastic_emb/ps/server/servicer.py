@@ -29,6 +29,7 @@ from elastic_emb.ps.server.audit import AuditLog, summary
 from elastic_emb.ps.server.shard import Ranges, RequestError, Shard, invalid
 from elastic_emb.ps.wire import protocol
 from elastic_emb.ps.wire.security import Caller, Tokens
+from elastic_emb.tables.sharding import NUM_SLOTS
 from elastic_emb.tables.table import DENSE_TABLE_PREFIX
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ AUDITED = frozenset(
     ("CreateTables", "Join", "Leave", "ImportRows", "EraseRows", "Save", "Restore",
      "InstallSnapshot", "MoveIn")
 )  # fmt: skip
+
+# The calls whose requests arrive, and whose answers leave, as bytes (see `Pull`).
+RAW_METHODS = frozenset(("Pull", "Push", "PullRanges", "PushRanges"))
 
 # Refusals of access control, audited whatever the call.
 _AUTH_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
@@ -167,7 +171,10 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     def _audit(self, method: str, request: Any, context: Any, caller: str, result: str) -> None:
         """Records an administrative call in the audit log (never fails the call)."""
         try:
-            args = summary(request) if hasattr(request, "ListFields") else {"stream": True}
+            if isinstance(request, bytes):  # RAW_METHODS
+                args: dict[str, Any] = {"bytes": len(request)}
+            else:
+                args = summary(request) if hasattr(request, "ListFields") else {"stream": True}
             if self.audit is not None:
                 self.audit.record(method, context.peer(), caller, args, result)
         except Exception:  # the call's outcome stands; the operator sees the failure
@@ -250,59 +257,54 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             except RequestError as e:
                 log.info("worker %d left; not recorded in range %d: %s", worker, range_id, e)
 
-    @_rpc
-    def Pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
-        return self._pull(request)
+    # Pull, Push and their *Ranges arrive as bytes and are answered with bytes (RAW_METHODS):
+    # parsed, gathered or applied, and encoded by one C++ call (`_core.PullMessage`,
+    # `PushMessage`); what is per request, not per key, stays here.
 
     @_rpc
-    def PullRanges(self, request: ps_pb2.PullRangesRequest) -> ps_pb2.PullRangesResponse:
-        return ps_pb2.PullRangesResponse(parts=[self._pull(part) for part in request.parts])
+    def Pull(self, raw: bytes) -> bytes:
+        return self._pull(raw)
 
-    def _pull(self, request: ps_pb2.PullRequest) -> ps_pb2.PullResponse:
+    @_rpc
+    def PullRanges(self, raw: bytes) -> bytes:
+        return _core.join_parts([self._pull(part) for part in _core.request_parts(raw)])
+
+    def _pull(self, raw: bytes) -> bytes:
         cpu = time.thread_time()
+        message = protocol.pull_message(raw)
         # train=False inserts nothing: a backup may answer it.
-        shard = self._shard(request, serving=True, read_only=not request.train)
-        if request.encoding not in protocol.ENCODINGS.values():
-            raise invalid(f"Unknown encoding {request.encoding}")
-        timeout = request.timeout_ms / 1000 if request.timeout_ms > 0 else 3600.0
-        held = protocol.held_versions(request)
-        keys = protocol.pulled_keys(request)
-        rows = shard.pull(
-            request.worker,
-            request.step,
-            request.train,
-            timeout,
-            keys,
-            [v is not None for v in held],
-        )
-        response = protocol.pull_response(request.encoding, rows, held)
-        self._count_load([k for _, k in keys], request, response, cpu)
+        shard = self._shard(message, serving=True, read_only=not message.train)
+        if message.encoding not in protocol.ENCODINGS.values():
+            raise invalid(f"Unknown encoding {message.encoding}")
+        timeout = message.timeout_ms / 1000 if message.timeout_ms > 0 else 3600.0
+        response = shard.pull(message, timeout)
+        self._count_load(message, len(raw) + len(response), cpu)
         return response
 
     @_rpc
-    def Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
-        return self._push(request)
+    def Push(self, raw: bytes) -> bytes:
+        return self._push(raw)
 
     @_rpc
-    def PushRanges(self, request: ps_pb2.PushRangesRequest) -> ps_pb2.PushRangesResponse:
-        return ps_pb2.PushRangesResponse(parts=[self._push(part) for part in request.parts])
+    def PushRanges(self, raw: bytes) -> bytes:
+        return _core.join_parts([self._push(part) for part in _core.request_parts(raw)])
 
-    def _push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
+    def _push(self, raw: bytes) -> bytes:
         cpu = time.thread_time()
-        response = self._change("Push", request)
-        self._count_load(protocol.table_keys(request), request, response, cpu)
+        message = protocol.push_message(raw)
+        response = self._change("Push", message).SerializeToString()
+        self._count_load(message, len(raw) + len(response), cpu)
         return response
 
-    def _count_load(self, keys: list[Any], request: Any, response: Any, cpu: float) -> None:
+    def _count_load(self, message: Any, nbytes: int, cpu: float) -> None:
         """Adds a served Pull or Push to the per-slot load (`elastic_emb.ps.coord.balance`)."""
         if self.load is not None:
-            nbytes = request.ByteSize() + response.ByteSize()
-            self.load.record(keys, nbytes, time.thread_time() - cpu)
+            counts = message.count_by_slot(NUM_SLOTS)
+            self.load.record_counts(counts, nbytes, time.thread_time() - cpu)
 
-    def _Push(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse:
-        shard = self._shard(request)
-        gradients = protocol.pushed_gradients(request, lambda name: shard.table(name).dim)
-        return ps_pb2.PushResponse(step=shard.push(request.worker, request.step, gradients))
+    def _Push(self, request: Any) -> ps_pb2.PushResponse:
+        message = protocol.push_message(request)
+        return ps_pb2.PushResponse(step=self._shard(message).push(message))
 
     # Row access.
 
@@ -484,6 +486,8 @@ class _ByteCounter(grpc.GenericRpcHandler):
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1]
         parse, serialize = handler.request_deserializer, handler.response_serializer
+        if method in RAW_METHODS:
+            parse = serialize = _as_is
         count = self._servicer.count_bytes
 
         def counted_parse(raw: bytes) -> Any:
@@ -498,3 +502,7 @@ class _ByteCounter(grpc.GenericRpcHandler):
         return handler._replace(
             request_deserializer=counted_parse, response_serializer=counted_serialize
         )
+
+
+def _as_is(raw: bytes) -> bytes:
+    return raw

@@ -16,7 +16,7 @@ from elastic_emb.persistence import checkpoint
 from elastic_emb.ps.server.request_error import RequestError, invalid
 from elastic_emb.ps.server.step_clock import ASYNC, MAX_PUSHES_IN_FLIGHT, SYNC, StepClock
 from elastic_emb.ps.server.table_files import restore_owned_rows, write_tables
-from elastic_emb.ps.server.table_set import CheckedPush, TableSet, pull_rows, row_versions
+from elastic_emb.ps.server.table_set import CheckedPush, TableSet, answer_pull, row_versions
 from elastic_emb.tables import sharding
 from elastic_emb.tables.local import LocalTable
 from elastic_emb.tables.table import TableState
@@ -53,19 +53,25 @@ class Shard:
         # under the clock's lock (`shrink`); read without (a tuple, replaced whole).
         self.slots = slots
 
-    def check_keys(self, keys: list[np.ndarray]) -> None:
-        """Refuses (OUT_OF_RANGE) keys outside `slots`: the sender split by an older map."""
+    def check_keys(self, keys: list[np.ndarray] | Any) -> None:
+        """Refuses (OUT_OF_RANGE) keys outside `slots`: the sender split by an older map.
+
+        `keys`: arrays, or a parsed Pull or Push (`_core.PullMessage`, `PushMessage`).
+        """
         if self.slots is None:
             return
         begin, end = self.slots
-        for k in keys:
-            slot = sharding.slot_of(k)
-            if len(k) and (slot.min() < begin or slot.max() >= end):
-                raise RequestError(
-                    "OUT_OF_RANGE",
-                    f"keys outside this range's slots [{begin}, {end}): the range was split "
-                    "or moved; read the cluster map again",
-                )
+        if isinstance(keys, list):
+            slots = [sharding.slot_of(k) for k in keys if len(k)]
+            outside = any(s.min() < begin or s.max() >= end for s in slots)
+        else:
+            outside = keys.keys_outside(sharding.NUM_SLOTS, begin, end)
+        if outside:
+            raise RequestError(
+                "OUT_OF_RANGE",
+                f"keys outside this range's slots [{begin}, {end}): the range was split "
+                "or moved; read the cluster map again",
+            )
 
     def check_slots(self, slots: tuple[int, int]) -> None:
         """Refuses (OUT_OF_RANGE) a request made for other slots than this range's now."""
@@ -110,36 +116,30 @@ class Shard:
         """An elastic worker leaves: no step waits for it any more. Returns the shard's step."""
         return self._clock.leave(worker)
 
-    def pull(
-        self,
-        worker: int,
-        step: int,
-        train: bool,
-        timeout: float,
-        keys: list[tuple[str, np.ndarray]],
-        versions: list[bool] | None = None,
-    ) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
-        """(name, rows, versions) per (name, keys), once the mode lets `worker` read `step`.
+    def pull(self, message: Any, timeout: float) -> bytes:
+        """The PullResponse's bytes answering a parsed Pull (`_core.PullMessage`), once the
+        mode lets its worker read its step.
 
-        The rows' versions (`row_versions`) only for the tables
-        `versions` flags (a worker cache), else None. They are read before
-        the rows, so a push landing in between makes a version older than
-        its row, never newer: a cache holding that row re-fetches it next
-        time instead of keeping a stale row under a current version.
+        The rows' versions go only for the tables the worker caches. They are
+        read before the rows, so a push landing in between makes a version
+        older than its row, never newer: a cache holding that row re-fetches
+        it next time instead of keeping a stale row under a current version.
         """
+        worker, step = message.worker, message.step
         self._clock.check_worker(worker, step)
-        self.check_keys([k for _, k in keys])
+        self.check_keys(message)
         self._clock.check_pull_step(worker, step)
-        work = [(self.table(name), k) for name, k in keys]
+        tables = [self.table(name) for name in message.names]
         self._clock.wait_to_pull(worker, step, timeout)
-        return pull_rows(work, train, versions)
+        return answer_pull(tables, message)
 
-    def push(self, worker: int, step: int, gradients: list[tuple[str, Any, Any]]) -> int:
-        """Applies (SYNC: queues until every worker pushed) one step; the shard's step."""
-        self._clock.check_worker(worker, step)
-        self.check_keys([k for _, k, _ in gradients])
-        checked = CheckedPush(self._tables, gradients)
-        return self._clock.push(worker, step, checked.queue, checked.apply)
+    def push(self, message: Any) -> int:
+        """Applies (SYNC: queues until every worker pushed) one step of a parsed Push
+        (`_core.PushMessage`); the shard's step."""
+        self._clock.check_worker(message.worker, message.step)
+        self.check_keys(message)
+        checked = CheckedPush(self._tables, message)
+        return self._clock.push(message.worker, message.step, checked.queue, checked.apply)
 
     def worker_steps(self) -> dict[int, int]:
         """The last step each worker that joined pushed."""

@@ -15,11 +15,16 @@ from typing import Any
 import numpy as np
 
 from elastic_emb.ps.server.request_error import RequestError, invalid
-from elastic_emb.tables.local import LocalTable
-from elastic_emb.tables.table import TableConfig, check_finite_gradients
+from elastic_emb.tables.local import LocalTable, push_parsed
+from elastic_emb.tables.table import (
+    TableConfig,
+    check_finite_gradients,
+    check_nonfinite_policy,
+    nonfinite_message,
+)
 from elastic_emb.tables.tiered import make_local_table
 
-__all__ = ["CheckedPush", "TableSet", "pull_rows", "row_versions"]
+__all__ = ["CheckedPush", "TableSet", "answer_pull", "row_versions"]
 
 log = logging.getLogger("elastic_emb.server")
 
@@ -118,48 +123,57 @@ class TableSet:
 
 
 class CheckedPush:
-    """A worker's push of one step: its tables found, every table's gradients checked
-    finite before any table applies its part (INVALID_ARGUMENT, NOT_FOUND otherwise)."""
+    """A worker's push of one step (a `_core.PushMessage`): its tables found and every
+    table's gradients decoded and checked finite before any table applies its part
+    (INVALID_ARGUMENT, NOT_FOUND otherwise)."""
 
-    def __init__(self, tables: TableSet, gradients: list[tuple[str, Any, Any]]) -> None:
-        self._work = [(tables.get(name), keys, grads) for name, keys, grads in gradients]
-        try:
-            self._finite = [
-                check_finite_gradients(t.name, k, g, t.nonfinite) for t, k, g in self._work
-            ]
-        except ValueError as e:
-            raise invalid(str(e)) from e
+    def __init__(self, tables: TableSet, message: Any) -> None:
+        self._message = message
+        self._tables = [tables.get(name) for name in message.names]
+        problems = message.decode([t.dim for t in self._tables])
+        for table, problem in zip(self._tables, problems, strict=True):
+            if problem and check_nonfinite_policy(table.nonfinite) == "raise":
+                raise invalid(nonfinite_message(table.name, problem))
+        self._finite = [not p for p in problems]
 
     def apply(self) -> None:
-        """ASYNC: every table applies its part now."""
-        for table, keys, grads in self._work:
-            table.push(keys, grads)
+        """ASYNC: every table applies its part now (one C++ call: `push_parsed`)."""
+        for table, ok in zip(self._tables, self._finite, strict=True):
+            if not ok:
+                table.skip_nonfinite()
+        chosen = [t if ok else None for t, ok in zip(self._tables, self._finite, strict=True)]
+        push_parsed(chosen, self._message)
 
     def queue(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """SYNC: the (table name, keys, gradients) parts to sum into the step.
 
-        A part that is not finite (nonfinite="skip") is pushed alone, so that
-        its table counts it, and left out of the step's sum.
+        A part that is not finite (nonfinite="skip") is counted by its table
+        and left out of the step's sum.
         """
-        checked = list(zip(self._work, self._finite, strict=True))
-        for (table, keys, grads), ok in checked:
-            if not ok:
-                table.push(keys, grads)
-        return [(t.name, k, g) for (t, k, g), ok in checked if ok]
+        parts = []
+        for i, (table, ok) in enumerate(zip(self._tables, self._finite, strict=True)):
+            if ok:
+                parts.append((table.name, self._message.keys(i), self._message.gradients(i)))
+            else:
+                table.skip_nonfinite()
+        return parts
 
 
-def pull_rows(
-    work: list[tuple[LocalTable, np.ndarray]], train: bool, versions: list[bool] | None
-) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
-    """(name, rows, versions) per (table, keys); versions only where `versions` flags it.
-
-    The versions are read before the rows (`Shard.pull` says why).
-    """
-    out: list[tuple[str, np.ndarray, np.ndarray | None]] = []
-    for i, (table, k) in enumerate(work):
-        now = row_versions(table, k) if versions is not None and versions[i] else None
-        out.append((table.name, table.pull(k, train=train), now))
-    return out
+def answer_pull(tables: list[LocalTable], message: Any) -> bytes:
+    """The PullResponse's bytes answering a parsed Pull (`_core.PullMessage`): table i's
+    keys from `tables[i]`, with their versions where the worker caches (read before the
+    rows: `Shard.pull` says why); gathered in one C++ call without the GIL."""
+    sources: list[Any] = []
+    cached = message.cached()
+    for i, table in enumerate(tables):
+        core = table.core_table()
+        if core is not None:
+            sources.append(core)
+            continue
+        keys = message.keys(i)
+        now = row_versions(table, keys) if cached[i] else None
+        sources.append((table.pull(keys, train=message.train), now))
+    return bytes(message.answer(sources))
 
 
 def row_versions(table: LocalTable, keys: np.ndarray) -> np.ndarray:

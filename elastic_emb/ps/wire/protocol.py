@@ -33,6 +33,9 @@ __all__ = [
     "encode_keys_compact",
     "encoding",
     "gradient_exponent",
+    "pull_message",
+    "push_message",
+    "pushed_gradients",
     "scale",
 ]
 
@@ -47,8 +50,6 @@ _WIRE_DTYPES: dict[int, np.dtype] = {
     ps_pb2.FLOAT16: np.dtype("<f2"),
     ps_pb2.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
 }
-# Gradients scaled beyond 2^±200 are not a float16 range fix but a bad request.
-MAX_GRADIENT_EXPONENT = 200
 
 
 class WireError(ValueError):
@@ -246,56 +247,6 @@ def pull_request(
     )
 
 
-def pulled_keys(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:
-    """(table name, keys) of each table of a Pull."""
-    return [(t.table, keys) for t, keys in zip(request.tables, table_keys(request), strict=True)]
-
-
-def table_keys(request: Any) -> list[np.ndarray]:
-    """The keys of each table of a Pull or a Push."""
-    return [decode_keys(t.keys, f"keys of {t.table}", t.key_encoding) for t in request.tables]
-
-
-def held_versions(request: ps_pb2.PullRequest) -> list[np.ndarray | None]:
-    """The cached rows' versions a Pull sends, per table (None: no cache)."""
-    out: list[np.ndarray | None] = []
-    for t in request.tables:
-        if not t.versions:
-            out.append(None)
-            continue
-        n = len(decode_keys(t.keys, f"keys of {t.table}", t.key_encoding))
-        out.append(decode_uint(t.versions, n, "<u4", f"versions of {t.table}"))
-    return out
-
-
-def pull_response(
-    enc: Any,
-    rows: Sequence[tuple[str, np.ndarray, np.ndarray | None]],
-    held: Sequence[np.ndarray | None] | None = None,
-) -> ps_pb2.PullResponse:
-    """The answer to a Pull: each (name, rows, versions now) of `rows`; with `held`
-    versions, rows whose version is the worker's are left out and marked unchanged,
-    and the others go with their versions."""
-    if enc not in _WIRE_DTYPES:
-        raise WireError(f"Unknown encoding {enc}")
-    tables = []
-    for i, (name, values, now) in enumerate(rows):
-        mine = None if held is None else held[i]
-        if now is None or mine is None:
-            tables.append(ps_pb2.TableValues(table=name, values=encode_floats(values, enc)))
-            continue
-        same = (now == mine) & (now != 0)
-        tables.append(
-            ps_pb2.TableValues(
-                table=name,
-                values=encode_floats(values[~same], enc),
-                versions=_uint_bytes(now[~same], "<u4"),
-                unchanged=np.packbits(same).tobytes(),
-            )
-        )
-    return ps_pb2.PullResponse(encoding=enc, tables=tables)
-
-
 def pulled_rows(
     response: ps_pb2.PullResponse, shapes: Sequence[tuple[str, int, int]]
 ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
@@ -341,30 +292,30 @@ def push_request(
     return ps_pb2.PushRequest(worker=worker, step=step, encoding=enc, tables=entries)
 
 
-def pushed_gradients(
-    request: ps_pb2.PushRequest, dim_of: Any
-) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """(name, keys, float32 gradients) per table of a Push; `dim_of(name)` gives widths.
+def pull_message(raw: bytes) -> Any:
+    """A Pull's bytes, parsed in C++ (`_core.PullMessage`: keys decoded, answered by
+    `answer`); raises `_core.InvalidArgument` on malformed bytes."""
+    return _core.PullMessage(raw)
+
+
+def push_message(request: Any) -> Any:
+    """A Push (its bytes, or a `PushRequest`), parsed in C++ (`_core.PushMessage`: keys
+    decoded; `decode` the gradients); raises `_core.InvalidArgument` on malformed bytes."""
+    if isinstance(request, _core.PushMessage):
+        return request
+    return _core.PushMessage(request if isinstance(request, bytes) else request.SerializeToString())
+
+
+def pushed_gradients(request: Any, dim_of: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(name, keys, float32 gradients) per table of a Push (`push_message`'s argument);
+    `dim_of(name)` gives widths.
 
     Raises:
-        WireError: a malformed entry, a table twice, an absurd scale.
+        _core.InvalidArgument: a malformed entry, a table twice, an absurd scale.
     """
-    out: list[tuple[str, np.ndarray, np.ndarray]] = []
-    seen: set[str] = set()
-    for t in request.tables:
-        dim = dim_of(t.table)
-        if t.table in seen:
-            raise WireError(f"Table {t.table!r} appears twice in one push")
-        seen.add(t.table)
-        keys = decode_keys(t.keys, f"keys of {t.table}", t.key_encoding)
-        grads = decode_floats(
-            t.gradients, request.encoding, len(keys), dim, f"gradients of {t.table}"
-        )
-        if abs(t.gradient_exponent) > MAX_GRADIENT_EXPONENT:
-            raise WireError(f"gradient_exponent {t.gradient_exponent} of {t.table!r} is absurd")
-        grads = scale(grads, -t.gradient_exponent)
-        out.append((t.table, keys, grads))
-    return out
+    message = push_message(request)
+    message.decode([dim_of(name) for name in message.names])
+    return [(name, message.keys(i), message.gradients(i)) for i, name in enumerate(message.names)]
 
 
 # Rows and table state (ImportRows with `replace` and ExportRows share the fields).
@@ -500,7 +451,10 @@ def restricted(method: str, request: Any, slots: tuple[int, int], table: Any) ->
 
 
 def change_request(method: str, raw: bytes) -> Any:
-    """The request message of a replicated change `method` ("Push", ...), from its bytes."""
+    """The request message of a replicated change `method` ("Push", ...), from its bytes:
+    a Push parsed in C++ (`push_message`), the others as protobuf messages."""
+    if method == "Push":
+        return push_message(raw)
     message = getattr(ps_pb2, f"{method}Request")()
     message.ParseFromString(raw)
     return message

@@ -1,0 +1,540 @@
+#include "wire.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "batch_keys.h"
+#include "check.h"
+#include "half.h"
+#include "table.h"
+#include "varint.h"
+
+namespace elastic_emb::wire {
+namespace {
+
+static_assert(sizeof(float) == 4, "float32 payloads");
+
+[[noreturn]] void Malformed(const std::string& what) { throw InvalidArgument(what); }
+
+// Protobuf wire types.
+constexpr int kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5;
+
+// Reads one message's fields in order.
+class Reader {
+ public:
+  Reader(std::string_view bytes, const char* message)
+      : p_(reinterpret_cast<const uint8_t*>(bytes.data())),
+        end_(p_ + bytes.size()),
+        message_(message) {}
+
+  // The next field's number and wire type; false at the end.
+  bool Next(int& field, int& type) {
+    if (p_ >= end_) return false;
+    const uint64_t tag = Varint();
+    field = static_cast<int>(tag >> 3);
+    type = static_cast<int>(tag & 7);
+    if (field == 0) Malformed(std::string(message_) + " holds a field numbered 0");
+    return true;
+  }
+
+  uint64_t Varint() {
+    uint64_t value = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (p_ >= end_) Malformed(std::string(message_) + " ends inside a varint (truncated)");
+      const uint8_t b = *p_++;
+      value |= static_cast<uint64_t>(b & 0x7F) << shift;
+      if ((b & 0x80) == 0) return value;
+    }
+    Malformed(std::string(message_) + " holds a varint beyond 64 bits");
+  }
+
+  std::string_view Bytes() {
+    const uint64_t n = Varint();
+    if (n > static_cast<uint64_t>(end_ - p_)) {
+      Malformed(std::string(message_) + " holds a field longer than the message (truncated)");
+    }
+    std::string_view out(reinterpret_cast<const char*>(p_), static_cast<size_t>(n));
+    p_ += n;
+    return out;
+  }
+
+  // A field of `type` checked to be what `field` of the message must be.
+  void Expect(int field, int type, int expected) const {
+    if (type != expected) {
+      std::ostringstream os;
+      os << message_ << " field " << field << " has wire type " << type << ", not " << expected;
+      Malformed(os.str());
+    }
+  }
+
+  void Skip(int type) {
+    switch (type) {
+      case kVarint:
+        Varint();
+        return;
+      case kFixed64:
+        Advance(8);
+        return;
+      case kLengthDelimited:
+        Bytes();
+        return;
+      case kFixed32:
+        Advance(4);
+        return;
+      default:
+        Malformed(std::string(message_) + " holds a field of unknown wire type " +
+                  std::to_string(type));
+    }
+  }
+
+ private:
+  void Advance(size_t n) {
+    if (n > static_cast<size_t>(end_ - p_)) Malformed(std::string(message_) + " is truncated");
+    p_ += n;
+  }
+
+  const uint8_t* p_;
+  const uint8_t* end_;
+  const char* message_;
+};
+
+int64_t Int(Reader& r, int field, int type) {
+  r.Expect(field, type, kVarint);
+  return static_cast<int64_t>(r.Varint());
+}
+
+int32_t Int32(Reader& r, int field, int type) {
+  return static_cast<int32_t>(static_cast<uint32_t>(Int(r, field, type)));
+}
+
+std::string_view Bytes(Reader& r, int field, int type) {
+  r.Expect(field, type, kLengthDelimited);
+  return r.Bytes();
+}
+
+std::vector<int64_t> DecodeKeys(std::string_view raw, int32_t encoding, const std::string& table) {
+  const std::string what = "`keys of " + table + "`";
+  std::vector<int64_t> keys;
+  if (encoding == kKeysRaw) {
+    if (raw.size() % 8 != 0) {
+      Malformed(what + " has " + std::to_string(raw.size()) +
+                " bytes, not a whole number of int64 keys");
+    }
+    keys.resize(raw.size() / 8);
+    std::memcpy(keys.data(), raw.data(), raw.size());
+    return keys;
+  }
+  if (encoding != kKeysDeltaVarint) {
+    Malformed("Unknown key encoding " + std::to_string(encoding) + " of " + what);
+  }
+  std::string error;
+  if (!DecodeDeltaVarint(reinterpret_cast<const uint8_t*>(raw.data()), raw.size(), keys, error)) {
+    Malformed(what + " " + error);
+  }
+  return keys;
+}
+
+PulledTable ParsePulledTable(std::string_view bytes) {
+  Reader r(bytes, "TableKeys");
+  PulledTable t;
+  std::string_view keys, versions;
+  int32_t key_encoding = kKeysRaw;
+  int field, type;
+  while (r.Next(field, type)) {
+    switch (field) {
+      case 1:
+        t.name = std::string(Bytes(r, field, type));
+        break;
+      case 2:
+        keys = Bytes(r, field, type);
+        break;
+      case 3:
+        key_encoding = Int32(r, field, type);
+        break;
+      case 4:
+        versions = Bytes(r, field, type);
+        break;
+      default:
+        r.Skip(type);
+    }
+  }
+  t.keys = DecodeKeys(keys, key_encoding, t.name);
+  t.has_versions = !versions.empty();
+  if (t.has_versions) {
+    if (versions.size() != 4 * t.keys.size()) {
+      Malformed("`versions of " + t.name + "` holds " + std::to_string(versions.size()) +
+                " bytes; " + std::to_string(t.keys.size()) + " uint32 values expected");
+    }
+    t.versions.resize(t.keys.size());
+    std::memcpy(t.versions.data(), versions.data(), versions.size());
+  }
+  return t;
+}
+
+PushedTable ParsePushedTable(std::string_view bytes) {
+  Reader r(bytes, "TableGradients");
+  PushedTable t;
+  std::string_view keys;
+  int32_t key_encoding = kKeysRaw;
+  int field, type;
+  while (r.Next(field, type)) {
+    switch (field) {
+      case 1:
+        t.name = std::string(Bytes(r, field, type));
+        break;
+      case 2:
+        keys = Bytes(r, field, type);
+        break;
+      case 3:
+        t.gradient_bytes = Bytes(r, field, type);
+        break;
+      case 4:
+        t.gradient_exponent = Int32(r, field, type);
+        break;
+      case 5:
+        key_encoding = Int32(r, field, type);
+        break;
+      default:
+        r.Skip(type);
+    }
+  }
+  t.keys = DecodeKeys(keys, key_encoding, t.name);
+  return t;
+}
+
+void PutVarint(uint64_t v, std::string& out) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>((v & 0x7F) | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// The size of a length-delimited field of `n` bytes (0 when omitted: proto3 leaves
+// empty fields out).
+size_t FieldSize(size_t n) { return n == 0 ? 0 : 1 + VarintSize(n) + n; }
+
+void PutFieldHeader(int field, size_t n, std::string& out) {
+  out.push_back(static_cast<char>((field << 3) | kLengthDelimited));
+  PutVarint(n, out);
+}
+
+void PutBytesField(int field, const void* data, size_t n, std::string& out) {
+  if (n == 0) return;
+  PutFieldHeader(field, n, out);
+  out.append(static_cast<const char*>(data), n);
+}
+
+size_t FloatSize(int32_t enc) { return enc == kFloat32 ? 4 : 2; }
+
+void CheckEncoding(int32_t enc, const std::string& what) {
+  if (enc != kFloat32 && enc != kFloat16 && enc != kBfloat16) {
+    Malformed("Unknown encoding " + std::to_string(enc) + " of `" + what +
+              "`; known: ['bfloat16', 'float16', 'float32']");
+  }
+}
+
+const char* EncodingName(int32_t enc) {
+  return enc == kFloat32 ? "float32" : enc == kFloat16 ? "float16" : "bfloat16";
+}
+
+}  // namespace
+
+PullRequest ParsePullRequest(std::string_view bytes) {
+  Reader r(bytes, "PullRequest");
+  PullRequest request;
+  int field, type;
+  while (r.Next(field, type)) {
+    switch (field) {
+      case 1:
+        request.worker = Int32(r, field, type);
+        break;
+      case 2:
+        request.step = Int(r, field, type);
+        break;
+      case 3:
+        request.train = Int(r, field, type) != 0;
+        break;
+      case 4:
+        request.encoding = Int32(r, field, type);
+        break;
+      case 5:
+        request.timeout_ms = Int(r, field, type);
+        break;
+      case 6:
+        request.tables.push_back(ParsePulledTable(Bytes(r, field, type)));
+        break;
+      case 15:
+        request.range = Int32(r, field, type);
+        break;
+      default:
+        r.Skip(type);
+    }
+  }
+  return request;
+}
+
+PushRequest ParsePushRequest(std::string_view bytes) {
+  Reader r(bytes, "PushRequest");
+  PushRequest request;
+  int field, type;
+  while (r.Next(field, type)) {
+    switch (field) {
+      case 1:
+        request.worker = Int32(r, field, type);
+        break;
+      case 2:
+        request.step = Int(r, field, type);
+        break;
+      case 3:
+        request.encoding = Int32(r, field, type);
+        break;
+      case 4:
+        request.tables.push_back(ParsePushedTable(Bytes(r, field, type)));
+        break;
+      case 15:
+        request.range = Int32(r, field, type);
+        break;
+      default:
+        r.Skip(type);
+    }
+  }
+  return request;
+}
+
+std::vector<std::string_view> ParseParts(std::string_view bytes) {
+  Reader r(bytes, "ranges request");
+  std::vector<std::string_view> parts;
+  int field, type;
+  while (r.Next(field, type)) {
+    if (field == 1) {
+      parts.push_back(Bytes(r, field, type));
+    } else {
+      r.Skip(type);
+    }
+  }
+  return parts;
+}
+
+std::string JoinParts(const std::vector<std::string_view>& parts) {
+  size_t size = 0;
+  for (const auto& p : parts) size += 1 + VarintSize(p.size()) + p.size();
+  std::string out;
+  out.reserve(size);
+  for (const auto& p : parts) {
+    PutFieldHeader(1, p.size(), out);  // an empty part still counts: one element each
+    out.append(p.data(), p.size());
+  }
+  return out;
+}
+
+void DecodeFloats(std::string_view bytes, int32_t enc, int64_t n, float* out, const char* what,
+                  const std::string& table) {
+  const std::string name = std::string(what) + " of " + table;
+  CheckEncoding(enc, name);
+  const size_t need = static_cast<size_t>(n) * FloatSize(enc);
+  if (bytes.size() != need) {
+    Malformed("`" + name + "` has " + std::to_string(bytes.size()) + " bytes; " +
+              std::to_string(n) + " values in " + EncodingName(enc) + " need " +
+              std::to_string(need));
+  }
+  if (enc == kFloat32) {
+    std::memcpy(out, bytes.data(), need);
+    return;
+  }
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  for (int64_t i = 0; i < n; ++i) {
+    const auto bits = static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
+    out[i] = enc == kFloat16 ? HalfToFloat(bits) : Bfloat16ToFloat(bits);
+  }
+}
+
+void EncodeFloats(const float* values, int64_t n, int32_t enc, std::string& out) {
+  const size_t start = out.size();
+  out.resize(start + static_cast<size_t>(n) * FloatSize(enc));
+  char* p = out.data() + start;
+  if (enc == kFloat32) {
+    std::memcpy(p, values, static_cast<size_t>(n) * 4);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t bits = enc == kFloat16 ? FloatToHalf(values[i]) : FloatToBfloat16(values[i]);
+    p[2 * i] = static_cast<char>(bits & 0xFF);
+    p[2 * i + 1] = static_cast<char>(bits >> 8);
+  }
+}
+
+void DecodeGradients(PushRequest& request, const std::vector<int>& dims) {
+  EE_CHECK(dims.size() == request.tables.size(),
+           dims.size() << " dims for a push of " << request.tables.size() << " tables");
+  for (size_t i = 0; i < request.tables.size(); ++i) {
+    PushedTable& t = request.tables[i];
+    for (size_t j = 0; j < i; ++j) {
+      if (request.tables[j].name == t.name) {
+        Malformed("Table '" + t.name + "' appears twice in one push");
+      }
+    }
+    const int64_t n = static_cast<int64_t>(t.keys.size()) * dims[i];
+    t.gradients.resize(static_cast<size_t>(n));
+    const std::string name = "gradients of " + t.name;
+    CheckEncoding(request.encoding, name);
+    const size_t need = static_cast<size_t>(n) * FloatSize(request.encoding);
+    if (t.gradient_bytes.size() != need) {
+      Malformed("`" + name + "` has " + std::to_string(t.gradient_bytes.size()) + " bytes; " +
+                std::to_string(t.keys.size()) + " rows of dim " + std::to_string(dims[i]) + " in " +
+                EncodingName(request.encoding) + " need " + std::to_string(need));
+    }
+    DecodeFloats(t.gradient_bytes, request.encoding, n, t.gradients.data(), "gradients", t.name);
+    if (t.gradient_exponent > kMaxGradientExponent || t.gradient_exponent < -kMaxGradientExponent) {
+      Malformed("gradient_exponent " + std::to_string(t.gradient_exponent) + " of '" + t.name +
+                "' is absurd");
+    }
+    if (t.gradient_exponent != 0) {
+      for (float& g : t.gradients) g = std::ldexp(g, -t.gradient_exponent);
+    }
+  }
+}
+
+std::string NonfiniteProblem(const std::vector<int64_t>& keys, const std::vector<float>& grads,
+                             int dim) {
+  if (grads.empty()) return "";
+  bool all_finite = true;
+  float largest = 0.0f;
+  for (float g : grads) {
+    if (!std::isfinite(g)) {
+      all_finite = false;
+      break;
+    }
+    largest = std::max(largest, std::fabs(g));
+  }
+  std::ostringstream os;
+  if (all_finite) {
+    const double rows = static_cast<double>(keys.size());
+    const double bound = static_cast<double>(largest) * rows *
+                         std::exp(std::min(rows * std::ldexp(1.0, -24), 700.0));
+    if (bound < static_cast<double>(std::numeric_limits<float>::max())) return "";
+    std::vector<int64_t> unique;
+    std::vector<float> sums;
+    SumByKey(static_cast<int64_t>(keys.size()), keys.data(), grads.data(), dim, unique, sums);
+    int64_t overflowing = 0;
+    for (size_t u = 0; u < unique.size(); ++u) {
+      const float* s = sums.data() + u * static_cast<size_t>(dim);
+      overflowing += std::any_of(s, s + dim, [](float x) { return !std::isfinite(x); });
+    }
+    if (overflowing == 0) return "";
+    os << "the gradients of " << overflowing << " of " << unique.size()
+       << " keys sum to values beyond float32's range (Inf)";
+  } else {
+    const auto bad =
+        std::count_if(grads.begin(), grads.end(), [](float x) { return !std::isfinite(x); });
+    os << bad << " of " << grads.size() << " gradient values are not finite (NaN or Inf)";
+  }
+  return os.str();
+}
+
+bool KeysOutside(const std::vector<int64_t>& keys, int64_t num_slots, int64_t begin, int64_t end) {
+  return std::any_of(keys.begin(), keys.end(), [&](int64_t k) {
+    const int64_t slot = VirtualSlot(k, num_slots);
+    return slot < begin || slot >= end;
+  });
+}
+
+std::string AnswerPull(const PullRequest& request, const std::vector<RowSource>& sources) {
+  EE_CHECK(sources.size() == request.tables.size(),
+           sources.size() << " row sources for a pull of " << request.tables.size() << " tables");
+  CheckEncoding(request.encoding, "values");
+  const size_t item = FloatSize(request.encoding);
+  std::string out;
+  if (request.encoding != kFloat32) {
+    out.push_back(static_cast<char>(1 << 3 | kVarint));
+    PutVarint(static_cast<uint64_t>(request.encoding), out);
+  }
+  std::vector<float> rows;
+  std::vector<uint32_t> now;
+  std::vector<int64_t> last_step, update_count;
+  std::vector<uint8_t> same;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const PulledTable& t = request.tables[i];
+    const RowSource& source = sources[i];
+    const auto n = static_cast<int64_t>(t.keys.size());
+    const int dim = source.table != nullptr ? source.table->dim() : source.dim;
+    const size_t width = static_cast<size_t>(dim);
+    // Versions before rows (elastic_emb.ps.server.shard.Shard.pull says why).
+    const uint32_t* versions = source.versions;
+    if (t.has_versions && source.table != nullptr) {
+      last_step.resize(static_cast<size_t>(n));
+      update_count.resize(static_cast<size_t>(n));
+      source.table->Metadata(n, t.keys.data(), last_step.data(), update_count.data());
+      now.resize(static_cast<size_t>(n));
+      for (int64_t k = 0; k < n; ++k) {
+        now[k] = update_count[k] > 0 ? static_cast<uint32_t>(last_step[k]) : 0;
+      }
+      versions = now.data();
+    }
+    const float* values = source.rows;
+    if (source.table != nullptr) {
+      rows.resize(static_cast<size_t>(n) * width);
+      source.table->Pull(n, t.keys.data(), rows.data(), request.train);
+      values = rows.data();
+    }
+    const bool cached = t.has_versions && versions != nullptr;
+    int64_t changed = n;
+    if (cached) {
+      same.assign(static_cast<size_t>(n), 0);
+      for (int64_t k = 0; k < n; ++k) {
+        same[k] = versions[k] == t.versions[k] && versions[k] != 0;
+        changed -= same[k];
+      }
+    }
+    const size_t value_bytes = static_cast<size_t>(changed) * width * item;
+    const size_t version_bytes = cached ? 4 * static_cast<size_t>(changed) : 0;
+    const size_t bit_bytes = cached ? static_cast<size_t>((n + 7) / 8) : 0;
+    PutFieldHeader(2,
+                   FieldSize(t.name.size()) + FieldSize(value_bytes) + FieldSize(version_bytes) +
+                       FieldSize(bit_bytes),
+                   out);
+    PutBytesField(1, t.name.data(), t.name.size(), out);
+    if (!cached) {
+      if (value_bytes != 0) {
+        PutFieldHeader(2, value_bytes, out);
+        EncodeFloats(values, n * dim, request.encoding, out);
+      }
+      continue;
+    }
+    if (value_bytes != 0) {
+      PutFieldHeader(2, value_bytes, out);
+      for (int64_t k = 0; k < n; ++k) {
+        if (!same[k]) EncodeFloats(values + k * dim, dim, request.encoding, out);
+      }
+    }
+    if (version_bytes != 0) {
+      PutFieldHeader(3, version_bytes, out);
+      for (int64_t k = 0; k < n; ++k) {
+        if (!same[k]) out.append(reinterpret_cast<const char*>(&versions[k]), 4);
+      }
+    }
+    if (bit_bytes != 0) {  // numpy.packbits: the first of 8 flags in the high bit
+      PutFieldHeader(4, bit_bytes, out);
+      for (int64_t b = 0; b < n; b += 8) {
+        uint8_t byte = 0;
+        for (int64_t k = b; k < std::min(n, b + 8); ++k) byte |= same[k] << (7 - (k - b));
+        out.push_back(static_cast<char>(byte));
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace elastic_emb::wire

@@ -1,0 +1,107 @@
+// The parameter server's hot messages (protos/elastic_emb/ps/v1/ps.proto:
+// PullRequest, PushRequest, PullResponse and the *Ranges wrappers), read and
+// written here in the protobuf wire format, so that a shard handles a request
+// in one C++ call: decode every table's keys and gradients, gather or apply,
+// encode the response. Only these messages' fields are known; unknown fields
+// are skipped, as protobuf does. The other messages stay in Python.
+//
+// Malformed input (a truncated field, a length beyond the message, a payload
+// of the wrong size) throws InvalidArgument naming the field; nothing of a
+// request is applied before all of it is read and checked.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace elastic_emb {
+
+class Table;
+
+namespace wire {
+
+// ps.proto's Encoding of float payloads.
+enum FloatEncoding : int32_t { kFloat32 = 0, kFloat16 = 1, kBfloat16 = 2 };
+// ps.proto's KeyEncoding.
+enum KeyEncoding : int32_t { kKeysRaw = 0, kKeysDeltaVarint = 1 };
+
+// Gradients scaled beyond 2^+-200 are not a float16 range fix but a bad request.
+constexpr int32_t kMaxGradientExponent = 200;
+
+// One table's part of a Pull.
+struct PulledTable {
+  std::string name;
+  std::vector<int64_t> keys;
+  bool has_versions = false;       // the worker caches rows: `versions` holds one per key
+  std::vector<uint32_t> versions;  // the version of the row the worker holds (0: none)
+};
+
+struct PullRequest {
+  int32_t worker = 0;
+  int64_t step = 0;
+  bool train = false;
+  int32_t encoding = kFloat32;
+  int64_t timeout_ms = 0;
+  int32_t range = 0;
+  std::vector<PulledTable> tables;
+};
+
+// One table's part of a Push. `gradients` is empty until DecodeGradients.
+struct PushedTable {
+  std::string name;
+  std::vector<int64_t> keys;
+  std::string_view gradient_bytes;  // into the request's bytes
+  int32_t gradient_exponent = 0;
+  std::vector<float> gradients;  // (keys.size(), dim), float32, unscaled
+};
+
+struct PushRequest {
+  int32_t worker = 0;
+  int64_t step = 0;
+  int32_t encoding = kFloat32;
+  int32_t range = 0;
+  std::vector<PushedTable> tables;
+};
+
+// Parsers. `bytes` must outlive a PushRequest (gradient_bytes points into it).
+PullRequest ParsePullRequest(std::string_view bytes);
+PushRequest ParsePushRequest(std::string_view bytes);
+// The parts (field 1, length-delimited) of a PullRangesRequest or PushRangesRequest.
+std::vector<std::string_view> ParseParts(std::string_view bytes);
+// The parts' messages wrapped as a PullRangesResponse or PushRangesResponse.
+std::string JoinParts(const std::vector<std::string_view>& parts);
+
+// Decodes every table's gradients, table i of width dims[i]; refuses a table
+// named twice, a payload of the wrong size, an unknown encoding, an absurd
+// exponent.
+void DecodeGradients(PushRequest& request, const std::vector<int>& dims);
+
+// Why a push of these gradients must not be applied ("" when it may): a
+// value that is not finite, or equal keys whose float32 sum in order is not
+// (the same test and text as elastic_emb.tables.table.check_finite_gradients).
+std::string NonfiniteProblem(const std::vector<int64_t>& keys, const std::vector<float>& grads,
+                             int dim);
+
+// Whether any key's virtual slot (VirtualSlot, num_slots) is outside [begin, end).
+bool KeysOutside(const std::vector<int64_t>& keys, int64_t num_slots, int64_t begin, int64_t end);
+
+// What answers one table of a Pull: its table (rows gathered now, versions
+// read first when the worker caches), or rows and versions gathered already.
+struct RowSource {
+  Table* table = nullptr;
+  const float* rows = nullptr;         // (n, dim), when table is null
+  const uint32_t* versions = nullptr;  // (n,), when table is null and the worker caches
+  int dim = 0;
+};
+
+// The PullResponse answering `request`, table i from sources[i].
+std::string AnswerPull(const PullRequest& request, const std::vector<RowSource>& sources);
+
+// Float payloads: float32 `(n)` values in encoding `enc`, and back.
+void EncodeFloats(const float* values, int64_t n, int32_t enc, std::string& out);
+void DecodeFloats(std::string_view bytes, int32_t enc, int64_t n, float* out, const char* what,
+                  const std::string& table);
+
+}  // namespace wire
+}  // namespace elastic_emb
