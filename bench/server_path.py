@@ -122,9 +122,10 @@ def in_process(tables: list[Any], batches: list[list[np.ndarray]]) -> float:
     """CPU seconds of the same pulls and pushes on in-process C++ tables."""
     grads = [np.full((len(k), DIM), 1e-3, np.float32) for k in batches[0]]
     start = time.process_time()
-    for step, keys in enumerate(batches, 1):
-        for table, k, g in zip(tables, keys, grads, strict=True):
+    for step, keys in enumerate(batches, 1):  # as the server: every table's pull, then push
+        for table, k in zip(tables, keys, strict=True):
             table.pull(k, True)
+        for table, k, g in zip(tables, keys, grads, strict=True):
             table.push(k, g, 0.05, step)
     return time.process_time() - start
 
