@@ -15,6 +15,8 @@ import elastic_emb as ee
 from elastic_emb.keras import models as ee_models
 from elastic_emb.keras import patches as keras_patches
 from elastic_emb.keras.patches import keras_version
+from elastic_emb.ps.wire import protocol
+from elastic_emb.tables.local import _LocalStep
 
 VOCAB, DIM = 30, 4
 
@@ -93,8 +95,30 @@ def _train_two_features(embedding: keras.layers.Layer, subclassed: bool = False)
     return model
 
 
+def _count_lookups(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[list[str]]]:
+    """Records the keys of each in-process table lookup and the tables of each Pull."""
+    local_keys: list[int] = []
+    pulled: list[list[str]] = []
+    local_lookup, pull_request = _LocalStep.lookup, protocol.pull_request
+
+    def lookup(self, keys, *args):
+        local_keys.append(len(keys))
+        return local_lookup(self, keys, *args)
+
+    def request(*args, **kwargs):
+        message = pull_request(*args, **kwargs)
+        pulled.append([t.table for t in message.tables])
+        return message
+
+    monkeypatch.setattr(_LocalStep, "lookup", lookup)
+    monkeypatch.setattr(protocol, "pull_request", request)
+    return local_keys, pulled
+
+
 @pytest.mark.parametrize("subclassed", [False, True])
-def test_a_layer_called_twice_pushes_once_a_step_like_stock_keras_and_remote_tables(subclassed):
+def test_a_layer_called_twice_pushes_once_a_step_like_stock_keras_and_remote_tables(
+    subclassed, monkeypatch
+):
     # Adagrad applied once to the sum of both calls' gradients is not the same as
     # applied twice: the comparison can fail.
     def ours(name: str) -> ee.Embedding:
@@ -102,9 +126,12 @@ def test_a_layer_called_twice_pushes_once_a_step_like_stock_keras_and_remote_tab
             DIM, optimizer=ee.optimizers.Adagrad(0.1), weights=[_initial_rows()], name=name
         )
 
+    local_keys, pulled = _count_lookups(monkeypatch)
     local_layer = ours(f"twice_local_{subclassed}")
     _train_two_features(local_layer, subclassed)
     assert local_layer.table.iterations == 6  # 3 steps a epoch, one push each
+    if not subclassed:  # a Functional model: both calls' ids in one lookup of 16 x 3 x 2
+        assert set(local_keys) == {96}
     keys, rows = local_layer.table.export_rows()
 
     # Stock Keras: one table variable, its gradient for the step summed over both calls
@@ -143,6 +170,8 @@ def test_a_layer_called_twice_pushes_once_a_step_like_stock_keras_and_remote_tab
             remote_keys, remote_rows = remote_layer.table.export_rows()
         finally:
             ee.shutdown()
+    # Both calls' distinct ids in one entry of one Pull per shard.
+    assert pulled and all(tables == [remote_layer.table.name] for tables in pulled)
     np.testing.assert_array_equal(np.sort(remote_keys), np.sort(keys))
     np.testing.assert_array_equal(remote_rows[np.argsort(remote_keys)], rows[order])
 

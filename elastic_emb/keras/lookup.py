@@ -131,10 +131,24 @@ def _pull(requests: list[_Request], ids: list[tf.Tensor], trigger: tf.Tensor) ->
         ]
         return np.array(tickets, np.int64)
 
+    # The local lookups of one table (a table shared by several features or layers) in one
+    # call: [(positions in `local`, its request)].
+    by_table: dict[tuple[int, bool], list[int]] = {}
+    for n, i in enumerate(local):
+        by_table.setdefault((id(requests[i].fusion), requests[i].insert), []).append(n)
+
     def lookup(*arrays: np.ndarray) -> list[np.ndarray]:
         out: list[np.ndarray] = [np.empty(0)] * len(requests)
-        for i, k in zip(local, arrays[: len(local)], strict=True):
-            out[i] = requests[i].fusion.lookup(k, requests[i].insert, requests[i].expects_push)
+        for lookups in by_table.values():
+            first = requests[local[lookups[0]]]
+            push = any(requests[local[n]].expects_push for n in lookups)
+            keys = [arrays[n] for n in lookups]
+            rows = first.fusion.lookup(
+                keys[0] if len(keys) == 1 else np.concatenate(keys), first.insert, push
+            )
+            ends = np.cumsum([len(k) for k in keys])
+            for n, part in zip(lookups, np.split(rows, ends[:-1]), strict=True):
+                out[local[n]] = part
         if remote:
             for i, ticket in zip(remote, arrays[len(local)], strict=True):
                 out[i] = requests[i].fusion.collect(int(ticket))

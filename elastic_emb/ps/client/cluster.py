@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from elastic_emb._proto import ps_pb2
-from elastic_emb.ps.client.fused_pull import FusedPull, Tables
+from elastic_emb.ps.client.fused_pull import FusedPull, Tables, one_entry_per_table
 from elastic_emb.ps.client.push_queue import PushQueue, StepGradients
 from elastic_emb.ps.client.range_router import RangeRouter
 from elastic_emb.ps.client.read_ahead import ReadAhead
@@ -340,7 +340,7 @@ class Cluster:
         the rows are the same. `ee.lookahead` calls this from the input
         pipeline. Ignored with `read_from_backups` (backups may lag).
         """
-        self._read_ahead.announce(tables)
+        self._read_ahead.announce(one_entry_per_table(tables)[0])  # as the step pulls them
 
     def push_gradient(self, table: str, dim: int, keys: np.ndarray, grads: np.ndarray) -> None:
         """A layer's gradient; the step is pushed when all layers that pulled have pushed."""

@@ -10,16 +10,43 @@ from typing import Any
 
 import numpy as np
 
+from elastic_emb import _core
 from elastic_emb.ps.client.range_router import RangeRouter
 from elastic_emb.ps.client.round_timings import RoundTimings
 from elastic_emb.ps.client.row_cache import RowCache
 from elastic_emb.ps.wire import protocol
 from elastic_emb.tables.sharding import RangeLayout
 
-__all__ = ["FusedPull", "Tables"]
+__all__ = ["FusedPull", "Tables", "one_entry_per_table"]
 
 # [(table, dim, keys)]: the tables of one pull, in submission order.
 Tables = list[tuple[str, int, np.ndarray]]
+
+
+def one_entry_per_table(tables: Tables) -> tuple[Tables, list[tuple[int, np.ndarray | None]]]:
+    """`tables` with the lookups of one table (several features or layers) merged into one
+    entry of their distinct keys, and for each lookup where its rows are: (the entry, the
+    positions of its keys among the entry's rows, or None when it has the entry alone)."""
+    entries: dict[str, list[int]] = {}
+    for i, (name, _, _) in enumerate(tables):
+        entries.setdefault(name, []).append(i)
+    if len(entries) == len(tables):
+        return tables, [(i, None) for i in range(len(tables))]
+    merged: Tables = []
+    picks: list[tuple[int, np.ndarray | None]] = [(0, None)] * len(tables)
+    for name, lookups in entries.items():
+        dim = tables[lookups[0]][1]
+        if len(lookups) == 1:
+            picks[lookups[0]] = (len(merged), None)
+            merged.append(tables[lookups[0]])
+            continue
+        keys = [tables[i][2] for i in lookups]
+        distinct, positions = _core.unique_keys(np.concatenate(keys))
+        ends = np.cumsum([len(k) for k in keys])
+        for i, part in zip(lookups, np.split(positions, ends[:-1]), strict=True):
+            picks[i] = (len(merged), part)
+        merged.append((name, dim, distinct))
+    return merged, picks
 
 
 class FusedPull:

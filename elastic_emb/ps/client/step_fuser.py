@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from elastic_emb.ps.client.fused_pull import FusedPull, Tables
+from elastic_emb.ps.client.fused_pull import FusedPull, Tables, one_entry_per_table
 from elastic_emb.ps.client.push_queue import PushQueue, StepGradients
 from elastic_emb.ps.client.read_ahead import ReadAhead
 
@@ -30,7 +30,8 @@ class _Ticket:
     insert: bool
     expects_push: bool
     future: concurrent.futures.Future[list[np.ndarray]] | None = None  # set once pulled
-    index: int = 0  # this ticket's rows in the future's list
+    index: int = 0  # the entry of this ticket's table in the future's list
+    positions: np.ndarray | None = None  # its keys' rows in the entry (None: all, in order)
 
     def pulled(self) -> concurrent.futures.Future[list[np.ndarray]]:
         """The rows of this ticket's pull (raises RuntimeError if it never started)."""
@@ -133,16 +134,19 @@ class StepFuser:
                     t.future = concurrent.futures.Future()
         if batch:
             self._pull_batch(batch)
-        return ticket.pulled().result()[ticket.index]
+        rows = ticket.pulled().result()[ticket.index]
+        return rows if ticket.positions is None else rows.take(ticket.positions, axis=0)
 
     def _pull_batch(self, batch: list[_Ticket]) -> None:
+        """One pull for the tickets of a step (per `insert`): one entry per table, of the
+        distinct keys of all its tickets (a table shared by several features or layers)."""
         for insert in (True, False):
             group = [t for t in batch if t.insert == insert]
             if not group:
                 continue
-            for i, t in enumerate(group):
-                t.index = i
-            tables = [(t.table, t.dim, t.keys) for t in group]
+            tables, picks = one_entry_per_table([(t.table, t.dim, t.keys) for t in group])
+            for t, (index, positions) in zip(group, picks, strict=True):
+                t.index, t.positions = index, positions
             try:
                 rows = self._rows_read_ahead(tables) if insert else None
                 if rows is None:
