@@ -3,8 +3,11 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "batch_keys.h"
@@ -233,9 +236,196 @@ void BindCommon(py::class_<Message>& cls) {
       .def("ByteSize", [](const Message& m) { return py::len(m.raw()); });
 }
 
+// The starts of the ranges, checked as SplitBySlotRange needs them.
+std::vector<int64_t> RangeStarts(const py::array& starts_in, int64_t num_slots) {
+  auto starts = CheckArray<int64_t>(starts_in, "starts", {-1});
+  const py::ssize_t ranges = starts.shape(0);
+  EE_CHECK(num_slots > 0, "`num_slots` must be positive, got " << num_slots);
+  EE_CHECK(ranges > 0 && starts.data()[0] == 0, "`starts` must begin with slot 0");
+  for (py::ssize_t r = 1; r < ranges; ++r) {
+    EE_CHECK(starts.data()[r - 1] <= starts.data()[r] && starts.data()[r] <= num_slots,
+             "`starts` must ascend within [0, num_slots]");
+  }
+  return {starts.data(), starts.data() + ranges};
+}
+
+// A worker's tables of one request: names, keys (kept alive), widths.
+struct Outgoing {
+  std::vector<wire::OutgoingTable> tables;
+  std::vector<py::object> kept;
+  std::vector<std::pair<const int64_t*, int64_t>> keys;
+
+  Outgoing(const std::vector<std::string>& names, const py::list& keys_in,
+           const std::vector<int>& dims) {
+    EE_CHECK(keys_in.size() == names.size() && dims.size() == names.size(),
+             "a name, keys and a dim per table: got " << names.size() << ", " << keys_in.size()
+                                                      << " and " << dims.size());
+    tables.resize(names.size());
+    for (size_t t = 0; t < names.size(); ++t) {
+      auto k = CheckArray<int64_t>(keys_in[t], "keys", {-1});
+      EE_CHECK(dims[t] > 0, "`dim` of '" << names[t] << "' must be positive, got " << dims[t]);
+      tables[t].name = names[t];
+      tables[t].keys = k.data();
+      tables[t].dim = dims[t];
+      keys.emplace_back(k.data(), k.shape(0));
+      kept.push_back(k);
+    }
+  }
+};
+
+// A worker's Pull of many tables: split by slot range, one request per range, the answers
+// decoded into each table's rows.
+class PullPlan {
+ public:
+  PullPlan(const std::vector<std::string>& names, const py::list& keys,
+           const std::vector<int>& dims, const py::array& starts, int64_t num_slots)
+      : outgoing_(names, keys, dims) {
+    const std::vector<int64_t> s = RangeStarts(starts, num_slots);
+    py::gil_scoped_release release;
+    split_ = std::make_unique<wire::RangeSplit>(outgoing_.keys, s, num_slots);
+  }
+
+  // Each range's PullRequest (None: no keys there); `held`: per table the versions of the
+  // rows the worker caches, or None (no cache).
+  py::list Requests(int32_t worker, int64_t step, bool train, int32_t encoding, int64_t timeout_ms,
+                    const py::object& held) {
+    cached_ = !held.is_none();
+    std::vector<py::object> kept;
+    if (cached_) {
+      auto lists = held.cast<py::list>();
+      EE_CHECK(lists.size() == outgoing_.tables.size(), "`held` needs one array per table");
+      for (size_t t = 0; t < lists.size(); ++t) {
+        auto v = CheckArray<uint32_t>(lists[t], "held", {outgoing_.keys[t].second});
+        outgoing_.tables[t].held = v.data();
+        kept.push_back(v);
+      }
+    }
+    std::vector<std::string> requests(static_cast<size_t>(split_->num_ranges()));
+    {
+      py::gil_scoped_release release;
+      for (int64_t r = 0; r < split_->num_ranges(); ++r) {
+        requests[r] = wire::EncodePull(worker, step, train, encoding, timeout_ms, outgoing_.tables,
+                                       *split_, r);
+      }
+    }
+    for (auto& t : outgoing_.tables) t.held = nullptr;
+    py::list out;
+    for (const auto& request : requests) {
+      if (request.empty()) {
+        out.append(py::none());
+      } else {
+        out.append(py::bytes(request));
+      }
+    }
+    return out;
+  }
+
+  // Per table (rows, versions, unchanged) from each range's PullResponse (None where no
+  // request went); without a cache versions are 0 and no row is unchanged.
+  py::tuple Rows(const py::list& responses) const {
+    const auto ranges = static_cast<size_t>(split_->num_ranges());
+    EE_CHECK(responses.size() == ranges, responses.size()
+                                             << " answers for " << ranges << " ranges");
+    std::vector<std::string_view> views(ranges);
+    std::vector<bool> answered(ranges);
+    for (size_t r = 0; r < ranges; ++r) {
+      answered[r] = !responses[r].is_none();
+      if (answered[r]) views[r] = View(responses[r].cast<py::bytes>());
+    }
+    const size_t n_tables = outgoing_.tables.size();
+    std::vector<py::array_t<float>> rows;
+    std::vector<py::array_t<uint32_t>> versions;
+    std::vector<py::array_t<bool>> unchanged;
+    std::vector<wire::IncomingTable> into(n_tables);
+    for (size_t t = 0; t < n_tables; ++t) {
+      const py::ssize_t n = outgoing_.keys[t].second;
+      rows.emplace_back(std::vector<py::ssize_t>{n, outgoing_.tables[t].dim});
+      versions.emplace_back(n);
+      unchanged.emplace_back(n);
+      into[t].rows = rows.back().mutable_data();
+      std::fill_n(versions.back().mutable_data(), n, 0);
+      std::fill_n(unchanged.back().mutable_data(), n, false);
+      if (cached_) {
+        into[t].versions = versions.back().mutable_data();
+        into[t].unchanged = reinterpret_cast<uint8_t*>(unchanged.back().mutable_data());
+      }
+    }
+    {
+      py::gil_scoped_release release;
+      for (size_t r = 0; r < ranges; ++r) {
+        bool asked = false;
+        for (size_t t = 0; t < n_tables && !asked; ++t) {
+          int64_t n;
+          split_->positions(t, static_cast<int64_t>(r), n);
+          asked = n > 0;
+        }
+        if (!asked) continue;
+        if (!answered[r]) {
+          throw InvalidArgument("range " + std::to_string(r) + " was asked but not answered");
+        }
+        wire::DecodePull(views[r], outgoing_.tables, *split_, static_cast<int64_t>(r), into);
+      }
+    }
+    return py::make_tuple(py::cast(rows), py::cast(versions), py::cast(unchanged));
+  }
+
+ private:
+  Outgoing outgoing_;
+  std::unique_ptr<wire::RangeSplit> split_;
+  bool cached_ = false;
+};
+
 }  // namespace
 
 void BindRequests(py::module_& m) {
+  py::class_<PullPlan>(m, "PullPlan",
+                       "A worker's Pull of many tables, split by slot range: `requests`, then "
+                       "`rows` of the answers.")
+      .def(py::init<const std::vector<std::string>&, const py::list&, const std::vector<int>&,
+                    const py::array&, int64_t>(),
+           py::arg("names"), py::arg("keys"), py::arg("dims"), py::arg("starts"),
+           py::arg("num_slots"))
+      .def("requests", &PullPlan::Requests, py::arg("worker"), py::arg("step"), py::arg("train"),
+           py::arg("encoding"), py::arg("timeout_ms"), py::arg("held"),
+           "Each range's PullRequest bytes without `range` (None: no keys there).")
+      .def("rows", &PullPlan::Rows, py::arg("responses"),
+           "Per table (rows, versions, unchanged) from each range's PullResponse bytes.");
+  m.def(
+      "push_requests",
+      [](const std::vector<std::string>& names, const py::list& keys, const py::list& grads,
+         const py::array& starts_in, int64_t num_slots, int32_t worker, int64_t step,
+         int32_t encoding) {
+        std::vector<int> dims;
+        std::vector<py::array_t<float>> gradients;
+        EE_CHECK(grads.size() == names.size(),
+                 "gradients for each of " << names.size() << " tables expected");
+        for (size_t t = 0; t < names.size(); ++t) {
+          const auto n = py::len(keys[t]);
+          gradients.push_back(
+              CheckArray<float>(grads[t], "grads", {static_cast<py::ssize_t>(n), -1}));
+          dims.push_back(static_cast<int>(gradients.back().shape(1)));
+        }
+        Outgoing outgoing(names, keys, dims);
+        for (size_t t = 0; t < names.size(); ++t)
+          outgoing.tables[t].gradients = gradients[t].data();
+        const std::vector<int64_t> s = RangeStarts(starts_in, num_slots);
+        std::vector<std::string> requests(s.size());
+        {
+          py::gil_scoped_release release;
+          const wire::RangeSplit split(outgoing.keys, s, num_slots);
+          for (size_t r = 0; r < s.size(); ++r) {
+            requests[r] = wire::EncodePush(worker, step, encoding, outgoing.tables, split,
+                                           static_cast<int64_t>(r));
+          }
+        }
+        py::list out;
+        for (const auto& request : requests) out.append(py::bytes(request));
+        return out;
+      },
+      py::arg("names"), py::arg("keys"), py::arg("grads"), py::arg("starts"), py::arg("num_slots"),
+      py::arg("worker"), py::arg("step"), py::arg("encoding"),
+      "Each range's PushRequest bytes without `range`: every table, its keys in the range "
+      "and their float32 (n, dim) gradients in `encoding`.");
   py::class_<PullMessage> pull(m, "PullMessage",
                                "A PullRequest's bytes, parsed; answered by `answer`.");
   pull.def(py::init<py::bytes>(), py::arg("raw"))

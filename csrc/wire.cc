@@ -537,4 +537,225 @@ std::string AnswerPull(const PullRequest& request, const std::vector<RowSource>&
   return out;
 }
 
+// The worker's side.
+
+RangeSplit::RangeSplit(const std::vector<std::pair<const int64_t*, int64_t>>& keys,
+                       const std::vector<int64_t>& starts, int64_t num_slots)
+    : num_ranges_(static_cast<int64_t>(starts.size())), order_(keys.size()), bounds_(keys.size()) {
+  for (size_t t = 0; t < keys.size(); ++t) {
+    order_[t].resize(static_cast<size_t>(keys[t].second));
+    bounds_[t].resize(starts.size() + 1);
+    SplitBySlotRange(keys[t].second, keys[t].first, num_ranges_, starts.data(), num_slots,
+                     order_[t].data(), bounds_[t].data());
+  }
+}
+
+namespace {
+
+void PutVarintField(int field, int64_t value, std::string& out) {
+  if (value == 0) return;  // proto3 leaves defaults out
+  out.push_back(static_cast<char>((field << 3) | kVarint));
+  PutVarint(static_cast<uint64_t>(value), out);  // a negative int32 as 10 bytes, as protobuf
+}
+
+// A table's keys in range r, in split order, as a TableKeys/TableGradients `keys` field
+// would carry them: delta + varint unless raw is smaller (wire.encode_keys_compact).
+int32_t EncodeKeysCompact(const OutgoingTable& t, const int64_t* at, int64_t n,
+                          std::vector<int64_t>& keys, std::string& out) {
+  keys.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) keys[i] = t.keys[at[i]];
+  out.clear();
+  EncodeDeltaVarint(n, keys.data(), out);
+  if (out.size() <= 8 * static_cast<size_t>(n)) return kKeysDeltaVarint;
+  out.assign(reinterpret_cast<const char*>(keys.data()), 8 * static_cast<size_t>(n));
+  return kKeysRaw;
+}
+
+}  // namespace
+
+std::string EncodePull(int32_t worker, int64_t step, bool train, int32_t encoding,
+                       int64_t timeout_ms, const std::vector<OutgoingTable>& tables,
+                       const RangeSplit& split, int64_t r) {
+  std::string out, keys_bytes, entry;
+  std::vector<int64_t> keys;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    int64_t n;
+    const int64_t* at = split.positions(t, r, n);
+    if (n == 0) continue;
+    const OutgoingTable& table = tables[t];
+    const int32_t key_encoding = EncodeKeysCompact(table, at, n, keys, keys_bytes);
+    entry.clear();
+    PutBytesField(1, table.name.data(), table.name.size(), entry);
+    PutBytesField(2, keys_bytes.data(), keys_bytes.size(), entry);
+    PutVarintField(3, key_encoding, entry);
+    if (table.held != nullptr) {
+      PutFieldHeader(4, 4 * static_cast<size_t>(n), entry);
+      for (int64_t i = 0; i < n; ++i) {
+        entry.append(reinterpret_cast<const char*>(&table.held[at[i]]), 4);
+      }
+    }
+    if (out.empty()) {
+      PutVarintField(1, worker, out);
+      PutVarintField(2, step, out);
+      PutVarintField(3, train ? 1 : 0, out);
+      PutVarintField(4, encoding, out);
+      PutVarintField(5, timeout_ms, out);
+    }
+    PutFieldHeader(6, entry.size(), out);
+    out += entry;
+  }
+  return out;
+}
+
+int32_t GradientExponent(const float* values, int64_t n, int32_t encoding) {
+  if (encoding != kFloat16 || n == 0) return 0;
+  float largest = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(values[i]);
+    if (!(a <= std::numeric_limits<float>::max())) return 0;  // NaN or Inf: no scale
+    largest = std::max(largest, a);
+  }
+  if (largest == 0.0f) return 0;
+  int exponent;
+  std::frexp(largest, &exponent);  // largest in [2^(exponent-1), 2^exponent)
+  return std::clamp(14 - (exponent - 1), -100, 100);
+}
+
+std::string EncodePush(int32_t worker, int64_t step, int32_t encoding,
+                       const std::vector<OutgoingTable>& tables, const RangeSplit& split,
+                       int64_t r) {
+  CheckEncoding(encoding, "gradients");
+  std::string out, keys_bytes, entry;
+  PutVarintField(1, worker, out);
+  PutVarintField(2, step, out);
+  PutVarintField(3, encoding, out);
+  std::vector<int64_t> keys;
+  std::vector<float> grads;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    int64_t n;
+    const int64_t* at = split.positions(t, r, n);
+    const OutgoingTable& table = tables[t];
+    const int32_t key_encoding = EncodeKeysCompact(table, at, n, keys, keys_bytes);
+    const size_t width = static_cast<size_t>(table.dim);
+    grads.resize(static_cast<size_t>(n) * width);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(grads.data() + i * width, table.gradients + at[i] * width, 4 * width);
+    }
+    const int32_t exponent = GradientExponent(grads.data(), n * table.dim, encoding);
+    if (exponent != 0) {
+      for (float& g : grads) g = std::ldexp(g, exponent);
+    }
+    const size_t gradient_bytes = grads.size() * FloatSize(encoding);
+    entry.clear();
+    PutBytesField(1, table.name.data(), table.name.size(), entry);
+    PutBytesField(2, keys_bytes.data(), keys_bytes.size(), entry);
+    if (gradient_bytes != 0) {
+      PutFieldHeader(3, gradient_bytes, entry);
+      EncodeFloats(grads.data(), n * table.dim, encoding, entry);
+    }
+    PutVarintField(4, exponent, entry);
+    PutVarintField(5, key_encoding, entry);
+    PutFieldHeader(4, entry.size(), out);
+    out += entry;
+  }
+  return out;
+}
+
+void DecodePull(std::string_view response, const std::vector<OutgoingTable>& tables,
+                const RangeSplit& split, int64_t r, const std::vector<IncomingTable>& out) {
+  Reader reader(response, "PullResponse");
+  int32_t encoding = kFloat32;
+  std::vector<std::string_view> answers;
+  int field, type;
+  while (reader.Next(field, type)) {
+    if (field == 1) {
+      encoding = Int32(reader, field, type);
+    } else if (field == 2) {
+      answers.push_back(Bytes(reader, field, type));
+    } else {
+      reader.Skip(type);
+    }
+  }
+  CheckEncoding(encoding, "values");
+  std::vector<float> rows;
+  std::vector<uint32_t> versions;
+  size_t next = 0;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    int64_t n;
+    const int64_t* at = split.positions(t, r, n);
+    if (n == 0) continue;
+    const OutgoingTable& table = tables[t];
+    if (next >= answers.size()) {
+      Malformed("a Pull of range " + std::to_string(r) + " answered " +
+                std::to_string(answers.size()) + " tables; more were asked");
+    }
+    Reader entry(answers[next++], "TableValues");
+    std::string_view name, values, version_bytes, bits;
+    while (entry.Next(field, type)) {
+      switch (field) {
+        case 1:
+          name = Bytes(entry, field, type);
+          break;
+        case 2:
+          values = Bytes(entry, field, type);
+          break;
+        case 3:
+          version_bytes = Bytes(entry, field, type);
+          break;
+        case 4:
+          bits = Bytes(entry, field, type);
+          break;
+        default:
+          entry.Skip(type);
+      }
+    }
+    if (name != table.name) {
+      Malformed("a Pull's answer holds table '" + std::string(name) + "' where '" + table.name +
+                "' was asked");
+    }
+    const size_t width = static_cast<size_t>(table.dim);
+    const IncomingTable& dest = out[t];
+    if (bits.empty()) {  // every row
+      rows.resize(static_cast<size_t>(n) * width);
+      DecodeFloats(values, encoding, n * table.dim, rows.data(), "rows", table.name);
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(dest.rows + at[i] * width, rows.data() + i * width, 4 * width);
+      }
+      continue;
+    }
+    if (dest.unchanged == nullptr) {
+      Malformed("`unchanged` of " + table.name + " came for rows the worker does not cache");
+    }
+    if (bits.size() != static_cast<size_t>((n + 7) / 8)) {
+      Malformed("`unchanged` of " + table.name + " holds " + std::to_string(bits.size() * 8) +
+                " bits; " + std::to_string(n) + " expected");
+    }
+    int64_t changed = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool same = (static_cast<uint8_t>(bits[i / 8]) >> (7 - i % 8)) & 1;
+      dest.unchanged[at[i]] = same;
+      changed += !same;
+    }
+    rows.resize(static_cast<size_t>(changed) * width);
+    DecodeFloats(values, encoding, changed * table.dim, rows.data(), "rows", table.name);
+    if (version_bytes.size() != 4 * static_cast<size_t>(changed)) {
+      Malformed("`versions of " + table.name + "` holds " +
+                std::to_string(version_bytes.size() / 4) + " values; " + std::to_string(changed) +
+                " expected");
+    }
+    versions.resize(static_cast<size_t>(changed));
+    std::memcpy(versions.data(), version_bytes.data(), version_bytes.size());
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (dest.unchanged[at[i]]) continue;
+      std::memcpy(dest.rows + at[i] * width, rows.data() + k * width, 4 * width);
+      dest.versions[at[i]] = versions[k++];
+    }
+  }
+  if (next != answers.size()) {
+    Malformed("a Pull of range " + std::to_string(r) + " answered " +
+              std::to_string(answers.size()) + " tables; " + std::to_string(next) + " were asked");
+  }
+}
+
 }  // namespace elastic_emb::wire

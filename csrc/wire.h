@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace elastic_emb {
@@ -97,6 +98,70 @@ struct RowSource {
 
 // The PullResponse answering `request`, table i from sources[i].
 std::string AnswerPull(const PullRequest& request, const std::vector<RowSource>& sources);
+
+// The worker's side: the requests of a step that touches many tables, one per slot
+// range, and the rows of the answers, each in one call.
+
+// Each table's keys split by slot range (SplitBySlotRange): for table t and range r, the
+// positions of its keys that the range owns, ordered by key as uint64.
+class RangeSplit {
+ public:
+  // keys[t]: table t's keys (pointer, count); starts: each range's first slot (starts[0] == 0).
+  RangeSplit(const std::vector<std::pair<const int64_t*, int64_t>>& keys,
+             const std::vector<int64_t>& starts, int64_t num_slots);
+
+  size_t num_tables() const { return order_.size(); }
+  int64_t num_ranges() const { return num_ranges_; }
+  // Positions into table t's keys of range r's keys: [begin, begin + count).
+  const int64_t* positions(size_t t, int64_t r, int64_t& count) const {
+    const auto& b = bounds_[t];
+    count = b[r + 1] - b[r];
+    return order_[t].data() + b[r];
+  }
+
+ private:
+  int64_t num_ranges_;
+  std::vector<std::vector<int64_t>> order_, bounds_;
+};
+
+// One table of a worker's request: its keys (as split), with a Pull the versions of the rows
+// the worker caches (null: none) and with a Push the gradients (n, dim).
+struct OutgoingTable {
+  std::string name;
+  const int64_t* keys = nullptr;
+  const uint32_t* held = nullptr;
+  const float* gradients = nullptr;
+  int dim = 0;
+};
+
+// Range r's PullRequest (without `range`: the router adds it): the tables that have keys in
+// the range; "" when none has.
+std::string EncodePull(int32_t worker, int64_t step, bool train, int32_t encoding,
+                       int64_t timeout_ms, const std::vector<OutgoingTable>& tables,
+                       const RangeSplit& split, int64_t r);
+
+// Range r's PushRequest (without `range`): every table, those without keys in the range too
+// (a sync step needs every worker's push on every range). 16-bit gradients are scaled by the
+// power of two that brings the largest magnitude to [2^14, 2^15) (GradientExponent).
+std::string EncodePush(int32_t worker, int64_t step, int32_t encoding,
+                       const std::vector<OutgoingTable>& tables, const RangeSplit& split,
+                       int64_t r);
+
+// The power of two for float16 gradients (0 for other encodings, none finite or all zero).
+int32_t GradientExponent(const float* values, int64_t n, int32_t encoding);
+
+// Where the rows of a Pull's answers go, per table: rows (n, dim); with a cache, each row's
+// version and whether the range left it out as unchanged since the version held.
+struct IncomingTable {
+  float* rows = nullptr;
+  uint32_t* versions = nullptr;  // null without a cache
+  uint8_t* unchanged = nullptr;  // null without a cache
+};
+
+// Decodes range r's PullResponse (answering EncodePull's request for it) into `out`; throws
+// InvalidArgument when it does not answer that request.
+void DecodePull(std::string_view response, const std::vector<OutgoingTable>& tables,
+                const RangeSplit& split, int64_t r, const std::vector<IncomingTable>& out);
 
 // Float payloads: float32 `(n)` values in encoding `enc`, and back.
 void EncodeFloats(const float* values, int64_t n, int32_t enc, std::string& out);

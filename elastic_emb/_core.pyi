@@ -209,6 +209,38 @@ class PushMessage(_Message):
         self, tables: list[Table | None], learning_rates: list[float], steps: list[int]
     ) -> None: ...
 
+class PullPlan:
+    def __init__(
+        self,
+        names: list[str],
+        keys: list[np.ndarray],
+        dims: list[int],
+        starts: np.ndarray,
+        num_slots: int,
+    ) -> None: ...
+    def requests(
+        self,
+        worker: int,
+        step: int,
+        train: bool,
+        encoding: int,
+        timeout_ms: int,
+        held: list[np.ndarray] | None,
+    ) -> list[bytes | None]: ...
+    def rows(
+        self, responses: list[bytes | None]
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]: ...
+
+def push_requests(
+    names: list[str],
+    keys: list[np.ndarray],
+    grads: list[np.ndarray],
+    starts: np.ndarray,
+    num_slots: int,
+    worker: int,
+    step: int,
+    encoding: int,
+) -> list[bytes]: ...
 def request_parts(raw: bytes) -> list[bytes]: ...
 def join_parts(parts: list[bytes]) -> bytes: ...
 def cuda_device_count() -> int: ...

@@ -15,7 +15,7 @@ import elastic_emb as ee
 from elastic_emb.keras import models as ee_models
 from elastic_emb.keras import patches as keras_patches
 from elastic_emb.keras.patches import keras_version
-from elastic_emb.ps.wire import protocol
+from elastic_emb.ps.client import fused_pull
 from elastic_emb.tables.local import _LocalStep
 
 VOCAB, DIM = 30, 4
@@ -99,19 +99,18 @@ def _count_lookups(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[lis
     """Records the keys of each in-process table lookup and the tables of each Pull."""
     local_keys: list[int] = []
     pulled: list[list[str]] = []
-    local_lookup, pull_request = _LocalStep.lookup, protocol.pull_request
+    local_lookup, columns = _LocalStep.lookup, fused_pull._columns
 
     def lookup(self, keys, *args):
         local_keys.append(len(keys))
         return local_lookup(self, keys, *args)
 
-    def request(*args, **kwargs):
-        message = pull_request(*args, **kwargs)
-        pulled.append([t.table for t in message.tables])
-        return message
+    def pull_columns(tables):  # the tables of one Pull, before its split by shard
+        pulled.append([name for name, _, _ in tables])
+        return columns(tables)
 
     monkeypatch.setattr(_LocalStep, "lookup", lookup)
-    monkeypatch.setattr(protocol, "pull_request", request)
+    monkeypatch.setattr(fused_pull, "_columns", pull_columns)
     return local_keys, pulled
 
 
@@ -170,7 +169,7 @@ def test_a_layer_called_twice_pushes_once_a_step_like_stock_keras_and_remote_tab
             remote_keys, remote_rows = remote_layer.table.export_rows()
         finally:
             ee.shutdown()
-    # Both calls' distinct ids in one entry of one Pull per shard.
+    # Both calls' distinct ids in one entry of each Pull.
     assert pulled and all(tables == [remote_layer.table.name] for tables in pulled)
     np.testing.assert_array_equal(np.sort(remote_keys), np.sort(keys))
     np.testing.assert_array_equal(remote_rows[np.argsort(remote_keys)], rows[order])

@@ -87,7 +87,10 @@ class RangeLayout:
     def even(cls, num_shards: int) -> RangeLayout:
         return cls((0,) * num_shards, tuple(even_ranges(num_shards)))
 
+    def starts(self) -> np.ndarray:
+        """The first slot of each range, int64."""
+        return np.array([begin for begin, _ in self.slots], np.int64)
+
     def split(self, keys: np.ndarray) -> list[np.ndarray]:
         """Positions into `keys` of each range's keys (`split_by_shard`)."""
-        starts = np.array([begin for begin, _ in self.slots], np.int64)
-        return split_by_shard(keys, len(self.ids), starts)
+        return split_by_shard(keys, len(self.ids), self.starts())

@@ -15,7 +15,7 @@ from elastic_emb.ps.client.range_router import RangeRouter
 from elastic_emb.ps.client.round_timings import RoundTimings
 from elastic_emb.ps.client.row_cache import RowCache
 from elastic_emb.ps.wire import protocol
-from elastic_emb.tables.sharding import RangeLayout
+from elastic_emb.tables.sharding import NUM_SLOTS, RangeLayout
 
 __all__ = ["FusedPull", "Tables", "one_entry_per_table"]
 
@@ -90,16 +90,21 @@ class FusedPull:
             if cache is not None
             else tables
         )
-        split: list[list[np.ndarray]] = []  # per table, per shard: positions in its keys
+        pulls: list[Any] = []  # the C++ plan of the requests made last (`_core.PullPlan`)
 
         def make(layout: RangeLayout) -> list[Any]:
-            split[:] = [layout.split(keys) for _, _, keys in asked]
-            return self._requests(len(layout.ids), asked, split, plans, insert, step)
+            pulls[:] = [_core.PullPlan(*_columns(asked), layout.starts(), NUM_SLOTS)]
+            held = [np.ascontiguousarray(p[2], np.uint32) for p in plans] if plans else None
+            timeout_ms = int(self._timeout * 1000)
+            requests = pulls[0].requests(
+                self._worker_index, step, insert, self._encoding, timeout_ms, held
+            )
+            return [None if r is None else protocol.Encoded(r, insert) for r in requests]
 
         start = time.perf_counter()
         _, responses = self._router.per_range("Pull", make, again_if_changed=False)
         self._timings.add("pull", time.perf_counter() - start)
-        out, versions, unchanged = _answered_rows(responses, asked, split)
+        out, versions, unchanged = pulls[0].rows(responses)
         if cache is None or not plans:
             return out
         whole = []
@@ -115,50 +120,11 @@ class FusedPull:
         cache.fit(step)
         return whole
 
-    def _requests(
-        self,
-        num_shards: int,
-        asked: Tables,
-        split: list[list[np.ndarray]],
-        plans: list[Any],
-        insert: bool,
-        step: int,
-    ) -> list[Any]:
-        """Each shard's PullRequest for its keys of `asked` (None: it has none)."""
-        requests: list[Any] = []
-        for shard in range(num_shards):
-            mine = [i for i in range(len(asked)) if len(split[i][shard])]
-            entries = [(asked[i][0], asked[i][2][split[i][shard]]) for i in mine]
-            held = [plans[i][2][split[i][shard]] for i in mine] if plans else None
-            if not entries:
-                requests.append(None)
-                continue
-            request = protocol.pull_request(
-                self._worker_index, step, insert, self._encoding, self._timeout, entries, held
-            )
-            requests.append(request)
-        return requests
 
-
-def _answered_rows(
-    responses: list[Any], asked: Tables, split: list[list[np.ndarray]]
-) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    """The shards' answers per table of `asked`: (rows, versions, unchanged); a row the
-    shard left out as unchanged since the version held is marked in `unchanged` only."""
-    out = [np.empty((len(keys), dim), np.float32) for _, dim, keys in asked]
-    versions = [np.zeros(len(keys), np.uint32) for _, _, keys in asked]
-    unchanged = [np.zeros(len(keys), bool) for _, _, keys in asked]
-    for shard, response in enumerate(responses):
-        if response is None:
-            continue
-        mine = [i for i in range(len(asked)) if len(split[i][shard])]
-        shapes = [(asked[i][0], len(split[i][shard]), asked[i][1]) for i in mine]
-        for i, (rows, now, same) in zip(mine, protocol.pulled_rows(response, shapes), strict=True):
-            at = split[i][shard]
-            if same is None or now is None:
-                out[i][at] = rows
-                continue
-            out[i][at[~same]] = rows
-            versions[i][at[~same]] = now
-            unchanged[i][at] = same
-    return out, versions, unchanged
+def _columns(tables: Tables) -> tuple[list[str], list[np.ndarray], list[int]]:
+    """(names, keys, dims) of `tables`."""
+    return (
+        [name for name, _, _ in tables],
+        [np.ascontiguousarray(keys, np.int64) for _, _, keys in tables],
+        [dim for _, dim, _ in tables],
+    )

@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from elastic_emb import _core
 from elastic_emb.ps.client.range_router import RangeRouter
 from elastic_emb.ps.client.round_timings import RoundTimings
 from elastic_emb.ps.wire import protocol
-from elastic_emb.tables.sharding import RangeLayout
+from elastic_emb.tables.sharding import NUM_SLOTS, RangeLayout
 
 __all__ = ["PUSHES_AHEAD", "PushQueue", "StepGradients"]
 
@@ -74,20 +75,16 @@ class PushQueue:
         self._pusher.shutdown(wait=True)
 
     def _push_step(self, step: int, tables: StepGradients) -> None:
-        def make(layout: RangeLayout) -> list[Any]:
-            split = {n: layout.split(k) for n, (_, k, _) in tables.items()}
-            return [
-                protocol.push_request(
-                    self._worker_index,
-                    step,
-                    self._encoding,
-                    [
-                        (name, keys[split[name][shard]], grads[split[name][shard]])
-                        for name, (_, keys, grads) in sorted(tables.items())
-                    ],
-                )
-                for shard in range(len(layout.ids))
-            ]
+        names = sorted(tables)
+        keys = [np.ascontiguousarray(tables[n][1], np.int64) for n in names]
+        grads = [np.ascontiguousarray(tables[n][2], np.float32) for n in names]
+
+        def make(layout: RangeLayout) -> list[Any]:  # every range, every table (in C++)
+            requests = _core.push_requests(
+                names, keys, grads, layout.starts(), NUM_SLOTS, self._worker_index, step,
+                self._encoding,
+            )  # fmt: skip
+            return [protocol.Encoded(r) for r in requests]
 
         start = time.perf_counter()
         self._router.per_range("Push", make)

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from elastic_emb._proto import ps_pb2
 from elastic_emb.ps.client.shard_client import NotPrimary, RangeChanged, ShardClient
+from elastic_emb.ps.wire import protocol
 from elastic_emb.ps.wire.security import ClientSecurity
 from elastic_emb.tables.sharding import RangeLayout
 
@@ -162,7 +162,7 @@ class RangeRouter:
         if len(indices) > 1 and address:  # (no primary now: each waits for its own)
             parts = [requests[i] for i in indices]
             ranges = [r.range for r in parts]
-            batch = getattr(ps_pb2, f"{method}RangesRequest")(parts=parts)
+            batch = protocol.ranges_request(method, parts)
 
             def abandon(address: str) -> bool:  # a range moved, or its primary changed
                 return any(routing.primary_of(r) != address for r in ranges)
@@ -171,7 +171,7 @@ class RangeRouter:
                 answer = self.shards.call(
                     indices[0], f"{method}Ranges", batch, timeout, abandon, address
                 )
-                for i, part in zip(indices, answer.parts, strict=True):
+                for i, part in zip(indices, protocol.response_parts(answer), strict=True):
                     out[i] = part
                 return out
             except (ConnectionError, RangeChanged, RuntimeError):  # NotPrimary too
@@ -184,7 +184,7 @@ class RangeRouter:
         """One call to a range's primary, following failovers and moves (a read, with
         `read_from_backups` or to a range with hot slots: maybe to a backup)."""
         routing = self._coordinated()
-        if "range" in request.DESCRIPTOR.fields_by_name:
+        if protocol.has_range(request):
             range_id = request.range
         else:
             with self._layout_lock:
@@ -259,9 +259,13 @@ def _address_ranges(requests: list[Any], layout: RangeLayout) -> None:
     shared by several ranges is copied: each range gets its own)."""
     seen: set[int] = set()
     for i, request in enumerate(requests):
-        if request is None or "range" not in request.DESCRIPTOR.fields_by_name:
+        if request is None or not protocol.has_range(request):
             continue
         if id(request) in seen:
-            request = requests[i] = type(request).FromString(request.SerializeToString())
+            request = requests[i] = (
+                request.copy()
+                if isinstance(request, protocol.Encoded)
+                else type(request).FromString(request.SerializeToString())
+            )
         seen.add(id(request))
         request.range = layout.ids[i]

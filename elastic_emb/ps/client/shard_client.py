@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from elastic_emb._proto import ps_pb2_grpc
-from elastic_emb.ps.wire import security
+from elastic_emb.ps.wire import protocol, security
 from elastic_emb.ps.wire.security import GRPC_OPTIONS, SERVICE, ClientSecurity
 
 __all__ = ["NotPrimary", "RangeChanged", "ShardClient", "ShardStats", "error_of"]
@@ -132,7 +132,18 @@ class ShardClient:
             channel = self._channels[address] = security.channel(
                 address, self._options, self._security
             )
-        return ps_pb2_grpc.ParameterServerStub(channel)
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        for method in protocol.RAW_METHODS:  # encoded and decoded in C++: bytes both ways
+            setattr(
+                stub,
+                method,
+                channel.unary_unary(
+                    f"/{SERVICE}/{method}",
+                    request_serializer=protocol.serialize,
+                    response_deserializer=None,
+                ),
+            )
+        return stub
 
     def set_addresses(self, addresses: list[str]) -> None:
         """Sends later calls to these shards (the cluster's slot ranges changed)."""
@@ -219,7 +230,9 @@ class ShardClient:
             s.address = address
             s.rpcs += 1
             s.bytes_sent += request.ByteSize()
-            s.bytes_received += response.ByteSize()
+            s.bytes_received += (
+                len(response) if isinstance(response, bytes) else response.ByteSize()
+            )
             s.seconds += elapsed
             s.max_seconds = max(s.max_seconds, elapsed)
         return response

@@ -49,9 +49,6 @@ AUDITED = frozenset(
      "InstallSnapshot", "MoveIn")
 )  # fmt: skip
 
-# The calls whose requests arrive, and whose answers leave, as bytes (see `Pull`).
-RAW_METHODS = frozenset(("Pull", "Push", "PullRanges", "PushRanges"))
-
 # Refusals of access control, audited whatever the call.
 _AUTH_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
 
@@ -171,7 +168,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     def _audit(self, method: str, request: Any, context: Any, caller: str, result: str) -> None:
         """Records an administrative call in the audit log (never fails the call)."""
         try:
-            if isinstance(request, bytes):  # RAW_METHODS
+            if isinstance(request, bytes):  # protocol.RAW_METHODS
                 args: dict[str, Any] = {"bytes": len(request)}
             else:
                 args = summary(request) if hasattr(request, "ListFields") else {"stream": True}
@@ -486,7 +483,7 @@ class _ByteCounter(grpc.GenericRpcHandler):
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1]
         parse, serialize = handler.request_deserializer, handler.response_serializer
-        if method in RAW_METHODS:
+        if method in protocol.RAW_METHODS:
             parse = serialize = _as_is
         count = self._servicer.count_bytes
 

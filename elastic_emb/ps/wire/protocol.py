@@ -24,6 +24,8 @@ from elastic_emb.tables.table import Table, TableState
 
 __all__ = [
     "ENCODINGS",
+    "RAW_METHODS",
+    "Encoded",
     "WireError",
     "change_request",
     "decode_floats",
@@ -33,11 +35,19 @@ __all__ = [
     "encode_keys_compact",
     "encoding",
     "gradient_exponent",
+    "has_range",
     "pull_message",
     "push_message",
     "pushed_gradients",
+    "ranges_request",
+    "response_parts",
     "scale",
+    "serialize",
 ]
+
+# The calls whose requests and answers both sides read and write in C++ (`_core.PullMessage`,
+# `PushMessage`, `PullPlan`, `push_requests`): sent and received as bytes.
+RAW_METHODS = frozenset(("Pull", "Push", "PullRanges", "PushRanges"))
 
 ENCODINGS: dict[str, Any] = {
     "float32": ps_pb2.FLOAT32,
@@ -290,6 +300,56 @@ def push_request(
             )
         )
     return ps_pb2.PushRequest(worker=worker, step=step, encoding=enc, tables=entries)
+
+
+class Encoded:
+    """A worker's Pull or Push encoded in C++ (`_core.PullPlan`, `_core.push_requests`), or
+    several ranges' in one *Ranges request: its bytes, and the `range` the router gives it
+    (field 15, appended when it is sent; proto3 leaves range 0 out)."""
+
+    __slots__ = ("body", "range", "train")
+
+    def __init__(self, body: bytes, train: bool = False) -> None:
+        self.body, self.train, self.range = body, train, 0
+
+    def copy(self) -> Encoded:
+        return Encoded(self.body, self.train)
+
+    def SerializeToString(self) -> bytes:
+        if self.range == 0:
+            return self.body
+        field = bytearray([15 << 3])  # field 15, a varint
+        value = self.range
+        while value >= 0x80:
+            field.append(value & 0x7F | 0x80)
+            value >>= 7
+        field.append(value)
+        return self.body + bytes(field)
+
+    def ByteSize(self) -> int:
+        return len(self.SerializeToString())
+
+
+def has_range(request: Any) -> bool:
+    """Whether a request names its slot range (the router sets it)."""
+    return isinstance(request, Encoded) or "range" in request.DESCRIPTOR.fields_by_name
+
+
+def serialize(request: Any) -> bytes:
+    """A request's bytes: a message's, or an `Encoded`'s."""
+    return request.SerializeToString()
+
+
+def ranges_request(method: str, parts: list[Any]) -> Any:
+    """The PullRangesRequest or PushRangesRequest (`method`: "Pull", "Push") of the parts."""
+    if all(isinstance(p, Encoded) for p in parts):
+        return Encoded(_core.join_parts([p.SerializeToString() for p in parts]))
+    return getattr(ps_pb2, f"{method}RangesRequest")(parts=parts)
+
+
+def response_parts(answer: Any) -> list[Any]:
+    """The parts of a PullRangesResponse or PushRangesResponse (its bytes, or the message)."""
+    return _core.request_parts(answer) if isinstance(answer, bytes) else list(answer.parts)
 
 
 def pull_message(raw: bytes) -> Any:
