@@ -552,6 +552,10 @@ RangeSplit::RangeSplit(const std::vector<std::pair<const int64_t*, int64_t>>& ke
 
 namespace {
 
+size_t VarintFieldSize(int64_t value) {
+  return value == 0 ? 0 : 1 + VarintSize(static_cast<uint64_t>(value));
+}
+
 void PutVarintField(int field, int64_t value, std::string& out) {
   if (value == 0) return;  // proto3 leaves defaults out
   out.push_back(static_cast<char>((field << 3) | kVarint));
@@ -625,7 +629,15 @@ std::string EncodePush(int32_t worker, int64_t step, int32_t encoding,
                        const std::vector<OutgoingTable>& tables, const RangeSplit& split,
                        int64_t r) {
   CheckEncoding(encoding, "gradients");
-  std::string out, keys_bytes, entry;
+  const size_t item = FloatSize(encoding);
+  size_t estimate = 32;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    int64_t n;
+    split.positions(t, r, n);
+    estimate += tables[t].name.size() + static_cast<size_t>(n) * (9 + tables[t].dim * item) + 32;
+  }
+  std::string out, keys_bytes;
+  out.reserve(estimate);
   PutVarintField(1, worker, out);
   PutVarintField(2, step, out);
   PutVarintField(3, encoding, out);
@@ -637,26 +649,41 @@ std::string EncodePush(int32_t worker, int64_t step, int32_t encoding,
     const OutgoingTable& table = tables[t];
     const int32_t key_encoding = EncodeKeysCompact(table, at, n, keys, keys_bytes);
     const size_t width = static_cast<size_t>(table.dim);
-    grads.resize(static_cast<size_t>(n) * width);
-    for (int64_t i = 0; i < n; ++i) {
-      std::memcpy(grads.data() + i * width, table.gradients + at[i] * width, 4 * width);
+    const size_t values = static_cast<size_t>(n) * width;
+    int32_t exponent = 0;
+    if (encoding != kFloat32) {  // gathered, scaled, then encoded
+      grads.resize(values);
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(grads.data() + i * width, table.gradients + at[i] * width, 4 * width);
+      }
+      exponent = GradientExponent(grads.data(), n * table.dim, encoding);
+      if (exponent != 0) {
+        for (float& g : grads) g = std::ldexp(g, exponent);
+      }
     }
-    const int32_t exponent = GradientExponent(grads.data(), n * table.dim, encoding);
-    if (exponent != 0) {
-      for (float& g : grads) g = std::ldexp(g, exponent);
-    }
-    const size_t gradient_bytes = grads.size() * FloatSize(encoding);
-    entry.clear();
-    PutBytesField(1, table.name.data(), table.name.size(), entry);
-    PutBytesField(2, keys_bytes.data(), keys_bytes.size(), entry);
+    const size_t gradient_bytes = values * item;
+    PutFieldHeader(4,
+                   FieldSize(table.name.size()) + FieldSize(keys_bytes.size()) +
+                       FieldSize(gradient_bytes) + VarintFieldSize(exponent) +
+                       VarintFieldSize(key_encoding),
+                   out);
+    PutBytesField(1, table.name.data(), table.name.size(), out);
+    PutBytesField(2, keys_bytes.data(), keys_bytes.size(), out);
     if (gradient_bytes != 0) {
-      PutFieldHeader(3, gradient_bytes, entry);
-      EncodeFloats(grads.data(), n * table.dim, encoding, entry);
+      PutFieldHeader(3, gradient_bytes, out);
+      if (encoding == kFloat32) {  // gathered straight into the message
+        const size_t at_byte = out.size();
+        out.resize(at_byte + gradient_bytes);
+        char* p = out.data() + at_byte;
+        for (int64_t i = 0; i < n; ++i) {
+          std::memcpy(p + i * width * 4, table.gradients + at[i] * width, 4 * width);
+        }
+      } else {
+        EncodeFloats(grads.data(), n * table.dim, encoding, out);
+      }
     }
-    PutVarintField(4, exponent, entry);
-    PutVarintField(5, key_encoding, entry);
-    PutFieldHeader(4, entry.size(), out);
-    out += entry;
+    PutVarintField(4, exponent, out);
+    PutVarintField(5, key_encoding, out);
   }
   return out;
 }

@@ -234,7 +234,10 @@ def pull_request(
     versions: Sequence[np.ndarray | None] | None = None,
 ) -> ps_pb2.PullRequest:
     """A Pull of the ascending `keys` of each (name, keys) of `tables`; with `versions`
-    (a worker cache), the version of each key's cached row (0: none), per table."""
+    (a worker cache), the version of each key's cached row (0: none), per table.
+
+    Workers make their Pulls in C++ (`_core.PullPlan.requests`), field for field this
+    message (tested)."""
     entries = []
     for i, (name, keys) in enumerate(tables):
         raw, key_encoding = encode_keys_compact(keys)
@@ -262,7 +265,10 @@ def pulled_rows(
 ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
     """Per table of a Pull, given each (name, rows, dim) asked for: (float32 rows, their
     versions, which rows are unchanged). With a worker cache the rows and versions are
-    those of the changed rows only; without, all the rows and (rows, None, None)."""
+    those of the changed rows only; without, all the rows and (rows, None, None).
+
+    Workers read answers in C++ (`_core.PullPlan.rows`); this reader is the reference
+    the tests and `bench/client_path.py` hold it to."""
     if len(response.tables) != len(shapes):
         raise WireError(f"a Pull of {len(shapes)} tables answered {len(response.tables)}")
     out: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = []
