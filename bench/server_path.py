@@ -10,7 +10,9 @@ the same keys on 26 in-process C++ tables (`_core.Table`, the bench
 process's CPU). Windows alternate (server, in-process, in-process, server,
 ...); the ratio is the median of the per-round ratios (target: <= 1.5x). The row of
 1 key per table shows what a request costs the server whatever its keys (gRPC and the
-per-request Python: authorization, the step protocol, metrics).
+per-request Python: authorization, the step protocol, metrics). A third variant in the
+same rounds: a gRPC server in Python that does nothing but answer the same requests'
+bytes with answers of the shard's sizes (what gRPC alone costs).
 
     python bench/server_path.py [--quick] [--keys 1 60 1000]
 """
@@ -120,6 +122,56 @@ class Server:
         self.process.wait()
 
 
+# A gRPC server in Python that answers each request with as many bytes as its first 8 bytes
+# ask for, doing nothing else: what gRPC alone costs a server for calls of these sizes.
+ECHO_SERVER = """
+from concurrent import futures
+import grpc
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+def answer(raw, context):
+    return bytes(int.from_bytes(raw[:8], "little"))
+handler = grpc.unary_unary_rpc_method_handler(answer)
+server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("echo", {"Call": handler}),))
+print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+server.start()
+server.wait_for_termination()
+"""
+
+
+class EchoServer:
+    """`ECHO_SERVER` in its own process."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout is not None
+        port = int(self.process.stdout.readline())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+        self.call = self.channel.unary_unary("/echo/Call")
+
+    def run(self, requests: list[tuple[Any, Any]]) -> float:
+        """Server CPU seconds for the same requests' bytes, each answered with as many bytes
+        as the shard answers it (a pull: its rows; a push: a few bytes)."""
+        calls = []
+        for pull, push in requests:
+            rows = sum(len(protocol.decode_keys(t.keys, key_encoding=t.key_encoding))
+                       for t in pull.tables) * DIM * 4  # fmt: skip
+            size = rows + sum(len(t.table) + 8 for t in pull.tables)
+            calls.append(size.to_bytes(8, "little") + pull.SerializeToString())
+            calls.append((4).to_bytes(8, "little") + push.SerializeToString())
+        before = cpu_seconds(self.process.pid)
+        for raw in calls:
+            self.call(raw)
+        time.sleep(0.05)  # the last response's accounting
+        return cpu_seconds(self.process.pid) - before
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.process.kill()
+        self.process.wait()
+
+
 def in_process(tables: list[Any], batches: list[list[np.ndarray]]) -> float:
     """CPU seconds of the same pulls and pushes on in-process C++ tables."""
     grads = [np.full((len(k), DIM), 1e-3, np.float32) for k in batches[0]]
@@ -141,7 +193,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.requests = 3, 60
-    server = Server()
+    server, echo = Server(), EchoServer()
     local = [_core.Table(core_options(c)) for c in configs()]
     everything = np.arange(ROWS, dtype=np.int64)
     for t in local:
@@ -150,18 +202,24 @@ def main() -> None:
     rows = []
     try:
         for n in args.keys:
-            ratios, server_us, local_us, per_request = [], [], [], []
+            ratios, server_us, local_us, per_request, echo_us = [], [], [], [], []
             server.run(server.requests(key_batches(rng, n, 10)))  # warm up
             for r in range(args.rounds):
                 batches = key_batches(rng, n, args.requests)
                 requests = server.requests(batches)
                 keys = 2 * TABLES * n * len(batches)
-                order = [0, 1] if r % 2 == 0 else [1, 0]
-                cpu = [0.0, 0.0]
+                order = [0, 1, 2] if r % 2 == 0 else [2, 1, 0]
+                cpu = [0.0, 0.0, 0.0]
                 for which in order:
-                    cpu[which] = server.run(requests) if which == 0 else in_process(local, batches)
+                    if which == 0:
+                        cpu[0] = server.run(requests)
+                    elif which == 1:
+                        cpu[1] = in_process(local, batches)
+                    else:
+                        cpu[2] = echo.run(requests)
                 server_us.append(1e6 * cpu[0] / keys)
                 per_request.append(1e6 * cpu[0] / len(batches))
+                echo_us.append(1e6 * cpu[2] / len(batches))
                 local_us.append(1e6 * cpu[1] / keys)
                 ratios.append(cpu[0] / cpu[1])
             rows.append(
@@ -170,12 +228,14 @@ def main() -> None:
                     f"{statistics.median(server_us):.3f}",
                     f"{statistics.median(local_us):.3f}",
                     f"{statistics.median(per_request):.0f}",
+                    f"{statistics.median(echo_us):.0f}",
                     f"{statistics.median(ratios):.2f}x",
                     ", ".join(f"{x:.2f}" for x in ratios),
                 ]
             )
     finally:
         server.stop()
+        echo.stop()
     print(f"\n## Server CPU per key ({machine()})\n")
     print(
         markdown_table(
@@ -184,6 +244,7 @@ def main() -> None:
                 "server CPU us/key",
                 "in-process us/key",
                 "server CPU us per pull + push",
+                "gRPC echo server CPU us per pull + push",
                 "ratio (median)",
                 "rounds",
             ],

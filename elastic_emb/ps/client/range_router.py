@@ -262,10 +262,6 @@ def _address_ranges(requests: list[Any], layout: RangeLayout) -> None:
         if request is None or not protocol.has_range(request):
             continue
         if id(request) in seen:
-            request = requests[i] = (
-                request.copy()
-                if isinstance(request, protocol.Encoded)
-                else type(request).FromString(request.SerializeToString())
-            )
+            request = requests[i] = protocol.copy_request(request)
         seen.add(id(request))
         request.range = layout.ids[i]

@@ -28,6 +28,7 @@ __all__ = [
     "Encoded",
     "WireError",
     "change_request",
+    "copy_request",
     "decode_floats",
     "decode_keys",
     "encode_floats",
@@ -339,6 +340,13 @@ class Encoded:
 def has_range(request: Any) -> bool:
     """Whether a request names its slot range (the router sets it)."""
     return isinstance(request, Encoded) or "range" in request.DESCRIPTOR.fields_by_name
+
+
+def copy_request(request: Any) -> Any:
+    """A copy of a request (a message, or an `Encoded`) to give another range."""
+    if isinstance(request, Encoded):
+        return request.copy()
+    return type(request).FromString(request.SerializeToString())
 
 
 def serialize(request: Any) -> bytes:
