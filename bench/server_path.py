@@ -68,7 +68,26 @@ def key_batches(rng: np.random.Generator, n: int, requests: int) -> list[list[np
     ]
 
 
-class Server:
+class _Process:
+    """A server process of the benchmark and its channel."""
+
+    process: subprocess.Popen[Any]
+    channel: grpc.Channel
+
+    def cpu_of(self, calls: Any) -> float:
+        """The process's CPU seconds while `calls()` runs (and its last answer is counted)."""
+        before = cpu_seconds(self.process.pid)
+        calls()
+        time.sleep(0.05)
+        return cpu_seconds(self.process.pid) - before
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.process.kill()
+        self.process.wait()
+
+
+class Server(_Process):
     def __init__(self) -> None:
         port = free_port()
         self.address = f"127.0.0.1:{port}"
@@ -109,17 +128,13 @@ class Server:
 
     def run(self, requests: list[tuple[Any, Any]]) -> float:
         """Server CPU seconds for the requests."""
-        before = cpu_seconds(self.process.pid)
-        for pull, push in requests:
-            self.stub.Pull(pull)
-            self.stub.Push(push)
-        time.sleep(0.05)  # the last response's accounting
-        return cpu_seconds(self.process.pid) - before
 
-    def stop(self) -> None:
-        self.channel.close()
-        self.process.kill()
-        self.process.wait()
+        def calls() -> None:
+            for pull, push in requests:
+                self.stub.Pull(pull)
+                self.stub.Push(push)
+
+        return self.cpu_of(calls)
 
 
 # A gRPC server in Python that answers each request with as many bytes as its first 8 bytes
@@ -138,7 +153,7 @@ server.wait_for_termination()
 """
 
 
-class EchoServer:
+class EchoServer(_Process):
     """`ECHO_SERVER` in its own process."""
 
     def __init__(self) -> None:
@@ -160,16 +175,7 @@ class EchoServer:
             size = rows + sum(len(t.table) + 8 for t in pull.tables)
             calls.append(size.to_bytes(8, "little") + pull.SerializeToString())
             calls.append((4).to_bytes(8, "little") + push.SerializeToString())
-        before = cpu_seconds(self.process.pid)
-        for raw in calls:
-            self.call(raw)
-        time.sleep(0.05)  # the last response's accounting
-        return cpu_seconds(self.process.pid) - before
-
-    def stop(self) -> None:
-        self.channel.close()
-        self.process.kill()
-        self.process.wait()
+        return self.cpu_of(lambda: [self.call(raw) for raw in calls])
 
 
 def in_process(tables: list[Any], batches: list[list[np.ndarray]]) -> float:
