@@ -322,7 +322,13 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
     serve = sub.add_parser("serve", help="run one parameter-server shard")
     serve.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    serve.add_argument("--threads", type=int, default=64, help="request threads")
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=2048,
+        help="most request threads, started as requests come (a pull waiting for other "
+        "workers holds one: about 2 per worker are needed)",
+    )
     serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time for in-flight requests"
     )

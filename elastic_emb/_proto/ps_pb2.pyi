@@ -399,14 +399,18 @@ class MethodStats(_message.Message):
     def __init__(self, method: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., request_bytes: _Optional[int] = ..., response_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., max_seconds: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("methods", "tables", "step")
+    __slots__ = ("methods", "tables", "step", "pull_waits", "pull_wait_seconds")
     METHODS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PULL_WAITS_FIELD_NUMBER: _ClassVar[int]
+    PULL_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     methods: _containers.RepeatedCompositeFieldContainer[MethodStats]
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
     step: int
-    def __init__(self, methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+    pull_waits: int
+    pull_wait_seconds: float
+    def __init__(self, methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., step: _Optional[int] = ..., pull_waits: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -168,6 +168,7 @@ class Cluster:
             self._close_connections()
             raise
         self._fuser = StepFuser(step, self._puller, self._pushes, self._read_ahead)
+        self._router.join_again = self._join_again
         self._admin = ShardAdmin(self._router, self._fuser.flush, self.cache)
 
     def _join(self, connect_timeout: float) -> int:
@@ -196,6 +197,24 @@ class Cluster:
                 raise RuntimeError(f"PS shards {self.addresses} are at different steps {steps}")
             self._router.broadcast("Leave", ps_pb2.LeaveRequest(worker=self.worker_index))
             time.sleep(min(0.05 * attempt, 1.0))
+
+    def _join_again(self, range_id: int) -> None:
+        """A server no longer counts this worker (its lease lapsed, and the servers saw it
+        leave): joins that range again. A sync step completed without this worker meanwhile
+        is not applied again with its push (the server takes a step once)."""
+        routing = self.routing
+        if routing is None:
+            raise RuntimeError("elastic_emb: only elastic workers join again")
+        routing.check_registered()
+        options = self.options
+        join = protocol.join_request(
+            self.worker_index, self.num_workers, options.mode, options.staleness, elastic=True
+        )
+        step = self._router.call_range(range_id, "Join", join).step
+        log.warning(
+            "worker %d joined slot range %d again (its lease had lapsed) at the range's step "
+            "%d; this worker is at step %d", self.worker_index, range_id, step, self.step,
+        )  # fmt: skip
 
     @property
     def addresses(self) -> list[str]:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from elastic_emb.ps.client.shard_client import NotPrimary, RangeChanged, ShardClient
+from elastic_emb.ps.client.shard_client import NotJoined, NotPrimary, RangeChanged, ShardClient
 from elastic_emb.ps.wire import protocol
 from elastic_emb.ps.wire.security import ClientSecurity
 from elastic_emb.tables.sharding import RangeLayout
@@ -25,6 +25,10 @@ __all__ = ["RangeRouter", "RequestMaker"]
 
 # An RPC may wait `timeout` for other workers on the shard; its deadline is longer.
 _RPC_MARGIN_SECONDS = 60.0
+
+# Joins of a range one call may make (a server may hear late of an old lapse and drop the
+# worker once more).
+_MAX_JOINS = 5
 
 # A call's requests for a layout, one per range (None: skip that range).
 RequestMaker = Callable[[RangeLayout], list[Any]]
@@ -71,6 +75,9 @@ class RangeRouter:
         )
         self._reads_lock = threading.Lock()
         self._reads = itertools.count()  # guarded by _reads_lock: round robin over replicas
+        # Joins range `range_id` again for a server that no longer counts this elastic
+        # worker (`Cluster`); set once, before the first call.
+        self.join_again: Callable[[int], None] | None = None
 
     def layout(self) -> RangeLayout:
         """The slot ranges as the coordinator's map has them now (fixed without one)."""
@@ -110,6 +117,15 @@ class RangeRouter:
                 continue
             if not again_if_changed or self.layout().ids == layout.ids:
                 return layout, responses
+
+    def call_range(self, range_id: int, method: str, request: Any) -> Any:
+        """One request to range `range_id`'s primary (a copy of `request`, naming it)."""
+        request = protocol.copy_request(request)
+        request.range = range_id
+        with self._layout_lock:
+            ids = self._layout.ids
+        index = ids.index(range_id) if range_id in ids else 0
+        return self._call_primary(self._coordinated(), index, method, request, None, range_id)
 
     def broadcast(self, method: str, request: Any, timeout: float | None = None) -> list[Any]:
         """The same request to every range."""
@@ -174,7 +190,7 @@ class RangeRouter:
                 for i, part in zip(indices, protocol.response_parts(answer), strict=True):
                     out[i] = part
                 return out
-            except (ConnectionError, RangeChanged, RuntimeError):  # NotPrimary too
+            except (ConnectionError, RangeChanged, RuntimeError, NotJoined):  # NotPrimary too
                 pass  # each range on its own, as it now stands
         for i in indices:
             out[i] = self._call_range(i, method, requests[i], timeout)
@@ -233,11 +249,17 @@ class RangeRouter:
         def abandon(address: str) -> bool:  # a stopped (not dead) primary was replaced
             return routing.primary_of(range_id) != address
 
+        joins = 0
         while True:
             version = routing.version
             address = routing.primary_of(range_id)
             try:
                 return self.shards.call(index, method, request, timeout, abandon, address)
+            except NotJoined:
+                joins += 1
+                if self.join_again is None or joins > _MAX_JOINS:
+                    raise
+                self.join_again(range_id)
             except ConnectionError as e:  # NotPrimary too
                 left = deadline - time.monotonic()
                 lost = None if isinstance(e, NotPrimary) else routing.lost(range_id)

@@ -8,13 +8,15 @@ after a failover, `wait_for_change` wakes the worker's calls at once.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
 import threading
 import time
 from typing import Any
 
 from elastic_emb.ps.coord import membership
-from elastic_emb.ps.coord.etcd import Compare, Etcd, EtcdError, Op
+from elastic_emb.ps.coord.etcd import Compare, Etcd, EtcdError, LeaseLost, Op
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap, Group
 from elastic_emb.tables.sharding import RangeLayout
 
@@ -39,8 +41,13 @@ class Routing:
         self._key = membership.map_key(prefix)
         self._cond = threading.Condition()
         self._map = self._sealed_map(connect_timeout)  # guarded by _cond
-        self._keep_alive: Any = None  # this worker's lease (`register_worker`)
+        # This worker's lease (`register_worker`) and its keep-alive; guarded by _cond.
+        self._keep_alive: Any = None
         self._worker_lease = 0
+        self._lease_seconds = 0
+        self.registrations = 0  # guarded by _cond: times the lease lapsed and was taken again
+        self._identity_lost: str | None = None  # why this worker cannot register again
+        self._closed = threading.Event()
         self.worker: int | None = None  # the worker index this process holds
         self._watch = self._etcd.watch(self._key, self._on_events, self._map.revision + 1)
 
@@ -145,40 +152,162 @@ class Routing:
         with self._cond:
             self._cond.wait_for(lambda: self._map.revision > version, timeout)
 
-    def register_worker(self, worker: int | None, lease_seconds: int) -> int:
+    def register_worker(self, worker: int | None, lease_seconds: int, timeout: float = 60.0) -> int:
         """Holds `workers/<worker>` under a lease while this worker lives (elastic workers);
-        with `worker` None, the lowest index no live worker holds. Returns the index (the
-        one held already, if this process registered before).
+        with `worker` None, one of the lowest indices no live worker holds. Returns the index
+        (the one held already, if this process registered before).
+
+        The lease is kept alive from its grant on. If it lapses (etcd or this
+        machine too slow to renew it within `lease_seconds`), a new one is
+        taken and the same index registered again: the servers, which saw the
+        worker leave, ask it to join again (`Cluster`).
 
         Raises:
             ValueError: a live process already holds this worker index.
+            ConnectionError: no lease could be held within `timeout` seconds.
         """
         if self.worker is not None:
             if worker in (None, self.worker):
                 return self.worker
             raise ValueError(f"this process is worker {self.worker}, not {worker}")
-        lease = self._etcd.grant(lease_seconds)
+        self._lease_seconds = lease_seconds
+        self.worker = self._hold(worker, timeout)
+        return self.worker
+
+    def _hold(self, worker: int | None, timeout: float, lapsed: int = 0) -> int:
+        """Registers (`_register`) and installs the lease; again if it lapsed meanwhile.
+        `lapsed`: the lease this worker held its index under before."""
         while True:
-            index = worker if worker is not None else self._lowest_free_worker()
-            key = membership.worker_key(self._prefix, index)
-            created = self._etcd.txn(
-                [Compare.version(key, "=", 0)], [Op.put(key, b"{}", lease.id)]
-            ).succeeded
-            if created:
-                break
+            index, lease, keep = self._register(worker, timeout, lapsed)
+            with self._cond:
+                self._worker_lease, self._keep_alive = lease, keep
+            if not keep.lost:  # (else its lapse was ignored: not installed yet)
+                return index
+            worker, lapsed = index, lease
+
+    def _register(
+        self, worker: int | None, timeout: float, lapsed: int = 0
+    ) -> tuple[int, int, Any]:
+        """A new lease, kept alive, and a worker index held under it: (index, lease, keep)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lease = self._etcd.grant(self._lease_seconds)
+            keep = None
+            try:
+                # Kept alive before the index is taken: a slow registration cannot outlive it.
+                keep = self._etcd.keep_alive(
+                    lease.id, self._lease_seconds / 4, lambda i=lease.id: self._on_lease_lost(i)
+                )
+                return self._take_index(worker, lease.id, lapsed), lease.id, keep
+            except LeaseLost:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"elastic_emb: cannot hold a worker lease of {self._lease_seconds} s at "
+                        f"{self.coordinator}: each expired before it was renewed (etcd overloaded?)"
+                    ) from None
+                log.info("the worker lease expired while registering; taking another")
+            except BaseException:
+                self._end_lease(lease.id, keep)
+                raise
+            finally:
+                if keep is not None and keep.lost:
+                    keep.stop()
+
+    def _take_index(self, worker: int | None, lease: int, lapsed: int = 0) -> int:
+        """`worker` (or a free index) held under `lease`; taken over from `lapsed`, this
+        worker's previous lease, if etcd still holds it there.
+
+        Workers started together each try one of the lowest free indices at
+        random, a wider choice after each collision: a few transactions each,
+        not one per worker ahead of them.
+        """
+        for attempt in itertools.count():
             if worker is not None:
-                self._etcd.revoke(lease.id)
+                index = worker
+            else:
+                free = self._free_workers(1 << min(attempt, 16))
+                index = free[random.randrange(len(free))]
+            key = membership.worker_key(self._prefix, index)
+            result = self._etcd.txn(
+                [Compare.version(key, "=", 0)], [Op.put(key, b"{}", lease)], [Op.get(key)]
+            )
+            if result.succeeded:
+                return index
+            held = result.responses[0]
+            holder = held[0].lease if isinstance(held, list) and held else 0
+            if holder == lease:
+                return index  # (a put that succeeded although its answer was lost)
+            if lapsed and holder == lapsed:
+                # Not renewed in time here, but not expired in etcd yet: move the key over.
+                moved = self._etcd.txn(
+                    [Compare.lease(key, "=", lapsed)], [Op.put(key, b"{}", lease)]
+                ).succeeded
+                if moved:
+                    self._end_lease(lapsed, None)
+                    return index
+                continue
+            if worker is not None:
                 raise ValueError(
                     f"worker {worker} is already connected to {self.coordinator} (another "
                     "process holds its index; give each worker its own `worker_index`, or none "
                     "to take a free one)"
                 )
-            # Another worker took that index meanwhile: look again.
-        self.worker, self._worker_lease = index, lease.id
-        self._keep_alive = self._etcd.keep_alive(
-            lease.id, lease_seconds / 4, lambda: log.warning("worker lease lost")
-        )
-        return index
+        raise AssertionError("unreachable")
+
+    def _free_workers(self, count: int) -> list[int]:
+        """The `count` lowest indices no live worker holds."""
+        held, _ = self._etcd.get_prefix(membership.workers_prefix(self._prefix))
+        taken = {int(kv.key.rsplit("/", 1)[1]) for kv in held}
+        return [i for i in range(len(taken) + count) if i not in taken][:count]
+
+    def _on_lease_lost(self, lease: int) -> None:
+        """A keep-alive thread's last act: `lease` lapsed; if it was this worker's, hold the
+        same index again under a new one."""
+        with self._cond:
+            worker = self.worker
+            current = lease == self._worker_lease
+        if worker is None or not current or self._closed.is_set():
+            return  # registering (`_hold` sees it) or closing
+        log.warning(
+            "worker %d: its etcd lease lapsed (not renewed within %d s: etcd or this machine "
+            "too slow); registering again", worker, self._lease_seconds,
+        )  # fmt: skip
+        delay = 0.1
+        while not self._closed.is_set():
+            try:
+                self._hold(worker, 60.0, lease)
+            except ValueError as e:  # another process took the index meanwhile
+                self._identity_lost = str(e)
+                log.error("worker %d cannot register again: %s", worker, e)
+                return
+            except (EtcdError, ConnectionError) as e:
+                log.warning("worker %d: cannot register again yet: %s", worker, e)
+                self._closed.wait(delay)
+                delay = min(2 * delay, 2.0)
+                continue
+            with self._cond:
+                self.registrations += 1
+            if self._closed.is_set():  # closed meanwhile: `close` may have missed this lease
+                with self._cond:
+                    lease, keep = self._worker_lease, self._keep_alive
+                self._end_lease(lease, keep)
+            return
+
+    def check_registered(self) -> None:
+        """Raises RuntimeError if this worker's index was taken by another process while its
+        lease had lapsed (it cannot go on as that worker)."""
+        if self._identity_lost is not None:
+            raise RuntimeError(
+                f"elastic_emb: worker {self.worker} lost its place: {self._identity_lost}"
+            )
+
+    def _end_lease(self, lease: int, keep: Any) -> None:
+        if keep is not None:
+            keep.stop()
+        try:
+            self._etcd.revoke(lease)
+        except EtcdError:
+            pass
 
     def claim(self, name: str) -> bool:
         """Whether this worker holds the claim `name` (`<prefix>claims/<name>`), taking
@@ -198,17 +327,11 @@ class Routing:
         held = result.responses[0]
         return isinstance(held, list) and bool(held) and held[0].value == mine
 
-    def _lowest_free_worker(self) -> int:
-        held, _ = self._etcd.get_prefix(membership.workers_prefix(self._prefix))
-        taken = {int(kv.key.rsplit("/", 1)[1]) for kv in held}
-        return min(set(range(len(taken) + 1)) - taken)
-
     def close(self) -> None:
-        if self._keep_alive is not None:
-            self._keep_alive.stop()
-            try:
-                self._etcd.revoke(self._worker_lease)
-            except EtcdError:
-                pass
+        self._closed.set()
+        with self._cond:
+            keep, lease = self._keep_alive, self._worker_lease
+        if keep is not None:
+            self._end_lease(lease, keep)
         self._watch.cancel()
         self._etcd.close()

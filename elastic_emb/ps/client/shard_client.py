@@ -65,6 +65,10 @@ class NotPrimary(ConnectionError):
     """The server is not (or no longer) the primary of its group: re-route."""
 
 
+class NotJoined(ValueError):
+    """The server does not count this elastic worker (its lease lapsed): join again."""
+
+
 class RangeChanged(Exception):
     """A slot range was split since the request was made: split it again and re-send."""
 
@@ -286,6 +290,8 @@ def error_of(address: str, method: str, e: grpc.RpcError) -> Exception:
         return TimeoutError(message)
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return PermissionError(f"{message} ({code.name})")
+    if code == grpc.StatusCode.FAILED_PRECONDITION and protocol.NOT_JOINED in message:
+        return NotJoined(message)
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.NOT_FOUND,

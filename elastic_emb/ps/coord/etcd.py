@@ -42,6 +42,9 @@ log = logging.getLogger("elastic_emb.etcd")
 GRPC_UNAVAILABLE = (4, 14)  # DEADLINE_EXCEEDED, UNAVAILABLE: etcd has no leader or is stopping
 LEASE_NOT_FOUND = "requested lease not found"
 _OPS = {"=": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
+_IDLE_CONNECTIONS = 4  # kept open per client for the next calls
+# What a kept connection that etcd closed meanwhile raises before the request reaches it.
+_CLOSED_BY_PEER = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
 class EtcdError(Exception):
@@ -176,9 +179,10 @@ class TxnResult:
 class Etcd:
     """A client of one etcd endpoint.
 
-    Thread-safe: every call opens its own HTTP connection. Every call blocks
-    for at most `timeout` seconds (`watch` and `keep_alive` return at once and
-    work in a daemon thread).
+    Thread-safe: a call takes an idle HTTP connection of this client (or
+    opens one) and puts it back after the answer; a few stay open for the
+    next calls. Every call blocks for at most `timeout` seconds (`watch` and
+    `keep_alive` return at once and work in a daemon thread).
 
     Example:
         etcd = Etcd("etcd://127.0.0.1:2379")
@@ -200,6 +204,7 @@ class Etcd:
         self.timeout = float(timeout)
         self._lock = threading.Lock()
         self._threads: list[Watch | KeepAlive] = []  # guarded by _lock
+        self._idle: list[http.client.HTTPConnection] = []  # guarded by _lock
         self._closed = False  # guarded by _lock
 
     def __repr__(self) -> str:
@@ -324,8 +329,11 @@ class Etcd:
         """Cancels the watches and stops the keep-alives started by this client."""
         with self._lock:
             self._closed, threads, self._threads = True, self._threads, []
+            idle, self._idle = self._idle, []
         for t in threads:
             t.stop() if isinstance(t, KeepAlive) else t.cancel()
+        for conn in idle:
+            conn.close()
 
     def __enter__(self) -> Etcd:
         return self
@@ -347,18 +355,44 @@ class Etcd:
     def _connect(self, timeout: float) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
+    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection (True) or a new one (False), waiting at most `timeout`."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            return self._connect(timeout), False
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, True
+
+    def _put_back(self, conn: http.client.HTTPConnection, closing: bool) -> None:
+        with self._lock:
+            keep = not (closing or self._closed) and len(self._idle) < _IDLE_CONNECTIONS
+            if keep:
+                self._idle.append(conn)
+        if not keep:
+            conn.close()
+
     def _call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> Any:
         """POSTs `body` to the gateway; the JSON answer (a streaming call's first message)."""
-        conn = self._connect(self.timeout if timeout is None else timeout)
-        try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            text = response.readline() if path == "/v3/lease/keepalive" else response.read()
-            status = response.status
-        except (OSError, http.client.HTTPException) as e:
-            raise EtcdUnavailable(f"etcd {self.host}:{self.port} {path}: {e!r}", 14) from None
-        finally:
-            conn.close()
+        wait = self.timeout if timeout is None else timeout
+        data = json.dumps(body)
+        while True:
+            conn, reused = self._connection(wait)
+            try:
+                conn.request("POST", path, data, {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                # (A one-message stream, keepalive's, ends with the request: read it all.)
+                text = response.read().split(b"\n", 1)[0]
+                status = response.status
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                if reused and isinstance(e, _CLOSED_BY_PEER):
+                    continue  # etcd closed that idle connection before this request reached it
+                raise EtcdUnavailable(f"etcd {self.host}:{self.port} {path}: {e!r}", 14) from None
+            self._put_back(conn, response.will_close)
+            break
         try:
             answer = json.loads(text)
         except ValueError:

@@ -281,7 +281,13 @@ class Replica:
                 self._server_gone(event.kv.key[len(servers) :])
             elif event.kv.key.startswith(workers) and event.type == "DELETE":
                 if self.role == "primary":
-                    self._in_background(self.worker_gone, int(event.kv.key[len(workers) :]))
+                    self._in_background(self._worker_gone, event.kv.key)
+
+    def _worker_gone(self, key: str) -> None:
+        """A worker's key was deleted: it left, unless it registered again meanwhile (its
+        lease had lapsed; it joins again by itself)."""
+        if self._etcd.get(key) is None:
+            self.worker_gone(int(key.rsplit("/", 1)[1]))
 
     def _forget_gone_workers(self) -> None:
         """A new primary: the elastic workers whose leases ended meanwhile leave."""
@@ -379,23 +385,34 @@ class Replica:
         return self._state.lease_alive()
 
     def _keep_alive(self) -> None:
+        """Refreshes the lease every quarter of its TTL; a failed refresh is tried again
+        soon, each try bounded by what is left of the lease."""
         state = self._state
+        next_refresh = time.monotonic()
         while True:
+            # state.cond is notified at every change a backup applies: wait out the interval.
             with state.cond:
+                while not state.stopped and (left := next_refresh - time.monotonic()) > 0:
+                    state.cond.wait(left)
                 if state.stopped:
                     return
-                lease = state.lease
+                lease, last = state.lease, state.last_keepalive
+            sent = time.monotonic()
+            interval = state.lease_seconds / 4
             try:
-                self._etcd.keepalive_once(lease)
+                self._etcd.keepalive_once(lease, max(0.2, last + state.lease_seconds - sent))
                 with state.cond:
-                    state.last_keepalive = time.monotonic()
+                    state.last_keepalive = max(state.last_keepalive, sent)  # at the latest
             except LeaseLost:
-                log.warning("%s lost its lease: rejoining with an empty state", self.address)
-                self._rejoin()
+                with state.cond:
+                    replaced = state.lease != lease  # rejoined meanwhile
+                if not replaced:
+                    log.warning("%s lost its lease: rejoining with an empty state", self.address)
+                    self._rejoin()
             except EtcdError as e:
                 log.warning("cannot reach the coordinator: %s", e)
-            with state.cond:
-                state.cond.wait(state.lease_seconds / 4)
+                interval = 0.1
+            next_refresh = sent + interval
 
     def _rejoin(self) -> None:
         for attempt in range(1000):

@@ -44,7 +44,8 @@ class ServerOptions:
 
     port: int
     host: str = "0.0.0.0"
-    threads: int = 64
+    # Started as requests come; a sync pull waiting for the others holds one.
+    threads: int = 2048
     grace_seconds: float = 30.0
     checkpoint_dir: str | None = None
     checkpoint_every: float | None = None

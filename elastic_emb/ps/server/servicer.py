@@ -117,6 +117,9 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         self.tokens: Tokens | None = None  # set once, before the server starts
         self.load: LoadMeter | None = None  # set once, before the server starts
         self.changes = 0  # change requests applied (guarded by _stats_lock)
+        # Pulls that waited for other workers (the sync barrier, a staleness bound) and
+        # their seconds (guarded by _stats_lock).
+        self.pull_waits, self.pull_wait_seconds = 0, 0.0
         self._stats_lock = threading.Lock()
         self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
             _MethodStats
@@ -133,6 +136,11 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             if error is not None:
                 stats.errors += 1
                 stats.codes[error] += 1
+
+    def _count_wait(self, seconds: float) -> None:
+        with self._stats_lock:
+            self.pull_waits += 1
+            self.pull_wait_seconds += seconds
 
     def _caller(self, method: str, context: Any) -> Caller:
         """The caller whose token a call carries; RequestError without a valid one."""
@@ -274,7 +282,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         if message.encoding not in protocol.ENCODINGS.values():
             raise invalid(f"Unknown encoding {message.encoding}")
         timeout = message.timeout_ms / 1000 if message.timeout_ms > 0 else 3600.0
-        response = shard.pull(message, timeout)
+        response = shard.pull(message, timeout, self._count_wait)
         self._count_load(message, len(raw) + len(response), cpu)
         return response
 
@@ -389,8 +397,12 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
                 )
                 for name, m in sorted(self._stats.items())
             ]
+            waits, wait_seconds = self.pull_waits, self.pull_wait_seconds
         tables = [protocol.table_info(t) for t in self.ranges.tables()]
-        return ps_pb2.StatsResponse(methods=methods, tables=tables, step=self.ranges.step())
+        return ps_pb2.StatsResponse(
+            methods=methods, tables=tables, step=self.ranges.step(), pull_waits=waits,
+            pull_wait_seconds=wait_seconds,
+        )  # fmt: skip
 
     @_rpc
     def Health(self, request: ps_pb2.HealthRequest) -> ps_pb2.HealthResponse:

@@ -8,6 +8,7 @@ changes."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -116,7 +117,9 @@ class Shard:
         """An elastic worker leaves: no step waits for it any more. Returns the shard's step."""
         return self._clock.leave(worker)
 
-    def pull(self, message: Any, timeout: float) -> bytes:
+    def pull(
+        self, message: Any, timeout: float, waited: Callable[[float], None] | None = None
+    ) -> bytes:
         """The PullResponse's bytes answering a parsed Pull (`_core.PullMessage`), once the
         mode lets its worker read its step.
 
@@ -130,7 +133,9 @@ class Shard:
         self.check_keys(message)
         self._clock.check_pull_step(worker, step)
         tables = [self.table(name) for name in message.names]
-        self._clock.wait_to_pull(worker, step, timeout)
+        seconds = self._clock.wait_to_pull(worker, step, timeout)
+        if seconds and waited is not None:
+            waited(seconds)
         return answer_pull(tables, message)
 
     def push(self, message: Any) -> int:

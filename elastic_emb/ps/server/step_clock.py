@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from elastic_emb.ps.server.request_error import RequestError, invalid
+from elastic_emb.ps.wire.protocol import NOT_JOINED
 
 __all__ = ["ASYNC", "MAX_PUSHES_IN_FLIGHT", "MODE_NAMES", "SYNC", "StepClock"]
 
@@ -41,8 +42,13 @@ class StepClock:
 
     def __init__(self, apply_step: ApplyStep) -> None:
         self._apply_step = apply_step  # called under _cond, one sync step at a time, in order
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # a step applied, a worker came or went
         # Guarded by _cond:
+        # ASYNC without a staleness bound: worker -> what its pulls wait on (its own push;
+        # one condition each, so that a push wakes its worker's pulls only).
+        self._own_push: dict[int, threading.Condition] = {}
+        self._furthest = 0  # the furthest step pushed
         self._mode: int | None = None  # set by the first Join
         self._num_workers = 1
         self._elastic = False  # set by the first Join: workers come and go
@@ -96,7 +102,7 @@ class StepClock:
             self._mode, self._num_workers = mode, num_workers
             self._staleness, self._elastic = staleness, elastic
             step = self._applied if self._mode == SYNC else self._pushed.get(worker, 0)
-            self._pushed[worker] = max(self._pushed.get(worker, 0), step)
+            self._set_pushed(worker, max(self._pushed.get(worker, 0), step))
             if elastic:
                 self._live.add(worker)
             return step
@@ -111,14 +117,14 @@ class StepClock:
             self._live.discard(worker)
             if self._mode == SYNC:
                 self._apply_complete_steps()
-            self._cond.notify_all()
+            self._wake_all()
             return self._step()
 
     def retire(self, why: str) -> None:
         """Waiting and later requests are refused (ABORTED) with `why`."""
         with self._cond:
             self._gone = why
-            self._cond.notify_all()
+            self._wake_all()
 
     def check_worker(self, worker: int, step: int) -> None:
         """Refuses a request of `worker` for `step` that the shard does not take."""
@@ -130,8 +136,7 @@ class StepClock:
         if elastic and not live:
             raise RequestError(
                 "FAILED_PRECONDITION",
-                f"worker {worker} is not an elastic worker of this shard (it left, or its lease "
-                "expired): it must join again",
+                f"worker {worker} {NOT_JOINED} (it left, or its lease expired): it must join again",
             )
         if not elastic and joined and not 0 <= worker < num_workers:
             raise invalid(f"worker {worker} is not one of the {num_workers} workers that joined")
@@ -150,8 +155,8 @@ class StepClock:
                     f"so it can pull step {last + 1 + MAX_PUSHES_IN_FLIGHT} at most"
                 )
 
-    def wait_to_pull(self, worker: int, step: int, timeout: float) -> None:
-        """Blocks a pull for `step` until the mode allows it.
+    def wait_to_pull(self, worker: int, step: int, timeout: float) -> float:
+        """Blocks a pull for `step` until the mode allows it; the seconds it waited.
 
         Always: the worker's own push of step - 1 has arrived (it may still be
         in flight). SYNC: step - 1 is applied. Bounded staleness s: every
@@ -164,7 +169,7 @@ class StepClock:
             return not self._late(worker, step)[0]
 
         def timed_out() -> RequestError:
-            _, late, what = self._late(worker, step)
+            _, late, what = self._late(worker, step, who=True)
             why = (
                 f"workers {late} have not pushed it (stopped or dead?)"
                 if late
@@ -177,7 +182,13 @@ class StepClock:
             )
 
         with self._cond:
-            self._wait_until(ready, timeout, timed_out)
+            if ready():
+                return 0.0
+            began = time.monotonic()
+            own = self._mode == ASYNC and self._staleness < 0  # only its own push to wait for
+            cond = self._own_push.setdefault(worker, threading.Condition(self._lock))
+            self._wait_until(ready, timeout, timed_out, cond if own else self._cond)
+            return time.monotonic() - began
 
     # Pushes.
 
@@ -202,7 +213,7 @@ class StepClock:
                     + (" (once that one is applied)" if worker in self._applying else "")
                 )
             if self._mode == SYNC:
-                self._pushed[worker] = step
+                self._set_pushed(worker, step)
                 parts = queue()
                 self._pending.setdefault(step, {})[worker] = parts
                 self._apply_complete_steps()
@@ -215,8 +226,11 @@ class StepClock:
         finally:
             with self._cond:
                 self._applying.discard(worker)
-                self._pushed[worker] = step
-                self._cond.notify_all()
+                self._set_pushed(worker, step)
+                if worker in self._own_push:
+                    self._own_push[worker].notify_all()
+                if self._staleness >= 0:  # the bound's waits depend on every worker's pushes
+                    self._cond.notify_all()
         with self._cond:
             return self._step()
 
@@ -245,7 +259,7 @@ class StepClock:
         with self._cond:
             self._hold = None
             self._apply_complete_steps()
-            self._cond.notify_all()
+            self._wake_all()
 
     def wait_applied(self, after_step: int, timeout: float) -> tuple[int, dict[int, int]]:
         """SYNC with `after_step`: waits until that step is applied. Returns the shard's step
@@ -312,11 +326,12 @@ class StepClock:
             self._elastic, self._live = state["elastic"], set(state["live"])
             self._staleness, self._applied = state["staleness"], state["applied"]
             self._pushed = {int(w): step for w, step in state["pushed"].items()}
+            self._furthest = max(self._pushed.values(), default=0)
             self._pending = {}
             for worker, step, parts in pending:
                 self._pending.setdefault(step, {})[worker] = parts
             self._applying = set()
-            self._cond.notify_all()
+            self._wake_all()
 
     def keep_pending(
         self, keep: Callable[[np.ndarray], np.ndarray], first: Callable[[], None]
@@ -332,12 +347,21 @@ class StepClock:
     # Under _cond.
 
     def _step(self) -> int:
-        if self._mode == SYNC:
-            return self._applied
-        return max(self._pushed.values(), default=0)
+        return self._applied if self._mode == SYNC else self._furthest
 
-    def _late(self, worker: int, step: int) -> tuple[bool, list[int], str]:
-        """Whether a pull of `step` by `worker` must wait; the workers it waits for; why.
+    def _set_pushed(self, worker: int, step: int) -> None:
+        self._pushed[worker] = step
+        self._furthest = max(self._furthest, step)
+
+    def _wake_all(self) -> None:
+        """Wakes every waiting call (the rare changes: a worker left, a save, a new state)."""
+        self._cond.notify_all()
+        for cond in self._own_push.values():
+            cond.notify_all()
+
+    def _late(self, worker: int, step: int, who: bool = False) -> tuple[bool, list[int], str]:
+        """Whether a pull of `step` by `worker` must wait; the workers it waits for (with
+        `who`, else []: a check is O(1) in SYNC); why.
 
         SYNC waits until step - 1 is applied, even once every worker pushed
         it (a save may hold it back).
@@ -353,16 +377,24 @@ class StepClock:
             return False, [], ""
         if needed <= 0 or (self._mode == SYNC and self._applied >= needed):
             return False, [], ""
-        late = [w for w in self._workers() if self._pushed.get(w, 0) < needed]
-        return self._mode == SYNC or bool(late), late, what
+        if who:
+            late = [w for w in self._workers() if self._pushed.get(w, 0) < needed]
+            return self._mode == SYNC or bool(late), late, what
+        workers = self._live if self._elastic else range(self._num_workers)
+        waits = self._mode == SYNC or any(self._pushed.get(w, 0) < needed for w in workers)
+        return waits, [], what
 
     def _workers(self) -> list[int]:
         """The workers every step waits for."""
         return sorted(self._live) if self._elastic else list(range(self._num_workers))
 
     def _step_complete(self, pushed_by: dict[int, Any]) -> bool:
-        if self._elastic:
-            return bool(pushed_by) and self._live <= pushed_by.keys()
+        if self._elastic:  # (the sizes first: the subset test runs about once a step)
+            return (
+                bool(pushed_by)
+                and len(pushed_by) >= len(self._live)
+                and self._live <= pushed_by.keys()
+            )
         return len(pushed_by) >= self._num_workers
 
     def _apply_complete_steps(self) -> None:
@@ -381,12 +413,17 @@ class StepClock:
             self._cond.notify_all()
 
     def _wait_until(
-        self, ready: Callable[[], bool], timeout: float, timed_out: Callable[[], RequestError]
+        self,
+        ready: Callable[[], bool],
+        timeout: float,
+        timed_out: Callable[[], RequestError],
+        cond: threading.Condition | None = None,
     ) -> None:
-        """Waits on `_cond` until `ready()`; raises `timed_out()` once `timeout` s have passed."""
+        """Waits on `cond` (default `_cond`) until `ready()`; raises `timed_out()` once
+        `timeout` s have passed."""
         deadline = time.monotonic() + timeout
         while not ready():
             left = deadline - time.monotonic()
             if left <= 0:
                 raise timed_out()
-            self._cond.wait(left)
+            (cond or self._cond).wait(left)

@@ -24,6 +24,7 @@ from elastic_emb.tables.table import Table, TableState
 
 __all__ = [
     "ENCODINGS",
+    "NOT_JOINED",
     "RAW_METHODS",
     "Encoded",
     "WireError",
@@ -49,6 +50,10 @@ __all__ = [
 # The calls whose requests and answers both sides read and write in C++ (`_core.PullMessage`,
 # `PushMessage`, `PullPlan`, `push_requests`): sent and received as bytes.
 RAW_METHODS = frozenset(("Pull", "Push", "PullRanges", "PushRanges"))
+
+# In the FAILED_PRECONDITION a shard answers an elastic worker it does not count (the
+# worker left, or its lease lapsed): the worker joins that range again and re-sends.
+NOT_JOINED = "is not an elastic worker of this shard"
 
 ENCODINGS: dict[str, Any] = {
     "float32": ps_pb2.FLOAT32,

@@ -1,0 +1,454 @@
+"""Hundreds of workers against replicated groups: throughput, the sync barrier, failover,
+etcd's load and the servers' cost per connected worker, with every push accounted for.
+
+A real cluster (etcd and 4 groups x R=2 `elastic-emb serve --coordinator`
+processes on 127.0.0.1) and N light workers: each is a real client (`Routing`
+and `Cluster`, its own etcd lease, worker index and gRPC connections) that pulls
+and pushes one SGD table, without TensorFlow; many run as threads of a few
+worker processes. Every gradient is 1 and the learning rate 1/8, so a row ends
+at exactly -count/8, count being how many acknowledged pushes carried its key:
+the check reads every row and compares (and each backup against its primary).
+
+    python bench/scale_bench.py [--workers 16,64,256] [--modes sync,async]
+                                [--kills 10] [--steps 30] [--batch 64]
+
+Sections: one run per (mode, workers) pair, then, with the largest worker
+count, the failover run (a primary SIGKILLed --kills times while every worker
+trains, a new server copied in after each) and a live slot move (two servers
+start, form a fifth group and take half a range) in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+DIM = 8
+LEARNING_RATE = 0.125  # 1/8: -count/8 is exact in float32
+VOCAB = 100_000
+WARM_UP_STEPS = 3  # steps every worker of a run makes before it is measured
+
+
+def keys_of(worker: int, step: int, batch: int) -> np.ndarray:
+    """The distinct keys worker `worker` pulls and pushes at its `step`-th step."""
+    rng = np.random.default_rng((worker, step))
+    return np.unique(rng.integers(0, VOCAB, batch)).astype(np.int64)
+
+
+# -- the worker processes --------------------------------------------------------------------
+
+
+def worker_process(args: argparse.Namespace) -> None:
+    """`--run-workers`: workers [first, first + count) as threads; one JSON line per worker."""
+    from elastic_emb.ps.client import shard_client
+    from elastic_emb.ps.client.cluster import Cluster, ClusterOptions
+    from elastic_emb.ps.client.routing import Routing
+    from elastic_emb.tables.policies.optimizers import SGD
+    from elastic_emb.tables.table import TableConfig
+
+    # Each worker its own connections, as separate processes would have.
+    shard_client.NO_RETRY_OPTIONS.append(("grpc.use_local_subchannel_pool", 1))
+    config = TableConfig.make(DIM, SGD(LEARNING_RATE), "zeros", args.table, 0).to_dict()
+    stop = Path(args.stop)
+    start_gate = threading.Barrier(args.count)
+    lock = threading.Lock()
+    warmed = threading.Barrier(args.count, action=Path(f"{args.stop}.ready-{args.first}").touch)
+
+    def run(worker: int) -> None:
+        report: dict = {"worker": worker, "steps": 0, "ends": [], "pull": [], "step": []}
+        cluster = None
+        try:
+            routing = Routing(args.coordinator, connect_timeout=120)
+            options = ClusterOptions(
+                mode=args.mode, worker_index=worker, timeout=600, connect_timeout=120,
+                failover_timeout=120,
+            )  # fmt: skip
+            cluster = Cluster([], options, routing)
+            cluster.create_tables([config])
+            start_gate.wait()
+            report["first_step"] = cluster.step
+            ones = np.ones((args.batch, DIM), np.float32)
+            i = 0
+            while (args.steps == 0 or i < args.steps) and not stop.exists():
+                i += 1
+                keys = keys_of(worker, i, args.batch)
+                began = time.monotonic()
+                cluster.pull([(args.table, DIM, keys)], True)
+                pulled = time.monotonic()
+                cluster.push({args.table: (DIM, keys, ones[: len(keys)])})
+                report["pull"].append(pulled - began)
+                report["step"].append(time.monotonic() - began)
+                report["ends"].append(time.monotonic())
+                if i == WARM_UP_STEPS:
+                    warmed.wait()
+            cluster.flush()  # every push acknowledged
+            report["steps"] = i
+            report["lease lapses"] = routing.registrations
+        except BaseException as e:  # reported, not raised
+            report["error"] = f"{type(e).__name__}: {e}"
+            start_gate.abort(), warmed.abort()  # the others stop waiting for this one
+        finally:
+            if cluster is not None:
+                try:
+                    cluster.close()
+                except BaseException as e:
+                    report.setdefault("error", f"close: {type(e).__name__}: {e}")
+            with lock:
+                print(json.dumps(report), flush=True)
+
+    threads = [
+        threading.Thread(target=run, args=(args.first + i,), daemon=True) for i in range(args.count)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def process_figures(pid: int) -> dict[str, int]:
+    """RSS bytes, threads and open file descriptors of a process."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    field = {line.split(":")[0]: line.split(":")[1].split() for line in status.splitlines()}
+    return {
+        "rss": int(field["VmRSS"][0]) * 1024,
+        "threads": int(field["Threads"][0]),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+    }
+
+
+def etcd_counters(url: str) -> dict[str, float]:
+    """etcd's requests handled (all gRPC methods, the JSON gateway's included) and watch
+    events sent, from its /metrics."""
+    host = url.split("://", 1)[-1]
+    text = urllib.request.urlopen(f"http://{host}/metrics", timeout=10).read().decode()
+    requests = events = 0.0
+    for line in text.splitlines():
+        if line.startswith("grpc_server_handled_total{"):
+            requests += float(line.rsplit(" ", 1)[1])
+            if os.environ.get("SCALE_DEBUG"):
+                print(line, file=sys.stderr)
+        elif line.startswith("etcd_debugging_mvcc_events_total "):
+            events += float(line.rsplit(" ", 1)[1])
+    return {"requests": requests, "events": events}
+
+
+def pull_waits(addresses: list[str]) -> tuple[int, float]:
+    """Pulls that waited for other workers and their seconds, summed over `addresses`."""
+    import grpc
+
+    from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+
+    calls, seconds = 0, 0.0
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            stats = stub.Stats(ps_pb2.StatsRequest(), timeout=10)
+        calls, seconds = calls + stats.pull_waits, seconds + stats.pull_wait_seconds
+    return calls, seconds
+
+
+# -- one run ---------------------------------------------------------------------------------
+
+
+class Run:
+    """Worker processes training `table` until `stop()` (or `steps` each)."""
+
+    def __init__(self, cluster, args, mode: str, workers: int, steps: int, table: str) -> None:
+        self.table, self.stop_file = table, Path(cluster.directory) / f"stop-{table}"
+        per = args.per_process
+        self.processes = []
+        self.firsts = range(0, workers, per)
+        for first in self.firsts:
+            command = [
+                sys.executable, __file__, "--run-workers", "--coordinator", cluster.coordinator,
+                "--mode", mode, "--first", str(first), "--count", str(min(per, workers - first)),
+                "--steps", str(steps), "--batch", str(args.batch), "--table", table,
+                "--stop", str(self.stop_file),
+            ]  # fmt: skip
+            self.processes.append(
+                subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_worker_env())
+            )
+        self.reports: list[dict] = []
+        _RUNS.append(self)
+
+    def wait_until_training(self, timeout: float = 600) -> None:
+        """Until every worker has made WARM_UP_STEPS steps."""
+        deadline = time.monotonic() + timeout
+        ready = [Path(f"{self.stop_file}.ready-{first}") for first in self.firsts]
+        while not all(r.exists() for r in ready):
+            ended = [p for p in self.processes if p.poll() is not None]
+            if ended:
+                out = ended[0].communicate()[0]
+                errors = [line for line in out.splitlines() if '"error"' in line]
+                raise RuntimeError(
+                    f"worker process {ended[0].args[6:10]} ended ({ended[0].returncode}): "
+                    f"{errors[:2] or out[-2000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the workers did not start within {timeout} s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.stop_file.touch()
+
+    def wait(self, timeout: float) -> list[dict]:
+        for p in self.processes:
+            out, _ = p.communicate(timeout=timeout)
+            self.reports += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        errors = [r for r in self.reports if "error" in r]
+        if errors:
+            raise RuntimeError(f"{len(errors)} workers failed, e.g. {errors[0]['error']}")
+        return self.reports
+
+    def kill(self) -> None:
+        """Ends the worker processes still running (a failed run)."""
+        for p in self.processes:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+
+_RUNS: list[Run] = []  # killed when the benchmark ends, whatever happened
+
+
+def _worker_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_EMB_")}
+    return {**env, "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def check_rows(cluster, table: str, reports: list[dict], batch: int) -> int:
+    """Every row of `table` is -count/8 on its primary, and each backup holds exactly the
+    primary's rows; returns the rows checked."""
+    from _replicas import export  # tests/_replicas.py: a replica's rows over gRPC
+    from _states import assert_same_state
+
+    counts = np.zeros(VOCAB, np.int64)
+    for r in reports:
+        for step in range(1, r["steps"] + 1):
+            counts[keys_of(r["worker"], step, batch)] += 1
+    found = []
+    for group in cluster.map().groups:
+        primary = export(group.primary, table)
+        for backup in group.members:
+            assert_same_state(primary, export(backup, table))
+        found.append(primary)
+    keys = np.concatenate([f["keys"] for f in found])
+    values = np.concatenate([f["values"] for f in found])
+    expected_keys = np.flatnonzero(counts)
+    if len(keys) != len(expected_keys) or not np.array_equal(np.sort(keys), expected_keys):
+        raise AssertionError(f"{len(keys)} rows found; {len(expected_keys)} keys were pushed")
+    want = (-counts[keys] * LEARNING_RATE).astype(np.float32)[:, None]
+    wrong = np.flatnonzero((values != want).any(axis=1))
+    if len(wrong):
+        raise AssertionError(
+            f"{len(wrong)} rows differ from -count/8, e.g. key {keys[wrong[0]]}: "
+            f"{values[wrong[0]]} for count {counts[keys[wrong[0]]]}"
+        )
+    return len(keys)
+
+
+def servers_figures(cluster) -> dict[str, float]:
+    figures = [process_figures(p.pid) for p in cluster.servers.values() if p.poll() is None]
+    return {k: statistics.mean(f[k] for f in figures) for k in figures[0]}
+
+
+def measure(cluster, args, mode: str, workers: int) -> dict:
+    """One run of `workers` workers, `args.steps` steps each."""
+    table = f"{mode}{workers}"
+    server_pids = [p.pid for p in cluster.servers.values()]
+    idle = servers_figures(cluster)
+    run = Run(cluster, args, mode, workers, 0, table)
+    run.wait_until_training()
+    connected = servers_figures(cluster)
+    cpu0, etcd0, waits0 = (
+        cpu_seconds(server_pids),
+        etcd_counters(cluster.coordinator),
+        pull_waits(list(cluster.servers)),
+    )
+    worker_cpu0, wall0 = cpu_seconds(run.pids()), time.monotonic()
+    time.sleep(args.seconds)
+    cpu1, etcd1, waits1 = (
+        cpu_seconds(server_pids),
+        etcd_counters(cluster.coordinator),
+        pull_waits(list(cluster.servers)),
+    )
+    worker_cpu1, wall1 = cpu_seconds(run.pids()), time.monotonic()
+    run.stop()
+    reports = run.wait(600)
+    rows = check_rows(cluster, table, reports, args.batch)
+    steps = [
+        (end, s, p)
+        for r in reports
+        for end, s, p in zip(r["ends"], r["step"], r["pull"], strict=True)
+        if wall0 <= end <= wall1
+    ]
+    key_count = sum(
+        len(keys_of(r["worker"], i + 1, args.batch))
+        for r in reports
+        for i, end in enumerate(r["ends"])
+        if wall0 <= end <= wall1
+    )
+    seconds = wall1 - wall0
+    wait_calls, wait_seconds = waits1[0] - waits0[0], waits1[1] - waits0[1]
+    return {
+        "mode": mode,
+        "workers": workers,
+        "steps": len(steps),
+        "keys/s": 2 * key_count / seconds,  # pulled and pushed
+        "keys per server CPU s": 2 * key_count / max(cpu1 - cpu0, 1e-9),
+        "server CPU s/s": (cpu1 - cpu0) / seconds,
+        "worker CPU s/s": (worker_cpu1 - worker_cpu0) / seconds,
+        "step ms": 1e3 * statistics.median(s for _, s, _ in steps),
+        "pull ms": 1e3 * statistics.median(p for _, _, p in steps),
+        "wait ms/pull": 1e3 * wait_seconds / max(wait_calls, 1),
+        "etcd req/s": (etcd1["requests"] - etcd0["requests"]) / seconds,
+        "watch events/s": (etcd1["events"] - etcd0["events"]) / seconds,
+        "rss per worker KiB": (connected["rss"] - idle["rss"]) / workers / 1024,
+        "threads": connected["threads"],
+        "fds": connected["fds"],
+        "lease lapses": sum(r.get("lease lapses", 0) for r in reports),
+        "rows checked": rows,
+    }
+
+
+def failover_and_move(cluster, args, mode: str, workers: int) -> dict:
+    """Kills a primary --kills times while `workers` train, then moves slots live; checks."""
+    table = f"failover{mode}{workers}"
+    run = Run(cluster, args, mode, workers, 0, table)
+    run.wait_until_training()
+    kills: list[tuple[float, str]] = []
+    for k in range(args.kills):
+        time.sleep(1.0)
+        victim = cluster.primaries()[k % len(cluster.primaries())]
+        cluster.kill(victim)
+        kills.append((time.monotonic(), victim))
+        newcomer = cluster.start_server()
+        cluster.wait_until(
+            lambda n=newcomer: any(n in g.members for g in cluster.map().groups), 300,
+            "the new server is a backup",
+        )  # fmt: skip
+    moved_at = time.monotonic()
+    before = len(cluster.map().ranges)
+    cluster.start_server(), cluster.start_server()
+    cluster.wait_until(
+        lambda: len(cluster.map().ranges) > before and cluster.map().move is None, 300,
+        "a fifth group took half a range",
+    )  # fmt: skip
+    move_seconds = time.monotonic() - moved_at
+    time.sleep(2.0)
+    run.stop()
+    reports = run.wait(600)
+    rows = check_rows(cluster, table, reports, args.batch)
+    ends = sorted(e for r in reports for e in r["ends"])
+    first_after, all_after = [], []
+    for killed, _ in kills:
+        first_after.append(next(e for e in ends if e > killed) - killed)
+        all_after.append(
+            max(next(e for e in r["ends"] if e > killed) for r in reports if r["ends"][-1] > killed)
+            - killed
+        )
+    slowest = max(max(r["step"]) for r in reports)
+    return {
+        "mode": mode,
+        "workers": workers,
+        "kills": len(kills),
+        "first step after kill, median ms": 1e3 * statistics.median(first_after),
+        "first step after kill, max ms": 1e3 * max(first_after),
+        "every worker past it, median ms": 1e3 * statistics.median(all_after),
+        "every worker past it, max ms": 1e3 * max(all_after),
+        "slot move s (start -> cutover)": move_seconds,
+        "slowest step s": slowest,
+        "lease lapses": sum(r.get("lease lapses", 0) for r in reports),
+        "rows checked": rows,
+    }
+
+
+def table(rows: list[dict]) -> None:
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("| " + " | ".join("---" for _ in keys) + " |")
+    for r in rows:
+        cells = [f"{v:,.2f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else v
+                 for v in r.values()]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", default="16,64,256")
+    parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured per run")
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--per-process", type=int, default=16, help="workers per process")
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--cluster-dir", help="keep etcd's data and the servers' logs here")
+    # A worker process (started by the runs).
+    parser.add_argument("--run-workers", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--coordinator", "--mode", "--table", "--stop"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+    for name in ("--first", "--count", "--steps"):
+        parser.add_argument(name, type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_workers:
+        return worker_process(args)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from elastic_emb.ps.coord.local_cluster import LocalCluster
+
+    counts = [int(w) for w in args.workers.split(",")]
+    modes = args.modes.split(",")
+    cpu = platform.processor() or platform.machine()
+    print(f"Machine: {os.cpu_count()} cores, {cpu}, no GPU; {args.groups} groups x R=2, "
+          f"batch {args.batch} keys, dim {DIM}, SGD")  # fmt: skip
+    results, faults = [], []
+    try:
+        for mode in modes:  # a cluster per mode: a shard's mode is set by its first worker
+            with LocalCluster(args.groups, 2, args.cluster_dir) as cluster:
+                for workers in counts:
+                    results.append(measure(cluster, args, mode, workers))
+                    print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+                if args.kills:
+                    faults.append(failover_and_move(cluster, args, mode, max(counts)))
+                    print(json.dumps(faults[-1]), file=sys.stderr, flush=True)
+    finally:
+        for run in _RUNS:
+            run.kill()
+    print("\n## Throughput, barrier, etcd and server cost by number of workers\n")
+    table(results)
+    if faults:
+        print("\n## Failover with every worker connected, then a live slot move\n")
+        table(faults)
+
+
+if __name__ == "__main__":
+    main()
