@@ -24,7 +24,9 @@ __all__ = ["PING_FAILURES", "PING_SECONDS", "Failover"]
 log = logging.getLogger("elastic_emb.server")
 
 PING_SECONDS = 0.1  # a backup asks its primary this often...
-PING_FAILURES = 3  # ...and takes over after this many failures in a row
+PING_FAILURES = 3  # ...and takes over after this many refused connections in a row (dead),
+# or once a primary that still accepts connections has not answered for its lease's TTL
+# (paused or overloaded: its lease would lapse by then too).
 
 
 class Failover:
@@ -56,9 +58,10 @@ class Failover:
         self._promoted = promoted
 
     def run(self) -> None:
-        """A backup pings its primary; after PING_FAILURES failures it takes over."""
+        """A backup pings its primary and takes over from a dead or unresponsive one: after
+        PING_FAILURES refused connections in a row, or no answer for the lease's TTL."""
         state = self._state
-        failures, watched = 0, ""
+        failures, watched, answered = 0, "", time.monotonic()
         while True:
             with state.cond:
                 if state.stopped:
@@ -66,18 +69,20 @@ class Failover:
                 group = state.map.group_of(state.address)
             primary = group.primary if group and state.address in group.members else ""
             if primary != watched:
-                failures, watched = 0, primary
+                failures, watched, answered = 0, primary, time.monotonic()
             if primary:
                 try:
                     self._channels.stub(primary).Health(
                         ps_pb2.HealthRequest(), timeout=3 * PING_SECONDS
                     )
-                    failures = 0
-                except grpc.RpcError:
-                    failures += 1
-                    if failures >= PING_FAILURES:
+                    failures, answered = 0, time.monotonic()
+                except grpc.RpcError as e:
+                    refused = e.code() == grpc.StatusCode.UNAVAILABLE  # nothing listens there
+                    failures = failures + 1 if refused else 0
+                    silent = time.monotonic() - answered
+                    if failures >= PING_FAILURES or silent > state.lease_seconds:
                         self.take_over(primary)
-                        failures = 0
+                        failures, answered = 0, time.monotonic()
             time.sleep(PING_SECONDS)
 
     def take_over(self, primary: str) -> None:

@@ -21,7 +21,7 @@ import grpc
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps.coord import membership
 from elastic_emb.ps.coord.balance import LoadMeter, Policy
-from elastic_emb.ps.coord.etcd import Compare, Etcd, EtcdError, LeaseLost
+from elastic_emb.ps.coord.etcd import Compare, Etcd, EtcdError, LeaseLost, Op
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap, Group
 from elastic_emb.ps.server.failover import Failover
 from elastic_emb.ps.server.incoming_ranges import IncomingRanges
@@ -38,6 +38,10 @@ from elastic_emb.ps.wire.security import ClientSecurity
 __all__ = ["REPLICATED_METHODS", "WORKER_CHANGES", "Replica", "aborted"]
 
 log = logging.getLogger("elastic_emb.server")
+
+# A worker whose lease ended counts as gone only if it has not registered again this long
+# after (a lapse under load, not a death): no sync step goes on without it meanwhile.
+WORKER_GRACE_SECONDS = 3.0
 
 _Snapshot = RangeSnapshot  # its name before the split (tests use it)
 
@@ -284,8 +288,12 @@ class Replica:
                     self._in_background(self._worker_gone, event.kv.key)
 
     def _worker_gone(self, key: str) -> None:
-        """A worker's key was deleted: it left, unless it registered again meanwhile (its
-        lease had lapsed; it joins again by itself)."""
+        """A worker's key was deleted: it left, unless it registers again within
+        WORKER_GRACE_SECONDS (its lease had lapsed: no sync step goes on without it)."""
+        state = self._state
+        with state.cond:
+            if state.cond.wait_for(lambda: state.stopped, WORKER_GRACE_SECONDS):
+                return
         if self._etcd.get(key) is None:
             self.worker_gone(int(key.rsplit("/", 1)[1]))
 
@@ -406,13 +414,53 @@ class Replica:
             except LeaseLost:
                 with state.cond:
                     replaced = state.lease != lease  # rejoined meanwhile
-                if not replaced:
+                if not replaced and not self._keep_place():
                     log.warning("%s lost its lease: rejoining with an empty state", self.address)
                     self._rejoin()
             except EtcdError as e:
                 log.warning("cannot reach the coordinator: %s", e)
                 interval = 0.1
             next_refresh = sent + interval
+
+    def _keep_place(self) -> bool:
+        """After a lapse of its lease (etcd or this machine too slow to renew it): a primary
+        the map still names, at the epoch it serves, takes a new lease and keeps its place
+        and its rows; False (nothing done) otherwise.
+
+        A backup that saw the lease end may still take over (it holds every acknowledged
+        change); then this server is demoted and rejoins as usual. A group without a backup
+        keeps its rows instead of restarting empty.
+        """
+        state = self._state
+        with state.cond:
+            ours = state.map.group_of(self.address)
+            serving = state.applied is not None
+        try:
+            m = self._read_map()
+            group = m.group_of(self.address)
+            if not (serving and ours and group and group.primary == self.address):
+                return False
+            if group.epoch != ours.epoch:
+                return False
+            lease = self._etcd.grant(state.lease_seconds)
+            value = json.dumps({"address": self.address, "lease": lease.id}).encode()
+            kept = self._etcd.txn(
+                [Compare.mod_revision(membership.map_key(self._prefix), "=", m.revision)],
+                [Op.put(membership.server_key(self._prefix, self.address), value, lease.id)],
+            ).succeeded
+            if not kept:
+                self._etcd.revoke(lease.id)
+                return False
+        except EtcdError as e:
+            log.warning("%s cannot renew its place after its lease lapsed: %s", self.address, e)
+            return False
+        with state.cond:
+            state.lease, state.last_keepalive = lease.id, time.monotonic()
+        log.warning(
+            "%s's lease lapsed; the map still names it the primary of group %d (epoch %d): it "
+            "keeps its place and its rows under a new lease", self.address, group.id, group.epoch,
+        )  # fmt: skip
+        return True
 
     def _rejoin(self) -> None:
         for attempt in range(1000):
