@@ -121,7 +121,12 @@ def check_rows(groups: list, table: str, reports: list[dict], batch: int) -> int
     for group in groups:
         primary = export(group.primary, table)
         for backup in group.members:
-            assert_same_state(primary, export(backup, table))
+            try:
+                assert_same_state(primary, export(backup, table))
+            except AssertionError as e:
+                raise AssertionError(
+                    f"group {group.id}: backup {backup} differs from primary {group.primary}: {e}"
+                ) from None
         found.append(primary)
     keys = np.concatenate([f["keys"] for f in found])
     values = np.concatenate([f["values"] for f in found])
