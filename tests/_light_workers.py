@@ -20,6 +20,7 @@ from _states import assert_same_state
 from elastic_emb.ps.client import shard_client
 from elastic_emb.ps.client.cluster import Cluster, ClusterOptions
 from elastic_emb.ps.client.routing import Routing
+from elastic_emb.tables import sharding
 from elastic_emb.tables.policies.optimizers import SGD
 from elastic_emb.tables.table import TableConfig
 
@@ -121,11 +122,18 @@ def check_rows(groups: list, table: str, reports: list[dict], batch: int) -> int
     for group in groups:
         primary = export(group.primary, table)
         for backup in group.members:
+            other = export(backup, table)
             try:
-                assert_same_state(primary, export(backup, table))
+                assert_same_state(primary, other)
             except AssertionError as e:
+                only = np.setdiff1d(primary["keys"], other["keys"])
+                at = np.searchsorted(primary["keys"], only)
                 raise AssertionError(
-                    f"group {group.id}: backup {backup} differs from primary {group.primary}: {e}"
+                    f"group {group.id}: backup {backup} differs from primary {group.primary}: "
+                    f"{len(only)} keys only on the primary, slots "
+                    f"{np.unique(sharding.slot_of(only))[:20].tolist()}, values "
+                    f"{primary['values'][at[:5], 0].tolist()}, counts {counts[only[:5]].tolist()}"
+                    f"; {e}"
                 ) from None
         found.append(primary)
     keys = np.concatenate([f["keys"] for f in found])

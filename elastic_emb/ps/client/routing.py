@@ -8,6 +8,7 @@ after a failover, `wait_for_change` wakes the worker's calls at once.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -196,7 +197,9 @@ class Routing:
             try:
                 # Kept alive before the index is taken: a slow registration cannot outlive it.
                 keep = self._etcd.keep_alive(
-                    lease.id, self._lease_seconds / 4, lambda i=lease.id: self._on_lease_lost(i)
+                    lease.id,
+                    self._lease_seconds / 4,
+                    functools.partial(self._on_lease_lost, lease.id),
                 )
                 return self._take_index(worker, lease.id, lapsed), lease.id, keep
             except LeaseLost:

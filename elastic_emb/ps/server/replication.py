@@ -436,20 +436,23 @@ class Replica:
             ours = state.map.group_of(self.address)
             serving = state.applied is not None
         try:
-            m = self._read_map()
-            group = m.group_of(self.address)
-            if not (serving and ours and group and group.primary == self.address):
-                return False
-            if group.epoch != ours.epoch:
-                return False
-            lease = self._etcd.grant(state.lease_seconds)
-            value = json.dumps({"address": self.address, "lease": lease.id}).encode()
-            kept = self._etcd.txn(
-                [Compare.mod_revision(membership.map_key(self._prefix), "=", m.revision)],
-                [Op.put(membership.server_key(self._prefix, self.address), value, lease.id)],
-            ).succeeded
-            if not kept:
+            for _ in range(100):  # (the map may change for other reasons meanwhile)
+                m = self._read_map()
+                group = m.group_of(self.address)
+                if not (serving and ours and group and group.primary == self.address):
+                    return False
+                if group.epoch != ours.epoch:
+                    return False
+                lease = self._etcd.grant(state.lease_seconds)
+                value = json.dumps({"address": self.address, "lease": lease.id}).encode()
+                kept = self._etcd.txn(
+                    [Compare.mod_revision(membership.map_key(self._prefix), "=", m.revision)],
+                    [Op.put(membership.server_key(self._prefix, self.address), value, lease.id)],
+                ).succeeded
+                if kept:
+                    break
                 self._etcd.revoke(lease.id)
+            else:
                 return False
         except EtcdError as e:
             log.warning("%s cannot renew its place after its lease lapsed: %s", self.address, e)

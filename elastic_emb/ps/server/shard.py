@@ -133,10 +133,19 @@ class Shard:
         self.check_keys(message)
         self._clock.check_pull_step(worker, step)
         tables = [self.table(name) for name in message.names]
+        slots = self.slots
         seconds = self._clock.wait_to_pull(worker, step, timeout)
         if seconds and waited is not None:
             waited(seconds)
-        return answer_pull(tables, message)
+        self.check_keys(message)  # (again: slots may have moved away while it waited)
+        answer = answer_pull(tables, message)
+        if self.slots != slots and slots is not None and self.slots is not None:
+            # They moved while it was answered: the rows it inserted there are not this
+            # range's (the move's own erase may have run before they were inserted).
+            for table in tables:
+                table.erase_slots((self.slots[1], slots[1]))
+            self.check_keys(message)
+        return answer
 
     def push(self, message: Any) -> int:
         """Applies (SYNC: queues until every worker pushed) one step of a parsed Push
