@@ -7,6 +7,9 @@ both halves after the split is applied once.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import _shards
 import numpy as np
 from _states import assert_same_state, sorted_state
@@ -14,6 +17,7 @@ from _states import assert_same_state, sorted_state
 import elastic_emb as ee
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps.server.replication import _Snapshot
+from elastic_emb.ps.server.request_error import RequestError
 from elastic_emb.ps.server.shard import SYNC, Shard
 from elastic_emb.ps.wire import protocol
 from elastic_emb.tables import sharding
@@ -126,3 +130,33 @@ def test_the_core_exports_and_erases_a_slot_range_as_slot_of_says():
     )
     assert table.erase_slots((1000, 3000)) == inside.sum()
     assert_same_state(sorted_state(table.export_state()), sorted_state(full.select(~inside)))
+
+
+def test_a_pull_waiting_across_a_shrink_is_refused_and_inserts_nothing_there():
+    """A sync pull checked its keys, then waited for its step while the range's upper
+    slots moved away: it is refused (the worker splits it again), and no row of the moved
+    slots stays behind on the source (its backup never had one)."""
+    n = sharding.NUM_SLOTS
+    shard = _shard()
+    shard.slots = (0, n)
+    keys = np.arange(400, dtype=np.int64)
+    _push(shard, 0, 1, keys[:10])  # worker 0 pushed step 1; worker 1 has not
+    outcome: list[BaseException | None] = []
+
+    def pull() -> None:
+        try:
+            _shards.pull(shard, 0, 2, True, 30.0, [("t", np.arange(1000, 1400, dtype=np.int64))])
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    waiting = threading.Thread(target=pull)
+    waiting.start()
+    time.sleep(0.3)  # the pull of step 2 waits for step 1
+    shard.shrink(n // 2)
+    _push(shard, 1, 1, keys[:10][sharding.slot_of(keys[:10]) < n // 2])
+    waiting.join(30)
+    (error,) = outcome
+    assert isinstance(error, RequestError) and error.code == "OUT_OF_RANGE"
+    stored = shard.table("t").export_state().keys
+    assert (sharding.slot_of(stored) < shard.slots[1]).all()
