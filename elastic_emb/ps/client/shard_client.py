@@ -23,7 +23,7 @@ from elastic_emb._proto import ps_pb2_grpc
 from elastic_emb.ps.wire import protocol, security
 from elastic_emb.ps.wire.security import GRPC_OPTIONS, SERVICE, ClientSecurity
 
-__all__ = ["NotPrimary", "RangeChanged", "ShardClient", "ShardStats", "error_of"]
+__all__ = ["NotJoined", "NotPrimary", "RangeChanged", "ShardClient", "ShardStats", "error_of"]
 
 # Calls that change nothing when repeated (Pull inserts deterministic rows;
 # ImportRows and Restore set state). Push, EraseRows and Save are not retried.
