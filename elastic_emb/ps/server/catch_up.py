@@ -76,16 +76,19 @@ def drain_then_cutover(
     send: Callable[[list[ps_pb2.ReplicateRequest]], None],
     cutover: Callable[[], T],
 ) -> tuple[T, float]:
-    """Sends `key`'s buffered changes until fewer than `FEW_CHANGES` are left, then, holding
-    `order` (between two changes), the last ones and `cutover()`, closing the buffer.
+    """Sends `key`'s buffered changes until fewer than `FEW_CHANGES` are left (or they stop
+    getting fewer: changes come as fast as they are sent), then, holding `order` (between
+    two changes), the last ones and `cutover()`, closing the buffer.
 
     Returns `cutover()`'s result and the seconds `order` was held (the changes waited).
     """
+    before = None
     while True:  # the changes made meanwhile, until few are left
         changes = buffers.take(key)
         send(changes)
-        if len(changes) < FEW_CHANGES:
+        if len(changes) < FEW_CHANGES or (before is not None and len(changes) >= before):
             break
+        before = len(changes)
     with order:  # the last ones, and the cutover, between two changes
         began = time.monotonic()
         send(buffers.close(key))
