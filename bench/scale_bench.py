@@ -225,7 +225,7 @@ def servers_figures(cluster) -> dict[str, float]:
 
 
 def measure(cluster, args, mode: str, workers: int) -> dict:
-    """One run of `workers` workers, `args.steps` steps each."""
+    """One run of `workers` workers, measured for `args.seconds` once all are training."""
     table = f"{mode}{workers}"
     lower_servers(cluster)
     server_pids = [p.pid for p in cluster.servers.values()]
@@ -234,27 +234,26 @@ def measure(cluster, args, mode: str, workers: int) -> dict:
     run = Run(cluster, args, mode, workers, 0, table)
     run.wait_until_training()
     connected = servers_figures(cluster)
-    cpu0, etcd0, waits0 = (
-        cpu_seconds(server_pids),
-        etcd_counters(cluster.coordinator),
-        pull_waits(list(cluster.servers)),
-    )
-    worker_cpu0, etcd_cpu0, wall0 = (
-        cpu_seconds(run.pids()),
-        cpu_seconds([etcd_pid]),
-        time.monotonic(),
-    )
+
+    def sample() -> dict:
+        return {
+            "servers": cpu_seconds(server_pids),
+            "workers": cpu_seconds(run.pids()),
+            "etcd cpu": cpu_seconds([etcd_pid]),
+            "etcd": etcd_counters(cluster.coordinator),
+            "waits": pull_waits(list(cluster.servers)),
+            "wall": time.monotonic(),
+        }
+
+    first = sample()
     time.sleep(args.seconds)
-    cpu1, etcd1, waits1 = (
-        cpu_seconds(server_pids),
-        etcd_counters(cluster.coordinator),
-        pull_waits(list(cluster.servers)),
-    )
-    worker_cpu1, etcd_cpu1, wall1 = (
-        cpu_seconds(run.pids()),
-        cpu_seconds([etcd_pid]),
-        time.monotonic(),
-    )
+    last = sample()
+    wall0, wall1 = first["wall"], last["wall"]
+    cpu0, cpu1 = first["servers"], last["servers"]
+    worker_cpu0, worker_cpu1 = first["workers"], last["workers"]
+    etcd_cpu0, etcd_cpu1 = first["etcd cpu"], last["etcd cpu"]
+    etcd0, etcd1 = first["etcd"], last["etcd"]
+    waits0, waits1 = first["waits"], last["waits"]
     run.stop()
     reports = run.wait(600)
     rows = check_rows(cluster.map().groups, table, reports, args.batch)
