@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
 
     queue = ShardQueue(args.coordinator, args.job, args.shards, epochs=1, worker=args.name)
     start = time.perf_counter()
-    model.fit(queue.batches(read_shard), callbacks=[queue.callback(), Straggler()], verbose=0)
+    queue.fit(model, read_shard, callbacks=[Straggler()], verbose=0)
     seconds = time.perf_counter() - start
     queue.close()
     ee.shutdown()

@@ -6,7 +6,7 @@ shard nobody holds, trains on it batch by batch, and takes another, until
 every shard of the epoch is done. Workers may come and go at any time:
 
     queue = ShardQueue("etcd://127.0.0.1:2379", job="ctr", num_shards=64, epochs=3)
-    model.fit(queue.batches(read_shard), callbacks=[queue.callback()], epochs=1)
+    queue.fit(model, read_shard)  # model.fit on the batches this worker is given
 
 `read_shard(shard)` returns the shard's batches, `(x, y)` (or `(x, y, w)`),
 always the same ones in the same order. In etcd (under
@@ -158,6 +158,24 @@ class ShardQueue:
                     with self._lock:
                         self._pending.append((epoch, shard, number, len(shard_batches)))
                     yield shard_batches[number]
+
+    def fit(self, model: Any, read_shard: Callable[[int], Iterable[Any]], **fit_kwargs: Any) -> Any:
+        """`model.fit` on `batches(read_shard)` with `callback()` first, then
+        `fit_kwargs`'s callbacks; returns its History, or None without calling it when no batch is left
+        for this worker: every shard was done, or finished by others while it waited
+        (Keras refuses a generator without batches)."""
+        batches = self.batches(read_shard)
+        first = next(batches, None)
+        if first is None:
+            log.info("worker %s: no shard of job %r left to train", self.worker, self.job)
+            return None
+        callbacks = [self.callback(), *(fit_kwargs.pop("callbacks", None) or [])]
+
+        def all_batches() -> Iterator[Any]:  # a generator: Keras takes no other iterator
+            yield first
+            yield from batches
+
+        return model.fit(all_batches(), callbacks=callbacks, **fit_kwargs)
 
     def callback(self) -> Any:
         """The Keras callback that records each trained batch in etcd."""

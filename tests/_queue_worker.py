@@ -63,8 +63,7 @@ def main() -> int:
 
     while args.start_after and not os.path.exists(args.start_after):
         time.sleep(0.05)
-    if not queue.finished():
-        model.fit(queue.batches(read_shard), callbacks=[queue.callback(), Log()], verbose=0)
+    queue.fit(model, read_shard, callbacks=[Log()], verbose=0)
     queue.close()
     ee.shutdown()
     return 0

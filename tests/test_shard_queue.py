@@ -145,6 +145,30 @@ def test_cluster_local_runs_demo_workers_that_share_one_job_from_the_queue(tmp_p
     assert all("test AUC" in log for log in logs)
 
 
+def test_a_demo_worker_that_finds_the_last_shard_done_while_it_waits_exits_cleanly(tmp_path):
+    """A worker joins while the job's only shard is held by another; that one finishes it
+    while the newcomer waits. The newcomer has nothing to train: it says so and exits 0
+    (Keras refuses a generator without batches; once it crashed here)."""
+    demo = [*cli_command(), "demo", "--mode", "async", "--examples", "2000", "--test-examples",
+            "1000", "--epochs", "1", "--batch-size", "4096", "--data-shards", "1", "--job",
+            "one-shard", "--verbose", "0"]  # fmt: skip
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        holder = ShardQueue(c.coordinator, "one-shard", 1)
+        assert next(holder.batches(lambda shard: ["the only batch"])) == "the only batch"
+        newcomer = c.start_worker(demo)
+        log = tmp_path / "cluster" / "worker-0.log"
+        deadline = time.monotonic() + 300
+        while "Training a DLRM" not in log.read_text():
+            assert time.monotonic() < deadline and newcomer.poll() is None, log.read_text()
+            time.sleep(0.1)
+        time.sleep(1.0)  # waiting for the held shard
+        assert holder.trained_one() == (0, 0, 0)
+        holder.close()
+        assert newcomer.wait(timeout=300) == 0, log.read_text()[-3000:]
+    output = log.read_text()
+    assert "no shard left to train" in output and "This worker trained 0 batches" in output
+
+
 def test_a_slow_worker_takes_fewer_shards(tmp_path):
     """No fixed split: a worker asks for a shard when it finished its own, so a worker
     ten times slower trains fewer of the job's batches, and nobody waits for it."""

@@ -44,11 +44,8 @@ def _fit_from_queue(model: Any, train: tuple[Any, Any], args: argparse.Namespace
 
     queue = ShardQueue(args.coordinator, args.job, args.data_shards, epochs=args.epochs)
     try:
-        if queue.finished():
-            print(f"Job {args.job!r}: every shard is trained already (start a new --job)")
-        else:
-            model.fit(queue.batches(read_shard), callbacks=[queue.callback()],
-                      verbose=args.verbose)  # fmt: skip
+        if queue.fit(model, read_shard, verbose=args.verbose) is None:
+            print(f"Job {args.job!r}: no shard left to train (start a new --job)")
         print(f"This worker trained {len(queue.trained)} batches of job {args.job!r}")
         examples = 0
         for _, shard, number in queue.trained:
