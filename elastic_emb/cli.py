@@ -428,10 +428,43 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         choices=("keys", "bytes", "cpu"),
         help="what load is: keys, bytes or CPU seconds per second",
     )
+    serve.add_argument(
+        "--memory-budget",
+        type=_bytes,
+        metavar="BYTES",
+        help="bytes the tables may take (e.g. 8Gi; default: 0.7 of the container's memory "
+        "limit from cgroups, else of the machine's memory); exported for autoscaling",
+    )
+    serve.add_argument(
+        "--memory-high-water",
+        type=float,
+        default=0.8,
+        metavar="RATIO",
+        help="with --coordinator: a primary whose tables pass this share of the budget moves "
+        "slots to a group with room",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="with --coordinator: on SIGTERM, first hand this server's place to a spare or "
+        "its group's slots to the other groups, for up to this long (0: leave at once, "
+        "backups take over)",
+    )
     serve.add_argument(  # fault tests: a window to kill a server in the middle of a move
         "--move-pause", type=float, default=0.0, help=argparse.SUPPRESS
     )
     serve.set_defaults(run=_serve)
+
+
+def _bytes(text: str) -> int:
+    from elastic_emb.ps.server.resources import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_cluster(sub: Any) -> None:

@@ -35,8 +35,9 @@ from elastic_emb.ps.coord.membership import ClusterMap, Group, Move
 from elastic_emb.tables.sharding import NUM_SLOTS
 
 __all__ = [
-    "MEASURES", "LoadMeter", "LoadReport", "Policy", "group_loads", "hot_slots", "plan_move",
-    "report_key", "reports_prefix", "slot_loads",
+    "MEASURES", "LoadMeter", "LoadReport", "Policy", "group_loads", "hot_slots", "plan_memory_move",
+    "plan_move",
+    "Usage", "report_key", "reports_prefix", "slot_loads",
 ]  # fmt: skip
 
 # What a slot's load is measured in: keys pulled and pushed, bytes received
@@ -139,6 +140,24 @@ class LoadMeter:
         return seconds, (totals - then) / max(seconds, 1e-9)
 
 
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """One server's use of its resources (`elastic_emb.ps.server.resources`), published with
+    its load."""
+
+    rows: int = 0
+    memory_bytes: int = 0  # the tables' bytes on this server
+    memory_budget: int = 0  # what they may take (`serve --memory-budget`)
+    resident_bytes: int = 0
+    cpu: float = 0.0  # CPU seconds per second over the load window
+    keys: float = 0.0  # keys pulled and pushed per second over the load window
+
+    @property
+    def memory_ratio(self) -> float:
+        """The tables' bytes over the budget (0 without a budget)."""
+        return self.memory_bytes / self.memory_budget if self.memory_budget else 0.0
+
+
 @dataclasses.dataclass
 class LoadReport:
     """One server's rates per slot (slots with none left out), as published."""
@@ -148,17 +167,19 @@ class LoadReport:
     seconds: float  # how long the rates cover
     slots: np.ndarray  # (n,) int64
     rates: np.ndarray  # (len(MEASURES), n) float64
+    usage: Usage = dataclasses.field(default_factory=Usage)
 
     @classmethod
-    def measure(cls, address: str, meter: LoadMeter) -> LoadReport:
+    def measure(cls, address: str, meter: LoadMeter, usage: Usage | None = None) -> LoadReport:
         seconds, rates = meter.rates()
         slots = np.flatnonzero(rates[0])
-        return cls(address, time.time(), seconds, slots, rates[:, slots])
+        return cls(address, time.time(), seconds, slots, rates[:, slots], usage or Usage())
 
     def to_json(self) -> bytes:
         rates = {m: np.round(self.rates[i], 6).tolist() for i, m in enumerate(MEASURES)}
         data = {"address": self.address, "time": self.time, "seconds": self.seconds,
-                "slots": self.slots.tolist(), **rates}  # fmt: skip
+                "slots": self.slots.tolist(), **rates,
+                "usage": dataclasses.asdict(self.usage)}  # fmt: skip
         return json.dumps(data).encode()
 
     @classmethod
@@ -166,7 +187,8 @@ class LoadReport:
         data = json.loads(raw)
         slots = np.asarray(data["slots"], np.int64)
         rates = np.array([data[m] for m in MEASURES], np.float64).reshape(len(MEASURES), -1)
-        return cls(data["address"], data["time"], data["seconds"], slots, rates)
+        usage = Usage(**data.get("usage", {}))
+        return cls(data["address"], data["time"], data["seconds"], slots, rates, usage)
 
     def per_slot(self, measure: str) -> np.ndarray:
         """(NUM_SLOTS,) rates of `measure`, zero where none was reported."""
@@ -264,6 +286,47 @@ def plan_move(m: ClusterMap, loads: np.ndarray, threshold: float) -> ClusterMap 
     _, split, range_id, slot = best
     new = m.copy()
     new.move = Move(range_id, slot, target, new.next_range if split else range_id)
+    if split:
+        new.next_range += 1
+    return new
+
+
+def plan_memory_move(
+    m: ClusterMap, usages: dict[int, Usage], source: int, high_water: float
+) -> ClusterMap | None:
+    """The map with a move of slots off group `source`, whose tables passed `high_water`
+    of their memory budget, to the group with the most room; None when no group has room
+    (a server must be added), with a move under way, or before the map is sealed.
+
+    Rows spread evenly over slots (ids are hashed), so a slot of `source` weighs its
+    bytes over its slots. The move takes the upper part of `source`'s largest range that
+    brings both groups nearest the same share of their budgets, and only while the
+    target stays below `high_water` after it.
+    """
+    own = usages.get(source)
+    if m.move is not None or not m.sealed or own is None or own.memory_ratio <= high_water:
+        return None
+    takers = [g.id for g in _takers(m) if g.id != source and usages.get(g.id)]
+    if not takers:
+        return None
+    target = min(takers, key=lambda g: (usages[g].memory_ratio, g))
+    there = usages[target]
+    # Bytes to move for equal shares: (own - x) / own_budget == (there + x) / there_budget.
+    x = (own.memory_bytes * there.memory_budget - there.memory_bytes * own.memory_budget) / (
+        own.memory_budget + there.memory_budget
+    )
+    per_slot = own.memory_bytes / max(m.slots_of(source), 1)
+    ranges = m.ranges_of(source)
+    if not ranges or per_slot <= 0:
+        return None
+    largest = max(ranges, key=lambda r: (r.size, -r.slot_begin))
+    slots = min(int(x // per_slot), largest.size)
+    if slots < 1 or (there.memory_bytes + slots * per_slot) / there.memory_budget >= high_water:
+        return None
+    new = m.copy()
+    slot = largest.slot_end - slots
+    split = slot > largest.slot_begin
+    new.move = Move(largest.id, slot, target, new.next_range if split else largest.id)
     if split:
         new.next_range += 1
     return new

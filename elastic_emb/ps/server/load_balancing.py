@@ -5,8 +5,10 @@ a move of slots away (and marks the ranges of hot slots, for workers to spread r
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,21 +17,42 @@ from elastic_emb.ps.coord import balance
 from elastic_emb.ps.coord.balance import LoadMeter, Policy
 from elastic_emb.ps.coord.etcd import Etcd, EtcdError
 from elastic_emb.ps.coord.membership import ClusterMap, Group
+from elastic_emb.ps.server import resources
 from elastic_emb.ps.server.replica_state import MapEditor, ReplicaState
 
-__all__ = ["LoadBalancer", "LoadReporter"]
+__all__ = ["LoadBalancer", "LoadReporter", "MemoryBalancer"]
 
 log = logging.getLogger("elastic_emb.server")
 
 
 class LoadReporter:
-    """Publishes the server's load every fifth of the meter's window (`run`, a thread)."""
+    """Publishes the server's load and its use of resources (`usage(cpu rate)`) every fifth
+    of the meter's window (`run`, a thread)."""
 
-    def __init__(self, state: ReplicaState, etcd: Etcd, prefix: str, load: LoadMeter) -> None:
+    def __init__(
+        self,
+        state: ReplicaState,
+        etcd: Etcd,
+        prefix: str,
+        load: LoadMeter,
+        usage: Callable[[float], balance.Usage] | None = None,
+    ) -> None:
         self._state = state
         self._etcd = etcd
         self._prefix = prefix
         self._load = load
+        self._usage = usage
+        # (monotonic time, the process's CPU seconds then), oldest first, over the window.
+        self._cpu: collections.deque[tuple[float, float]] = collections.deque()
+
+    def _cpu_rate(self) -> float:
+        """The process's CPU seconds per second over the load window."""
+        now = time.monotonic()
+        self._cpu.append((now, resources.cpu_seconds()))
+        while len(self._cpu) > 2 and now - self._cpu[1][0] >= self._load.window:
+            self._cpu.popleft()
+        (since, before), (_, after) = self._cpu[0], self._cpu[-1]
+        return (after - before) / (now - since) if now > since else 0.0
 
     def run(self) -> None:
         """Publishes the load until the replica stops, under its lease."""
@@ -41,7 +64,8 @@ class LoadReporter:
                     return
                 lease = state.lease
             self._load.tick()
-            report = balance.LoadReport.measure(state.address, self._load)
+            usage = self._usage(self._cpu_rate()) if self._usage is not None else None
+            report = balance.LoadReport.measure(state.address, self._load, usage)
             try:
                 self._etcd.put(key, report.to_json(), lease)
             except EtcdError as e:
@@ -132,3 +156,71 @@ class LoadBalancer:
         if {r.address for r in reports} != primaries:
             return None
         return balance.slot_loads(reports, self._policy.measure, primaries)
+
+
+class MemoryBalancer:
+    """Moves slots off this primary's group when its tables pass `high_water` of their
+    memory budget (`balance.plan_memory_move`), before the budget is reached. Used by the
+    mover thread only.
+
+    Args:
+        etcd: the coordinator (the servers' reports and their usage).
+        prefix: the cluster's key prefix in etcd.
+        window: the load window: reports older than this are ignored.
+        high_water: the share of the budget beyond which slots move away.
+        change_map: changes the cluster map (the move).
+    """
+
+    # How often it says that no group has room, at most.
+    FULL_LOG_SECONDS = 60.0
+
+    def __init__(
+        self, etcd: Etcd, prefix: str, window: float, high_water: float, change_map: MapEditor
+    ) -> None:
+        self._etcd = etcd
+        self._prefix = prefix
+        self._window = window
+        self._high_water = high_water
+        self._change_map = change_map
+        self._said_full = -float("inf")  # monotonic time of the last "no room" line
+
+    def plan(self, m: ClusterMap, group: Group) -> ClusterMap:
+        """The map, with a move of slots off `group` if its memory passed the high-water
+        mark and another group has room for them."""
+        usages = self._usages(m)
+        own = usages.get(group.id)
+        if own is None or own.memory_ratio <= self._high_water:
+            return m
+        gid, high_water = group.id, self._high_water
+
+        def relieve(current: ClusterMap) -> ClusterMap | None:
+            return balance.plan_memory_move(current, usages, gid, high_water)
+
+        new = self._change_map(relieve, as_primary=True)
+        if new.move is not None and new.move.to != gid:
+            log.warning(
+                "group %d holds %.0f%% of its memory budget (%d of %d bytes; high-water "
+                "mark %.0f%%): moving slots [%d, ...) of range %d to group %d",
+                gid, 100 * own.memory_ratio, own.memory_bytes, own.memory_budget,
+                100 * high_water, new.move.slot, new.move.range, new.move.to,
+            )  # fmt: skip
+        elif time.monotonic() - self._said_full >= self.FULL_LOG_SECONDS:
+            self._said_full = time.monotonic()
+            log.warning(
+                "group %d holds %.0f%% of its memory budget (high-water mark %.0f%%) and no "
+                "other group has room: add servers (elastic-emb cluster autoscale, or the "
+                "Kubernetes autoscaler); at the budget, only the tables' admission and "
+                "eviction policies bound their growth", gid, 100 * own.memory_ratio,
+                100 * high_water,
+            )  # fmt: skip
+        return new
+
+    def _usages(self, m: ClusterMap) -> dict[int, balance.Usage]:
+        """Each group's usage, from its primary's recent report (groups without one left out)."""
+        now = time.time()
+        by_address = {
+            r.address: r.usage
+            for r in balance.read_reports(self._etcd, self._prefix)
+            if now - r.time < self._window and r.usage.memory_budget
+        }
+        return {g.id: by_address[g.primary] for g in m.groups if g.primary in by_address}

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from elastic_emb.ps.server.resources import cpu_seconds
 from elastic_emb.ps.server.servicer import LATENCY_BUCKETS, Servicer
 
 __all__ = ["ServerCollector", "start_metrics_server"]
@@ -37,6 +38,7 @@ class ServerCollector(Collector):
         yield from self._rpcs()
         yield from self._tables()
         yield from self._steps()
+        yield from self._resources()
 
     def _rpcs(self) -> Iterator[Metric]:
         stats = self._servicer.method_stats()
@@ -141,6 +143,30 @@ class ServerCollector(Collector):
             )
             seq.add_metric([role, str(group)], sequence)
             yield seq
+
+
+    def _resources(self) -> Iterator[Metric]:
+        """What scaling decisions read (docs/autoscaling.md)."""
+        usage = self._servicer.usage()
+        gauges = {
+            "memory_budget_bytes": ("Bytes the tables may take (serve --memory-budget)",
+                                    usage.memory_budget),
+            "memory_used_bytes": ("Bytes the tables take on this server", usage.memory_bytes),
+            "memory_budget_ratio": ("The tables' bytes over the memory budget",
+                                    usage.memory_ratio),
+            "resident_memory_bytes": ("Resident memory of the server process",
+                                      usage.resident_bytes),
+            "rows": ("Rows of every table on this server", usage.rows),
+            "keys_per_second": ("Keys pulled and pushed per second over the load window "
+                                "(serve --load-window; with --coordinator)", usage.keys),
+        }  # fmt: skip
+        for name, (what, value) in gauges.items():
+            gauge = GaugeMetricFamily(PREFIX + name, what)
+            gauge.add_metric([], value)
+            yield gauge
+        cpu = CounterMetricFamily(PREFIX + "cpu_seconds", "CPU seconds of the server process")
+        cpu.add_metric([], cpu_seconds())
+        yield cpu
 
 
 def _bound(bound: float) -> str:

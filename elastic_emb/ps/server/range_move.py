@@ -21,7 +21,7 @@ from elastic_emb._proto import ps_pb2
 from elastic_emb.ps.coord.membership import ClusterMap, Group, Move, Range
 from elastic_emb.ps.server.catch_up import drain_then_cutover
 from elastic_emb.ps.server.incoming_ranges import IncomingRanges
-from elastic_emb.ps.server.load_balancing import LoadBalancer
+from elastic_emb.ps.server.load_balancing import LoadBalancer, MemoryBalancer
 from elastic_emb.ps.server.peer_channels import PeerChannels
 from elastic_emb.ps.server.replica_state import MapEditor, ReplicaState, aborted
 from elastic_emb.ps.server.replicator import FORWARD_TIMEOUT, Replicator, Sent
@@ -49,7 +49,8 @@ class RangeMover:
         incoming: the ranges moving in (never dropped as given away).
         channels: the channels to the other servers.
         change_map: changes the cluster map.
-        balancer: moves slots away for load; None: never.
+        balancers: plan moves of slots away (for memory, for load), asked in order until
+            one plans a move.
         move_pause: seconds a move waits after sending its snapshot (fault tests).
     """
 
@@ -62,7 +63,7 @@ class RangeMover:
         incoming: IncomingRanges,
         channels: PeerChannels,
         change_map: MapEditor,
-        balancer: LoadBalancer | None,
+        balancers: list[LoadBalancer | MemoryBalancer],
         move_pause: float,
     ) -> None:
         self._state = state
@@ -72,7 +73,7 @@ class RangeMover:
         self._incoming = incoming
         self._channels = channels
         self._change_map = change_map
-        self._balancer = balancer
+        self._balancers = balancers
         self._move_pause = move_pause
 
     def run(self) -> None:
@@ -105,8 +106,10 @@ class RangeMover:
             group = m.group_of(state.address)
             if group is None or group.primary != state.address:
                 return
-        if m.move is None and self._balancer is not None:
-            m = self._balancer.plan(m, group)
+        for balancer in self._balancers:
+            if m.move is not None:
+                break
+            m = balancer.plan(m, group)
         source = m.range(m.move.range) if m.move else None
         if m.move is not None and source is not None and source.group == group.id:
             self._move(m.move, m)

@@ -20,12 +20,12 @@ import grpc
 
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps.coord import membership
-from elastic_emb.ps.coord.balance import LoadMeter, Policy
+from elastic_emb.ps.coord.balance import LoadMeter, Policy, Usage
 from elastic_emb.ps.coord.etcd import Compare, Etcd, EtcdError, LeaseLost, Op
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap, Group
 from elastic_emb.ps.server.failover import Failover
 from elastic_emb.ps.server.incoming_ranges import IncomingRanges
-from elastic_emb.ps.server.load_balancing import LoadBalancer, LoadReporter
+from elastic_emb.ps.server.load_balancing import LoadBalancer, LoadReporter, MemoryBalancer
 from elastic_emb.ps.server.peer_channels import PeerChannels
 from elastic_emb.ps.server.range_move import RangeMover
 from elastic_emb.ps.server.replica_state import MapChange, ReplicaState, aborted
@@ -67,6 +67,10 @@ class Replica:
         load: the server's per-slot load, published to the coordinator; None: not measured.
         balance: when this server, as the most loaded primary, moves slots away
             (`elastic_emb.ps.coord.balance`); None: never for load. Needs `load`.
+        usage: this server's use of resources, published with the load, given the
+            process's CPU rate (`Servicer.usage`); None: not published.
+        memory_high_water: as a primary whose tables passed this share of their memory
+            budget, move slots to a group with room; None: never. Needs `load` and `usage`.
     """
 
     def __init__(
@@ -82,8 +86,10 @@ class Replica:
         security: ClientSecurity | None = None,
         load: LoadMeter | None = None,
         balance: Policy | None = None,
+        usage: Callable[[float], Usage] | None = None,
+        memory_high_water: float | None = None,
     ) -> None:
-        if balance is not None and load is None:
+        if (balance is not None or memory_high_water is not None) and load is None:
             raise ValueError("balancing slots by load needs the load measured (`load`)")
         self.ranges = ranges
         self.address = address
@@ -101,14 +107,20 @@ class Replica:
         self._failover = Failover(
             state, etcd, prefix, channels, self._change_map, self._forget_gone_workers
         )
-        balancer = None
+        balancers: list[LoadBalancer | MemoryBalancer] = []
+        if memory_high_water is not None and load is not None:
+            balancers.append(
+                MemoryBalancer(etcd, prefix, load.window, memory_high_water, self._change_map)
+            )
         if balance is not None and load is not None:
-            balancer = LoadBalancer(etcd, prefix, load, balance, self._change_map)
+            balancers.append(LoadBalancer(etcd, prefix, load, balance, self._change_map))
         self._mover = RangeMover(
             state, ranges, apply, self._replicator, self._incoming, channels, self._change_map,
-            balancer, move_pause,
+            balancers, move_pause,
         )  # fmt: skip
-        self._reporter = LoadReporter(state, etcd, prefix, load) if load is not None else None
+        self._reporter = None
+        if load is not None:
+            self._reporter = LoadReporter(state, etcd, prefix, load, usage)
         self._threads: list[threading.Thread] = []  # started by `start`
         self._watch: Any = None  # the etcd watch: set by `start`, cancelled by `stop`
         # Set by the server before `start`: records that an elastic worker left (a change,

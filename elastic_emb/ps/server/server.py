@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -19,6 +20,7 @@ import grpc
 
 from elastic_emb.persistence import checkpoint
 from elastic_emb.ps.coord.balance import LoadMeter, Policy
+from elastic_emb.ps.server import resources
 from elastic_emb.ps.server.checkpointer import PeriodicCheckpoints
 from elastic_emb.ps.server.health import SERVING, HealthServicer
 from elastic_emb.ps.server.servicer import Servicer, add_to_server
@@ -65,6 +67,9 @@ class ServerOptions:
     peer_token_file: str | None = None
     load_window: float = 10.0
     balance: Policy | None = None
+    memory_budget: int | None = None  # None: `resources.default_memory_budget()`
+    memory_high_water: float | None = 0.8
+    drain_timeout: float = 120.0
 
     def check(self) -> None:
         """Raises ValueError for flags that contradict each other or are out of range."""
@@ -76,6 +81,12 @@ class ServerOptions:
             raise ValueError("--tls-peer-ca and --peer-token-file need --coordinator")
         if not self.coordinator and self.balance is not None:
             raise ValueError("--balance-threshold needs --coordinator (slots move between groups)")
+        if self.memory_high_water is not None and not 0 < self.memory_high_water <= 1:
+            raise ValueError(
+                f"--memory-high-water must be in (0, 1]. Received: {self.memory_high_water}"
+            )
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0. Received: {self.drain_timeout}")
         if self.load_window <= 0:
             raise ValueError(f"--load-window must be positive. Received: {self.load_window}")
         if self.checkpoint_every is not None and (
@@ -122,8 +133,13 @@ def serve(
     with the admin token in `peer_token_file`.
 
     With a coordinator, the server also publishes its load per slot over the
-    last `load_window` seconds, and with a `balance` policy its group moves
-    slots away when it is the most loaded (`elastic_emb.ps.coord.balance`).
+    last `load_window` seconds and its use of resources (memory against
+    `memory_budget`, CPU, rows; `elastic_emb.ps.server.resources`), and with a
+    `balance` policy its group moves slots away when it is the most loaded
+    (`elastic_emb.ps.coord.balance`). As a primary whose tables passed
+    `memory_high_water` of the budget, it moves slots to a group with room.
+    On a signal it first drains itself (up to `drain_timeout` seconds; 0:
+    not at all): a spare takes its place, or its group's ranges move away.
     """
     servicer = Servicer()
     try:
@@ -140,6 +156,11 @@ def serve(
         except (OSError, AuditError) as e:
             log.error("cannot use the audit log %s: %s", options.audit_log, e)
             return 1
+    if options.memory_budget is not None:
+        servicer.memory_budget, source = options.memory_budget, "--memory-budget"
+    else:
+        servicer.memory_budget, source = resources.default_memory_budget()
+    log.info("memory budget of the tables: %d bytes (%s)", servicer.memory_budget, source)
     health = HealthServicer()
     server, bound = _listen(options, servicer, health, credentials)
     if server is None:
@@ -171,6 +192,8 @@ def serve(
         server.stop(0)
         return 1
     _wait_for_a_signal(ready, bound)
+    if replica is not None and options.coordinator and options.drain_timeout > 0:
+        _drain(options.coordinator, replica.address, options.drain_timeout)
     log.info("stopping: finishing in-flight requests (up to %.0f s)", options.grace_seconds)
     health.enter_graceful_shutdown()
     if periodic is not None:
@@ -185,6 +208,22 @@ def serve(
             checkpoint.save(options.checkpoint_dir, servicer.ranges.tables())
         log.info("saved every table to %s", options.checkpoint_dir)
     return 0
+
+
+def _drain(coordinator: str, address: str, timeout: float) -> None:
+    """Hands this server's place to a spare, or its group's ranges to the other groups,
+    before it exits (`elastic-emb cluster drain` on itself); serves meanwhile."""
+    from elastic_emb.ps.coord.drain import drain_server
+    from elastic_emb.ps.coord.etcd import EtcdError
+
+    log.info("draining %s before exiting (up to %.0f s)", address, timeout)
+    start = time.monotonic()
+    try:
+        drain_server(coordinator, address, timeout)
+    except (TimeoutError, ValueError, EtcdError, ConnectionError) as e:
+        log.warning("leaving without draining: %s", e)
+        return
+    log.info("drained in %.1f s: %s holds nothing now", time.monotonic() - start, address)
 
 
 def _security(options: ServerOptions, servicer: Servicer) -> tuple[Any, Any]:
@@ -247,7 +286,8 @@ def _replica(
         servicer.ranges, servicer.apply_change, Etcd(coordinator),
         options.advertised(bound), options.replicas, options.lease_seconds,
         move_pause=options.move_pause, security=peers, load=servicer.load,
-        balance=options.balance,
+        balance=options.balance, usage=servicer.usage,
+        memory_high_water=options.memory_high_water,
     )  # fmt: skip
     replica.worker_gone = servicer.worker_gone
     return replica

@@ -24,8 +24,9 @@ import grpc
 
 from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
-from elastic_emb.ps.coord.balance import LoadMeter
+from elastic_emb.ps.coord.balance import LoadMeter, Usage
 from elastic_emb.ps.server.audit import AuditLog, summary
+from elastic_emb.ps.server.resources import resident_bytes
 from elastic_emb.ps.server.shard import Ranges, RequestError, Shard, invalid
 from elastic_emb.ps.wire import protocol
 from elastic_emb.ps.wire.security import Caller, Tokens
@@ -116,6 +117,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         self.audit: AuditLog | None = None  # set once, before the server starts
         self.tokens: Tokens | None = None  # set once, before the server starts
         self.load: LoadMeter | None = None  # set once, before the server starts
+        self.memory_budget = 0  # bytes the tables may take (`serve --memory-budget`)
         self.changes = 0  # change requests applied (guarded by _stats_lock)
         # Pulls that waited for other workers (the sync barrier, a staleness bound) and
         # their seconds (guarded by _stats_lock).
@@ -124,6 +126,22 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
             _MethodStats
         )  # guarded by _stats_lock
+
+    def usage(self, cpu: float = 0.0) -> Usage:
+        """Rows, the tables' bytes against the budget, resident bytes, keys/s over the load
+        window (`elastic_emb.ps.server.resources`); `cpu`: the caller's measured rate."""
+        tables = self.ranges.tables()
+        keys = 0.0
+        if self.load is not None:
+            keys = float(self.load.rates()[1][0].sum())
+        return Usage(
+            rows=sum(len(t) for t in tables),
+            memory_bytes=sum(t.memory_bytes() for t in tables),
+            memory_budget=self.memory_budget,
+            resident_bytes=resident_bytes(),
+            cpu=cpu,
+            keys=keys,
+        )
 
     def _record(self, method: str, elapsed: float, error: str | None) -> None:
         """Counts a call: its latency, and its status code if it failed."""
