@@ -253,6 +253,8 @@ void BindTableMethods(py::class_<T>& cls) {
 
 // Change tracking of the CPU table (incremental checkpoints).
 void BindChangeTracking(py::class_<elastic_emb::Table>& cls) {
+  cls.def("memory_in_use", &elastic_emb::Table::MemoryInUse,
+          py::call_guard<py::gil_scoped_release>());
   cls.def(
       "export_changes",
       [](elastic_emb::Table& t, bool all) {

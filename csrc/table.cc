@@ -762,4 +762,13 @@ int64_t Table::MemoryBytes() const {
   return bytes + static_cast<int64_t>(arena_->ReservedBytes());
 }
 
+int64_t Table::MemoryInUse() const {
+  int64_t free_rows = 0;
+  for (const auto& s : shards_) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    free_rows += static_cast<int64_t>(s->free_rows.size());
+  }
+  return MemoryBytes() - free_rows * static_cast<int64_t>(row_floats_ * sizeof(float));
+}
+
 }  // namespace elastic_emb

@@ -234,6 +234,9 @@ class Table {
   int64_t Size() const;
   // Bytes held by indexes and arenas.
   int64_t MemoryBytes() const;
+  // MemoryBytes less the rows freed for reuse (erased, evicted, moved away): what the
+  // live rows take. The arena never shrinks; new rows fill the freed ones first.
+  int64_t MemoryInUse() const;
 
  private:
   struct Shard;

@@ -142,6 +142,12 @@ def _cluster_local(args: argparse.Namespace) -> int:
     if args.balance_threshold is not None:
         server_args = ["--balance-threshold", str(args.balance_threshold),
                        "--balance-after", str(args.balance_after)]  # fmt: skip
+    policy = None
+    if args.autoscale:
+        policy = _scaling_policy(args, args.autoscale, args.replicas, "cluster local")
+        if policy is None:
+            return 2
+        args.shards = policy.min_groups
     cluster = LocalCluster(args.shards, args.replicas, args.directory, server_args=server_args)
     try:
         cluster.start()
@@ -152,6 +158,8 @@ def _cluster_local(args: argparse.Namespace) -> int:
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
+        if policy is not None:
+            _start_autoscaler(args, policy, cluster, stop)
         if not workers:
             stop.wait()
             return 0
@@ -166,6 +174,110 @@ def _cluster_local(args: argparse.Namespace) -> int:
         return 0 if all(code == 0 for code in codes) else 1
     finally:
         cluster.stop()
+
+
+def _scaling_policy(args: argparse.Namespace, servers: str, replicas: int, command: str) -> Any:
+    """The `ScalingPolicy` of MIN:MAX servers and the autoscale flags; None after saying
+    why not."""
+    from elastic_emb.ps.coord.autoscale import ScalingPolicy
+
+    try:
+        low, high = (int(n) for n in servers.split(":"))
+        return ScalingPolicy(
+            low, high, replicas, args.target_keys_per_second, args.memory_target,
+            args.tolerance, args.sustain, args.cooldown,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"elastic-emb {command}: --autoscale/--servers MIN:MAX: {e}", file=sys.stderr)
+        return None
+
+
+def _start_autoscaler(args: argparse.Namespace, policy: Any, cluster: Any, stop: Any) -> Any:
+    """Runs the controller in a thread over `cluster`'s servers until `stop` is set."""
+    import threading
+
+    from elastic_emb.ps.coord.autoscale import Autoscaler
+    from elastic_emb.ps.coord.local_cluster import LocalLauncher
+
+    audit = None
+    if args.audit_log:
+        from elastic_emb.ps.server.audit import AuditLog
+
+        audit = AuditLog(args.audit_log)
+    scaler = Autoscaler(cluster.coordinator, policy, LocalLauncher(cluster), audit, args.interval)
+    if args.metrics_port is not None:
+        from elastic_emb.ps.coord.autoscale import start_metrics_server
+
+        port = start_metrics_server(scaler, "127.0.0.1", args.metrics_port).server_port
+        print(f"elastic-emb autoscale: metrics on http://127.0.0.1:{port}/metrics", flush=True)
+    threading.Thread(target=scaler.run, daemon=True, name="ee-autoscale").start()
+    threading.Thread(target=lambda: (stop.wait(), scaler.stop()), daemon=True).start()
+    print(f"elastic-emb autoscale: {policy.min_servers} to {policy.max_servers} servers, "
+          f"groups of {policy.replicas}", flush=True)  # fmt: skip
+    return scaler
+
+
+def _cluster_autoscale(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from elastic_emb.ps.coord.local_cluster import LocalCluster
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    policy = _scaling_policy(args, args.servers, args.replicas, "cluster autoscale")
+    if policy is None:
+        return 2
+    server_args = ["--drain-timeout", "0", *args.serve_arg]
+    cluster = LocalCluster(0, args.replicas, args.directory, server_args=server_args,
+                           coordinator=args.coordinator)  # fmt: skip
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        cluster.start()
+        _start_autoscaler(args, policy, cluster, stop)
+        stop.wait()
+        return 0
+    finally:
+        cluster.stop()
+
+
+def _add_autoscale_flags(parser: argparse.ArgumentParser) -> None:
+    """The `ScalingPolicy` flags of `cluster autoscale` and `cluster local --autoscale`."""
+    parser.add_argument(
+        "--target-keys-per-second",
+        type=float,
+        metavar="KEYS",
+        help="keys/s one group should serve (default: load is not a signal, only memory)",
+    )
+    parser.add_argument(
+        "--memory-target",
+        type=float,
+        default=0.7,
+        metavar="RATIO",
+        help="the share of their memory budgets the tables should fill",
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=0.1, help="act beyond target x (1 +- this)"
+    )
+    parser.add_argument(
+        "--sustain", type=float, default=30.0, metavar="SECONDS",
+        help="a decision must hold this long",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cooldown", type=float, default=60.0, metavar="SECONDS",
+        help="no action for this long after one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--interval", type=float, default=1.0, metavar="SECONDS", help="between measurements"
+    )
+    parser.add_argument(
+        "--audit-log", metavar="FILE", help="record every decision in this hash-chained log"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, metavar="PORT",
+        help="the controller's Prometheus metrics on 127.0.0.1:PORT (0: any free port)",
+    )  # fmt: skip
 
 
 def _top(args: argparse.Namespace) -> int:
@@ -468,7 +580,7 @@ def _bytes(text: str) -> int:
 
 
 def _add_cluster(sub: Any) -> None:
-    """`elastic-emb cluster status|drain|local`."""
+    """`elastic-emb cluster status|drain|autoscale|local`."""
     cluster = sub.add_parser("cluster", help="a replicated cluster: status, or one on this machine")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
     status = cluster_sub.add_parser("status", help="groups, members, primaries, rows and lag")
@@ -483,6 +595,28 @@ def _add_cluster(sub: Any) -> None:
     drain.add_argument("--server", required=True, help="HOST:PORT of the server to retire")
     drain.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a spare")
     drain.set_defaults(run=_cluster_drain)
+    autoscale = cluster_sub.add_parser(
+        "autoscale",
+        help="add and retire groups of servers (processes on this machine) by load and memory",
+    )
+    autoscale.add_argument("--coordinator", required=True, help="etcd://HOST:PORT")
+    autoscale.add_argument(
+        "--servers", required=True, metavar="MIN:MAX", help="bounds, multiples of --replicas"
+    )
+    autoscale.add_argument(
+        "--replicas", type=int, default=2, help="servers per group (the cluster's)"
+    )
+    autoscale.add_argument("--directory", help="the started servers' logs (default: temporary)")
+    autoscale.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more `elastic-emb serve` argument for the servers it starts (repeatable; "
+        "e.g. --serve-arg=--memory-budget --serve-arg=8Gi)",
+    )
+    _add_autoscale_flags(autoscale)
+    autoscale.set_defaults(run=_cluster_autoscale)
     local = cluster_sub.add_parser("local", help="etcd and SHARDS x REPLICAS servers, here")
     local.add_argument("--shards", type=int, default=2, help="replica groups")
     local.add_argument("--replicas", type=int, default=2, help="servers per group")
@@ -497,6 +631,13 @@ def _add_cluster(sub: Any) -> None:
     local.add_argument(
         "--balance-after", type=float, default=30.0, metavar="SECONDS", help="... for this long"
     )
+    local.add_argument(
+        "--autoscale",
+        metavar="MIN:MAX",
+        help="start MIN servers and let the controller add and retire groups between MIN "
+        "and MAX servers by load and memory (`cluster autoscale`)",
+    )
+    _add_autoscale_flags(local)
     local.add_argument(
         "--workers",
         type=int,

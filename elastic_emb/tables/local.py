@@ -158,6 +158,9 @@ class LocalTable(Table):
     def memory_bytes(self) -> int:
         return int(self._core.memory_bytes())
 
+    def memory_in_use(self) -> int:
+        return int(self._core.memory_in_use())
+
     def __len__(self) -> int:
         return int(self._core.size())
 

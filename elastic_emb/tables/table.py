@@ -573,6 +573,11 @@ class Table(metaclass=_Placed):
         """Bytes held by the index and the rows."""
         raise NotImplementedError
 
+    def memory_in_use(self) -> int:
+        """`memory_bytes` less the rows freed for reuse (erased, evicted, moved away): what
+        the live rows take. (The memory held never shrinks; new rows reuse freed ones.)"""
+        return self.memory_bytes()
+
     def __len__(self) -> int:
         raise NotImplementedError
 

@@ -35,9 +35,18 @@ from elastic_emb.ps.coord.membership import ClusterMap, Group, Move
 from elastic_emb.tables.sharding import NUM_SLOTS
 
 __all__ = [
-    "MEASURES", "LoadMeter", "LoadReport", "Policy", "group_loads", "hot_slots", "plan_memory_move",
+    "MEASURES",
+    "LoadMeter",
+    "LoadReport",
+    "Policy",
+    "Usage",
+    "group_loads",
+    "hot_slots",
+    "plan_memory_move",
     "plan_move",
-    "Usage", "report_key", "reports_prefix", "slot_loads",
+    "report_key",
+    "reports_prefix",
+    "slot_loads",
 ]  # fmt: skip
 
 # What a slot's load is measured in: keys pulled and pushed, bytes received
@@ -146,7 +155,7 @@ class Usage:
     its load."""
 
     rows: int = 0
-    memory_bytes: int = 0  # the tables' bytes on this server
+    memory_bytes: int = 0  # what the tables' live rows take on this server
     memory_budget: int = 0  # what they may take (`serve --memory-budget`)
     resident_bytes: int = 0
     cpu: float = 0.0  # CPU seconds per second over the load window

@@ -30,7 +30,9 @@ from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap
 if TYPE_CHECKING:
     from elastic_emb.ps.wire.security import ClientSecurity
 
-__all__ = ["LocalCluster", "cli_command", "cluster_status", "drain_server", "free_port"]
+__all__ = [
+    "LocalCluster", "LocalLauncher", "cli_command", "cluster_status", "drain_server", "free_port",
+]  # fmt: skip
 
 
 def cli_command() -> list[str]:
@@ -57,6 +59,8 @@ class LocalCluster:
             new temporary directory).
         lease_seconds: the servers' lease TTL.
         server_args: more `elastic-emb serve` flags for every server.
+        coordinator: an etcd already running (etcd://HOST:PORT): join its cluster
+            instead of starting one.
     """
 
     def __init__(
@@ -66,8 +70,10 @@ class LocalCluster:
         directory: str | os.PathLike[str] | None = None,
         lease_seconds: int = 2,
         server_args: list[str] | None = None,
+        coordinator: str | None = None,
     ) -> None:
         self.shards, self.replicas, self.lease_seconds = shards, replicas, lease_seconds
+        self._joined = coordinator
         self.server_args = list(server_args or [])
         self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="ee-cluster-")
         self.directory = Path(directory or self._tmp.name)  # type: ignore[union-attr]
@@ -78,14 +84,18 @@ class LocalCluster:
 
     @property
     def coordinator(self) -> str:
+        if self._joined:
+            return self._joined
         if self.etcd is None:
             raise RuntimeError("the local cluster is not started")
         return self.etcd.url
 
     def start(self, timeout: float = 60.0) -> LocalCluster:
-        """Starts etcd and the servers; returns once every group has all its replicas."""
-        self.etcd = start_etcd(self.directory / "etcd")
-        self._used_ports |= {self.etcd.port, self.etcd.peer_port}
+        """Starts etcd (unless joining one) and the servers; returns once every group has
+        all its replicas."""
+        if not self._joined:
+            self.etcd = start_etcd(self.directory / "etcd")
+            self._used_ports |= {self.etcd.port, self.etcd.peer_port}
         for _ in range(self.shards * self.replicas):
             self.start_server()
         self.wait_until(self.complete, timeout, "every group has all its replicas")
@@ -131,6 +141,17 @@ class LocalCluster:
         )
         log.close()
         return address
+
+    def retire(self, address: str, timeout: float = 60.0) -> int:
+        """Stops a server that holds nothing (drained, or a spare) with SIGTERM; its exit
+        status. It is no longer one of `servers`."""
+        process = self.servers.pop(address)
+        process.terminate()
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait()
 
     def start_worker(self, command: list[str]) -> subprocess.Popen[bytes]:
         """Runs `command` as one more worker: ELASTIC_EMB_COORDINATOR names this cluster
@@ -218,6 +239,21 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class LocalLauncher:
+    """The autoscaler's `Launcher` (`elastic_emb.ps.coord.autoscale`) for a `LocalCluster`:
+    servers are processes on this machine."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+
+    def start_server(self) -> str:
+        return self.cluster.start_server()
+
+    def stop_server(self, address: str) -> None:
+        if address in self.cluster.servers:
+            self.cluster.retire(address)
 
 
 def cluster_status(

@@ -144,14 +144,14 @@ class ServerCollector(Collector):
             seq.add_metric([role, str(group)], sequence)
             yield seq
 
-
     def _resources(self) -> Iterator[Metric]:
         """What scaling decisions read (docs/autoscaling.md)."""
         usage = self._servicer.usage()
         gauges = {
             "memory_budget_bytes": ("Bytes the tables may take (serve --memory-budget)",
                                     usage.memory_budget),
-            "memory_used_bytes": ("Bytes the tables take on this server", usage.memory_bytes),
+            "memory_used_bytes": ("Bytes the live rows of the tables take on this server",
+                                  usage.memory_bytes),
             "memory_budget_ratio": ("The tables' bytes over the memory budget",
                                     usage.memory_ratio),
             "resident_memory_bytes": ("Resident memory of the server process",

@@ -5,9 +5,10 @@ take; the default is `DEFAULT_BUDGET_FRACTION` of the memory this process
 may use: the container's limit (cgroup v2 `memory.max`, or v1
 `memory.limit_in_bytes`), else the machine's physical memory. The rest is
 headroom for the process itself, gRPC buffers and the snapshots a copy or a
-move takes. "Used" is the tables' bytes (`Table.memory_bytes`: rows,
-optimizer slots, index), which is what grows with new ids; the process's
-resident size is reported beside it.
+move takes. "Used" is what the tables' live rows take (`Table.memory_in_use`:
+values, optimizer slots, index; rows moved away or evicted no longer count,
+and new rows reuse their memory), which is what grows with new ids; the
+process's resident size is reported beside it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ _NO_LIMIT = 2**60
 
 
 def parse_bytes(text: str) -> int:
-    """"12884901888", "12G" (10^9) or "12Gi" (2^30), as Kubernetes writes quantities.
+    """ "12884901888", "12G" (10^9) or "12Gi" (2^30), as Kubernetes writes quantities.
 
     Raises:
         ValueError: not a positive amount of bytes.
@@ -47,8 +48,11 @@ def parse_bytes(text: str) -> int:
 
 def memory_limit(cgroup: Path = _CGROUP) -> tuple[int, str]:
     """(bytes this process may use, where that figure comes from)."""
-    for path, what in ((cgroup / "memory.max", "cgroup v2 memory.max"),
-                       (cgroup / "memory" / "memory.limit_in_bytes", "cgroup v1 memory limit")):  # fmt: skip
+    limits = [
+        (cgroup / "memory.max", "cgroup v2 memory.max"),
+        (cgroup / "memory" / "memory.limit_in_bytes", "cgroup v1 memory limit"),
+    ]
+    for path, what in limits:
         try:
             raw = path.read_text().strip()
         except OSError:

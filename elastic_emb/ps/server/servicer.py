@@ -136,7 +136,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             keys = float(self.load.rates()[1][0].sum())
         return Usage(
             rows=sum(len(t) for t in tables),
-            memory_bytes=sum(t.memory_bytes() for t in tables),
+            memory_bytes=sum(t.memory_in_use() for t in tables),
             memory_budget=self.memory_budget,
             resident_bytes=resident_bytes(),
             cpu=cpu,
