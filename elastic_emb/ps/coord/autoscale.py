@@ -311,11 +311,18 @@ class Autoscaler:
         candidates = [g for g in m.groups if g.id in s.rows and not g.retiring]
         group = min(candidates, key=lambda g: (s.rows[g.id], -g.id))
         servers = list(group.replicas)
-        membership.update(self._etcd, self.prefix, lambda current: current.retire(group.id))
-        self._wait(
-            lambda: ClusterMap.read(self._etcd, self.prefix).find_group(group.id) is None,
-            f"group {group.id} gives its slots away",
-        )
+
+        def retire(current: ClusterMap) -> ClusterMap:
+            for address in servers:  # draining: placed nowhere once the group dissolved
+                current = current.drain(address)
+            return current.retire(group.id)
+
+        def dissolved() -> bool:
+            m = ClusterMap.read(self._etcd, self.prefix)
+            return all(m.group_of(address) is None for address in servers)
+
+        membership.update(self._etcd, self.prefix, retire)
+        self._wait(dissolved, f"group {group.id} gives its slots away")
         for address in servers:
             self.launcher.stop_server(address)
         membership.update(self._etcd, self.prefix, lambda current: _forget(current, servers))

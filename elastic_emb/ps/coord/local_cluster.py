@@ -101,8 +101,9 @@ class LocalCluster:
         self.wait_until(self.complete, timeout, "every group has all its replicas")
         return self
 
-    def start_server(self, port: int = 0) -> str:
-        """One more server (on `port`, or a free one); returns its address.
+    def start_server(self, port: int = 0, extra_args: list[str] | None = None) -> str:
+        """One more server (on `port`, or a free one, with `extra_args` after the cluster's
+        `server_args`); returns its address.
 
         A free port is one this cluster never used: a killed server's address
         stays its own (the kernel may hand the same free port out twice).
@@ -131,6 +132,7 @@ class LocalCluster:
                 "--drain-timeout",
                 "0",
                 *self.server_args,
+                *(extra_args or []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
