@@ -91,15 +91,26 @@ def run_worker(
 
 
 def run_in_threads(
-    coordinator: str, mode: str, workers: range, table: str, batch: int, steps: int
+    coordinator: str,
+    mode: str,
+    workers: range,
+    table: str,
+    batch: int,
+    steps: int,
+    on_step: Callable[[int, int], None] = lambda worker, steps: None,
 ) -> list[dict]:
-    """`workers` as threads of this process, `steps` steps each; their reports."""
+    """`workers` as threads of this process, `steps` steps each; their reports.
+    `on_step(worker, steps made)` is called before each step."""
     separate_connections()
     reports: list[dict] = []
     lock = threading.Lock()
 
+    def go_on(worker: int, made: int) -> bool:
+        on_step(worker, made)
+        return made < steps
+
     def run(worker: int) -> None:
-        r = run_worker(coordinator, mode, worker, table, batch, lambda i: i < steps)
+        r = run_worker(coordinator, mode, worker, table, batch, lambda i: go_on(worker, i))
         with lock:
             reports.append(r)
 

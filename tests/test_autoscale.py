@@ -256,8 +256,9 @@ def test_a_server_past_its_memory_high_water_mark_moves_slots_before_its_budget(
         rows = check_rows(m.groups, "memory", [report], BATCH)
         log = c.log_tail(small, 400)
         assert "of its memory budget" in log and "moving slots" in log
+        left = m.slots_of(m.group_of(small).id)
         print(f"\npeak share of the budget: small {peaks[small]:.2f}, roomy {peaks[roomy]:.2f};"
-              f" slots left on the small one {m.slots_of(m.group_of(small).id)}; rows {rows}")  # fmt: skip
+              f" slots left on the small one {left}; rows {rows}")  # fmt: skip
         assert 0.8 < peaks[small] < 1.0 and peaks[roomy] < 0.8
 
 

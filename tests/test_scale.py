@@ -28,15 +28,15 @@ def test_sixteen_workers_exact_through_a_primary_kill(tmp_path, mode):
     is applied exactly once (each row is -count/8) and each backup equals its primary."""
     with LocalCluster(2, 2, tmp_path / "cluster") as cluster:
         killed = threading.Event()
+        killer = threading.Thread(target=lambda: (cluster.kill(cluster.primaries()[0]),
+                                                  killed.set()))  # fmt: skip
 
-        def kill_soon() -> None:
-            time.sleep(3.0)
-            cluster.kill(cluster.primaries()[0])
-            killed.set()
+        def kill_mid_run(worker: int, steps: int) -> None:
+            if worker == 0 and steps == 10:  # the others go on meanwhile
+                killer.start()
 
-        killer = threading.Thread(target=kill_soon)
-        killer.start()
-        reports = run_in_threads(cluster.coordinator, mode, range(16), "t", BATCH, steps=40)
+        reports = run_in_threads(cluster.coordinator, mode, range(16), "t", BATCH, steps=40,
+                                 on_step=kill_mid_run)  # fmt: skip
         killer.join()
         assert killed.is_set()
         assert [r.get("error") for r in reports] == [None] * 16

@@ -294,13 +294,12 @@ class Autoscaler:
         """Starts a group's servers; returns once its group is complete and holds slots."""
         started = [self.launcher.start_server() for _ in range(self.policy.replicas)]
 
-        def serving() -> bool:
+        def serving() -> bool:  # (a spare left from before may have taken a place too)
             m = ClusterMap.read(self._etcd, self.prefix)
-            g = m.group_of(started[0])
-            return (
-                g is not None and m.complete(g) and set(g.replicas) == set(started)
-                and bool(m.ranges_of(g.id)) and m.move is None
-            )  # fmt: skip
+            groups = [m.group_of(a) for a in started]
+            return m.move is None and any(
+                g is not None and m.complete(g) and bool(m.ranges_of(g.id)) for g in groups
+            )
 
         self._wait(serving, f"the new group of {started} holds slots")
         return started
