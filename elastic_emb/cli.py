@@ -210,8 +210,12 @@ def _start_autoscaler(args: argparse.Namespace, policy: Any, cluster: Any, stop:
 
         port = start_metrics_server(scaler, "127.0.0.1", args.metrics_port).server_port
         print(f"elastic-emb autoscale: metrics on http://127.0.0.1:{port}/metrics", flush=True)
+    def stop_when_told() -> None:
+        stop.wait()
+        scaler.stop()
+
     threading.Thread(target=scaler.run, daemon=True, name="ee-autoscale").start()
-    threading.Thread(target=lambda: (stop.wait(), scaler.stop()), daemon=True).start()
+    threading.Thread(target=stop_when_told, daemon=True).start()
     print(f"elastic-emb autoscale: {policy.min_servers} to {policy.max_servers} servers, "
           f"groups of {policy.replicas}", flush=True)  # fmt: skip
     return scaler

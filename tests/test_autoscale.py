@@ -18,7 +18,7 @@ from elastic_emb.ps.coord.autoscale import Autoscaler, ScalingPolicy, Signals, d
 from elastic_emb.ps.coord.balance import LoadReport, Usage, plan_memory_move
 from elastic_emb.ps.coord.membership import ClusterMap, Group, Range
 from elastic_emb.ps.server import resources
-from elastic_emb.ps.server.audit import verify
+from elastic_emb.ps.server.audit import AuditLog, verify
 from elastic_emb.tables.sharding import NUM_SLOTS
 
 # 1. The policy, the signals and the memory measure.
@@ -171,7 +171,7 @@ def test_a_group_is_added_when_load_rises_and_retired_when_it_falls(tmp_path):
     server_args = ["--load-window", "2"]
     with LocalCluster(1, 1, tmp_path / "c", server_args=server_args) as c:
         policy = ScalingPolicy(1, 2, replicas=1, target_keys=3000, sustain=1, cooldown=1)
-        audit = ee_audit(tmp_path / "autoscale.audit")
+        audit = AuditLog(tmp_path / "autoscale.audit")
         scaler = Autoscaler(c.coordinator, policy, LocalLauncher(c), audit, interval=0.25)
         thread = threading.Thread(target=scaler.run)
         thread.start()
@@ -214,12 +214,6 @@ def test_a_group_is_added_when_load_rises_and_retired_when_it_falls(tmp_path):
     assert sum('"autoscale.add"' in r for r in calls) == 2
     assert sum('"autoscale.retire"' in r for r in calls) == 2
     assert all('"keys_per_second"' in r for r in calls)
-
-
-def ee_audit(path):
-    from elastic_emb.ps.server.audit import AuditLog
-
-    return AuditLog(path)
 
 
 def _peak_memory(c: LocalCluster, stop: threading.Event, peaks: dict) -> None:

@@ -242,7 +242,7 @@ class Autoscaler:
         """One measurement; carries out a decision held for `sustain`. The action taken."""
         s = self.last = measure(self._etcd, self.prefix, 6 * self.interval + 60)
         action, why = decide(s, self.policy)
-        self._say_at_max(s, action, why)
+        self._say_at_max(s)
         now = time.monotonic()
         if s.busy or now < self._quiet_until or action is None:
             self._pending = None if action is None else self._pending
@@ -258,8 +258,10 @@ class Autoscaler:
         self._quiet_until = time.monotonic() + self.policy.cooldown
         return action
 
-    def _say_at_max(self, s: Signals, action: str | None, why: str) -> None:
-        self.at_max = action is None and "maximum" in why
+    def _say_at_max(self, s: Signals) -> None:
+        """`at_max`, and a log line a minute while it holds."""
+        policy = self.policy
+        self.at_max = s.groups >= policy.max_groups and s.ratio(policy) > 1 + policy.tolerance
         if self.at_max and time.monotonic() - self._said_max >= 60:
             self._said_max = time.monotonic()
             log.warning(
@@ -271,7 +273,7 @@ class Autoscaler:
 
     def _act(self, action: str, why: str, s: Signals) -> None:
         signals = s.describe(self.policy)
-        record = {"action": action, "why": why, "signals": signals}
+        record: dict[str, Any] = {"action": action, "why": why, "signals": signals}
         log.warning("autoscale: %s a group: %s; signals %s", action, why, signals)
         self._audit(f"autoscale.{action}", record, "decided")
         began = time.monotonic()
@@ -373,6 +375,6 @@ def start_metrics_server(scaler: Autoscaler, host: str, port: int) -> Any:
             yield actions
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Collector())  # type: ignore[arg-type]
+    registry.register(Collector())
     server, _ = start(port, addr=host, registry=registry)
     return server
