@@ -210,6 +210,7 @@ def _start_autoscaler(args: argparse.Namespace, policy: Any, cluster: Any, stop:
 
         port = start_metrics_server(scaler, "127.0.0.1", args.metrics_port).server_port
         print(f"elastic-emb autoscale: metrics on http://127.0.0.1:{port}/metrics", flush=True)
+
     def stop_when_told() -> None:
         stop.wait()
         scaler.stop()
