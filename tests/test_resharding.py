@@ -6,6 +6,7 @@ sync run with a scale-out (2 -> 3 groups) and a scale-in, or with a server
 killed in the middle of a move, must end bit-identical to it.
 """
 
+import signal
 import threading
 import time
 
@@ -119,10 +120,15 @@ def test_scale_out_then_in_while_training_ends_bit_identical(tmp_path, mode):
             ee.shutdown()
 
 
-@pytest.mark.parametrize("victim", ["source", "target"])
-def test_a_server_killed_in_the_middle_of_a_slot_move_loses_nothing(tmp_path, victim):
-    """R=2: two new servers form a third group; a primary of the move dies during its copy."""
+@pytest.mark.parametrize(
+    "victim, fault", [("source", "kill"), ("target", "kill"), ("source", "pause")]
+)
+def test_a_server_killed_in_the_middle_of_a_slot_move_loses_nothing(tmp_path, victim, fault):
+    """R=2: two new servers form a third group; a primary of the move dies during its copy,
+    or is paused (SIGSTOP) past its lease, replaced, and woken."""
     expected = reference_state(range(1, 51))
+    woken = threading.Thread(target=lambda: None)
+    paused: list[tuple[int, str]] = []  # (group, its primary then)
     with LocalCluster(2, 2, tmp_path / "cluster", server_args=["--move-pause", "3"]) as c:
         ee.init(coordinator=c.coordinator, mode="sync", failover_timeout=120)
         try:
@@ -139,7 +145,17 @@ def test_a_server_killed_in_the_middle_of_a_slot_move_loses_nothing(tmp_path, vi
                     group = m.group(source if victim == "source" else m.move.to)
                     c.wait_until(lambda: len(c.map().group(group.id).replicas) == 2, 60, "R=2")
                     time.sleep(1.5)  # the snapshot is sent; the move pauses 3 s before the rest
-                    c.kill(c.map().group(group.id).primary)
+                    primary = c.map().group(group.id).primary
+                    if fault == "kill":
+                        c.kill(primary)
+                        return
+                    c.servers[primary].send_signal(signal.SIGSTOP)
+                    paused.append((group.id, primary))
+                    nonlocal woken
+                    woken = threading.Timer(
+                        3 * c.lease_seconds, c.servers[primary].send_signal, [signal.SIGCONT]
+                    )
+                    woken.start()
                 if step == 40:
                     c.wait_until(
                         lambda: len(c.map().groups) == 3 and not _moving(c.map()),
@@ -148,7 +164,10 @@ def test_a_server_killed_in_the_middle_of_a_slot_move_loses_nothing(tmp_path, vi
                     )
 
             train(table, range(11, 51), on_step)
+            woken.join()
             m = c.map()
+            for group_id, primary in paused:  # replaced by its backup
+                assert m.group(group_id).primary != primary
             assert sorted(r.slots for r in m.ranges) == [(0, 1024), (1024, 2048), (2048, 4096)]
             assert len({r.group for r in m.ranges}) == 3
             _holds_only_its_slots(c)

@@ -413,8 +413,14 @@ class StatsResponse(_message.Message):
     def __init__(self, methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., step: _Optional[int] = ..., pull_waits: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("backup", "group", "epoch")
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    backup: str
+    group: int
+    epoch: int
+    def __init__(self, backup: _Optional[str] = ..., group: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
     __slots__ = ("serving", "step", "num_tables", "role", "group", "epoch", "sequence", "rows", "ranges")

@@ -70,11 +70,11 @@ class Failover:
             primary = group.primary if group and state.address in group.members else ""
             if primary != watched:
                 failures, watched, answered = 0, primary, time.monotonic()
-            if primary:
+            if group is not None and primary:
+                # Naming the group and epoch followed: the primary's witness without etcd.
+                ping = ps_pb2.HealthRequest(backup=state.address, group=group.id, epoch=group.epoch)
                 try:
-                    self._channels.stub(primary).Health(
-                        ps_pb2.HealthRequest(), timeout=3 * PING_SECONDS
-                    )
+                    self._channels.stub(primary).Health(ping, timeout=3 * PING_SECONDS)
                     failures, answered = 0, time.monotonic()
                 except grpc.RpcError as e:
                     refused = e.code() == grpc.StatusCode.UNAVAILABLE  # nothing listens there

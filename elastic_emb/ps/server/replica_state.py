@@ -1,8 +1,9 @@
 """`ReplicaState`: what the parts of a `Replica` share (the newest cluster map, the lease,
 the sequence of the last change applied) under one condition, and the checks made against
 it: a server serves workers only as its group's primary while its lease is known to be
-alive, and a backup takes changes only from its group's current primary and epoch, so a
-deposed primary can neither get a change acknowledged nor serve a stale read for long."""
+alive (or, while etcd cannot be reached, while every backup still follows it), and a
+backup takes changes only from its group's current primary and epoch, so a deposed
+primary can neither get a change acknowledged nor serve a stale read for long."""
 
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ class ReplicaState:
         self.map = ClusterMap()  # guarded by cond: the newest map this server knows
         self.lease = 0  # guarded by cond: the id of this server's lease
         self.last_keepalive = 0.0  # guarded by cond: when (monotonic) the lease was renewed
+        # Guarded by cond: since when (monotonic) etcd cannot be reached; None: it can.
+        self.coordinator_lost_since: float | None = None
+        # Guarded by cond: backup -> (epoch, when) of its last ping naming this primary.
+        self.followed_by: dict[str, tuple[int, float]] = {}
         # Guarded by cond: sequence of the last change applied; None: no snapshot yet.
         self.applied: int | None = 0
         self.applied_epoch = 0  # guarded by cond: the epoch of that change
@@ -70,6 +75,30 @@ class ReplicaState:
         with self.cond:
             return time.monotonic() - self.last_keepalive < self.lease_seconds
 
+    def followed(self, backup: str, group_id: int, epoch: int) -> None:
+        """A backup's failover ping: it follows this server as the primary of `group_id`
+        at `epoch`."""
+        with self.cond:
+            group = self.map.group_of(self.address)
+            if group is not None and group.id == group_id and group.primary == self.address:
+                self.followed_by[backup] = (epoch, time.monotonic())
+
+    def _may_serve(self, group: Group) -> bool:
+        """Whether this primary's lease was renewed within its TTL; or, while etcd cannot be
+        reached (no backup can be promoted without it), whether every backup of its group
+        pinged it at its epoch within the TTL. A group without a backup has no witness: it
+        waits for etcd. Call with `cond` held."""
+        now = time.monotonic()
+        if now - self.last_keepalive < self.lease_seconds:
+            return True
+        if self.coordinator_lost_since is None or not group.members:
+            return False
+        for backup in group.members:
+            epoch, when = self.followed_by.get(backup, (0, 0.0))
+            if epoch != group.epoch or now - when >= self.lease_seconds:
+                return False
+        return True
+
     def role(self) -> str:
         """primary, backup, joining (a backup being copied to) or spare."""
         group = self.group()
@@ -87,7 +116,7 @@ class ReplicaState:
         """
         with self.cond:
             group = self.map.group_of(self.address)
-            alive = time.monotonic() - self.last_keepalive < self.lease_seconds
+            alive = group is not None and self._may_serve(group)
             where = self.map.range(range_id) if range_id is not None else None
             sealed = self.map.sealed
         if (
@@ -108,7 +137,10 @@ class ReplicaState:
             why = f"group {group.id}'s primary is {group.primary}" if group else "it is a spare"
             raise aborted(f"{self.address} is not a primary ({why})")
         if not alive:
-            raise aborted(f"{self.address} cannot reach the coordinator to renew its lease")
+            raise aborted(
+                f"{self.address} cannot reach the coordinator to renew its lease"
+                + (" and not every backup follows it" if group.members else "")
+            )
 
     def check_sender(self, group_id: int, epoch: int, primary: str) -> None:
         """Raises `aborted` for a change (or snapshot) from anyone but this backup's primary."""

@@ -421,18 +421,42 @@ class Replica:
             interval = state.lease_seconds / 4
             try:
                 self._etcd.keepalive_once(lease, max(0.2, last + state.lease_seconds - sent))
+                self._coordinator_reached()
                 with state.cond:
                     state.last_keepalive = max(state.last_keepalive, sent)  # at the latest
             except LeaseLost:
+                self._coordinator_reached()
                 with state.cond:
                     replaced = state.lease != lease  # rejoined meanwhile
                 if not replaced and not self._keep_place():
                     log.warning("%s lost its lease: rejoining with an empty state", self.address)
                     self._rejoin()
             except EtcdError as e:
-                log.warning("cannot reach the coordinator: %s", e)
+                with state.cond:
+                    first = state.coordinator_lost_since is None
+                    if first:
+                        state.coordinator_lost_since = sent
+                if first:
+                    log.warning(
+                        "%s cannot reach the coordinator (%s): as a primary it serves on while "
+                        "every backup follows it; failover, joins and moves wait for etcd",
+                        self.address, e,
+                    )  # fmt: skip
                 interval = 0.1
             next_refresh = sent + interval
+
+    def _coordinator_reached(self) -> None:
+        with self._state.cond:
+            since, self._state.coordinator_lost_since = self._state.coordinator_lost_since, None
+        if since is not None:
+            log.warning(
+                "%s reaches the coordinator again after %.1f s", self.address,
+                time.monotonic() - since,
+            )  # fmt: skip
+
+    def followed(self, backup: str, group_id: int, epoch: int) -> None:
+        """A backup's failover ping: it follows this server at `epoch` (`ReplicaState`)."""
+        self._state.followed(backup, group_id, epoch)
 
     def _keep_place(self) -> bool:
         """After a lapse of its lease (etcd or this machine too slow to renew it): a primary

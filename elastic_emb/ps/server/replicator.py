@@ -39,6 +39,7 @@ REPLICATED_METHODS = (
 # The changes a worker sends (the others: servers moving ranges).
 WORKER_CHANGES = REPLICATED_METHODS[:7]
 FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
+DROP_CHECK_SECONDS = 0.05  # how often a primary waiting for a backup looks if it was dropped
 GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
 
 
@@ -125,9 +126,23 @@ class Replicator:
         sequence, futures = sent
         for backup, future in futures.items():
             try:
-                future.result()
+                self._wait_unless_dropped(backup, future)
             except Exception as e:
                 self._drop(backup, f"it did not apply change {sequence}: {e}")
+
+    def _wait_unless_dropped(self, backup: str, future: concurrent.futures.Future[None]) -> None:
+        """Waits for `backup` to apply a change, or until this primary's map no longer lists
+        it (dropped meanwhile, e.g. paused past its lease): a paused backup holds a change
+        up for about a lease, not FORWARD_TIMEOUT."""
+        state = self._state
+        while True:
+            try:
+                return future.result(timeout=DROP_CHECK_SECONDS)
+            except concurrent.futures.TimeoutError:
+                with state.cond:
+                    group = state.map.group_of(state.address)
+                    if group and group.primary == state.address and not group.holds(backup):
+                        return
 
     def send_all(self, address: str, changes: list[ps_pb2.ReplicateRequest]) -> None:
         """Sends changes concurrently (the receiver applies them in order)."""

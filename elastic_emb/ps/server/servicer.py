@@ -433,6 +433,8 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             ranges=[range_id for range_id, _ in self.ranges.items()],
         )
         if self.replica is not None:
+            if request.backup:
+                self.replica.followed(request.backup, request.group, request.epoch)
             role, group, epoch, sequence = self.replica.status()
             response.role, response.group, response.epoch = role, group, epoch
             response.sequence = sequence
