@@ -133,7 +133,7 @@ class ReplicaState:
         serves = group is not None and (
             group.primary == self.address or (backup_too and self.address in group.members)
         )
-        if not serves:
+        if group is None or not serves:
             why = f"group {group.id}'s primary is {group.primary}" if group else "it is a spare"
             raise aborted(f"{self.address} is not a primary ({why})")
         if not alive:
