@@ -222,3 +222,29 @@ def test_a_job_with_a_killed_and_a_new_worker_learns_as_well_as_one_without(tmp_
     print(f"test AUC without the kill {calm:.4f}, with it {disturbed:.4f}")
     assert calm > 0.6  # learned the signal (chance: 0.5)
     assert disturbed > calm - 0.01, (disturbed, calm)
+
+
+def test_training_goes_on_with_the_shard_in_hand_while_etcd_is_down(tmp_path):
+    """etcd is killed in the middle of a shard for longer than the worker's lease: the
+    rest of the shard trains meanwhile, the progress is written once etcd is back, the
+    worker claims its shard again under a new lease, and every batch is trained once."""
+    from elastic_emb.ps.coord.etcd_process import start_etcd
+
+    with start_etcd(tmp_path / "etcd") as etcd:
+        queue = ShardQueue(etcd.url, "outage", num_shards=3, lease_seconds=1, worker="w")
+        other = ShardQueue(etcd.url, "outage", num_shards=3, worker="other")
+        batches = queue.batches(lambda shard: [(shard, b) for b in range(6)])
+        for number, batch in enumerate(batches):
+            if number == 2:
+                etcd.kill()
+            queue.trained_one()  # raises nothing while etcd is down
+            if number == 4:
+                time.sleep(2.5)  # the lease lapses locally
+                etcd.start()
+                time.sleep(2.5)  # and in etcd: the worker took a new one and claimed again
+                # The shard in hand is still claimed: the other worker takes another one.
+                assert next(other.batches(lambda shard: [shard])) != batch[0]
+                other.close()
+        queue.close()
+    expected = [(0, s, b) for s in range(3) for b in range(6)]
+    assert sorted(queue.trained) == expected
