@@ -352,12 +352,17 @@ def _apply_delta(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    """Asks the standard gRPC health service (grpc.health.v1), as Kubernetes' probes do."""
+    """Asks the standard gRPC health service (grpc.health.v1), as Kubernetes' probes do;
+    over TLS and with a token as `top` does."""
     import grpc
 
     from elastic_emb.ps.server.health import SERVING, HealthCheckResponse, check
+    from elastic_emb.ps.wire.security import channel as secure_channel
 
-    with grpc.insecure_channel(args.address) as channel:
+    security = _client_security(args, "health")
+    if security is False:
+        return 2
+    with secure_channel(args.address, None, security) as channel:
         try:
             reply = check(channel, "", timeout=args.timeout)
         except grpc.RpcError as e:
@@ -663,6 +668,7 @@ def _add_tools(sub: Any) -> None:
     health = sub.add_parser("health", help="exit 0 if the PS at ADDRESS is serving")
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    _add_client_security(health)
     health.set_defaults(run=_health)
 
     top = sub.add_parser("top", help="a live view of PS servers: rows, memory, QPS, latency")

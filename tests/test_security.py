@@ -194,3 +194,31 @@ def test_an_open_server_off_loopback_warns():
         assert any("without TLS or tokens" in line for line in shard.output)
     finally:
         shard.stop()
+
+
+def test_health_command_over_mutual_tls(pki):
+    cert, key = pki["server"]
+    args = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(pki["ca"])]
+    client_cert, client_key = pki["client"]
+    with shards(1, args) as (ps,):
+        health = [*serve_command(), "health", ps.address, "--timeout", "3"]
+        tls = ["--tls-ca", str(pki["ca"])]
+        runs = {
+            "mutual": [*tls, "--tls-cert", str(client_cert), "--tls-key", str(client_key)],
+            "plaintext": [],
+            "no client certificate": tls,
+            "certificate without key": [*tls, "--tls-cert", str(client_cert)],
+        }
+        started = {
+            name: subprocess.Popen([*health, *extra], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for name, extra in runs.items()
+        }  # fmt: skip
+        done = {name: (p.communicate(timeout=120), p.returncode) for name, p in started.items()}
+    (out, err), code = done["mutual"]
+    assert code == 0 and out == f"{ps.address}: serving\n", err
+    for refused in ("plaintext", "no client certificate"):
+        (out, err), code = done[refused]
+        assert code == 1 and f"{ps.address}: not serving (UNAVAILABLE" in err, (refused, err)
+    (out, err), code = done["certificate without key"]
+    assert code == 2 and "`tls_cert` and `tls_key` go together" in err, err

@@ -284,12 +284,16 @@ class Routing:
                 log.error("worker %d cannot register again: %s", worker, e)
                 return
             except (EtcdError, ConnectionError) as e:
-                log.warning("worker %d: cannot register again yet: %s", worker, e)
+                # Once per lapse (etcd away: training goes on meanwhile), then quietly.
+                (log.warning if delay == 0.1 else log.debug)(
+                    "worker %d: cannot register again yet, retrying: %s", worker, e
+                )
                 self._closed.wait(delay)
                 delay = min(2 * delay, 2.0)
                 continue
             with self._cond:
                 self.registrations += 1
+            log.warning("worker %d: registered again under a new lease", worker)
             if self._closed.is_set():  # closed meanwhile: `close` may have missed this lease
                 with self._cond:
                     lease, keep = self._worker_lease, self._keep_alive

@@ -2,9 +2,23 @@
 
 Keys, values and revisions; compare-and-swap transactions; leases and a
 keep-alive thread; prefix watches that survive etcd restarts. Each call is one
-HTTP request on its own connection to `POST /v3/...`: keys and values travel
-base64-encoded, int64 fields as decimal strings, and fields at their zero value
-are left out of the answers. No coordination logic: that belongs to the caller.
+HTTP request to `POST /v3/...`: keys and values travel base64-encoded, int64
+fields as decimal strings, and fields at their zero value are left out of the
+answers. No coordination logic: that belongs to the caller.
+
+Where etcd is and how to reach it is one URL (`parse_endpoint`), the
+`coordinator` string of every component:
+
+    etcd://HOST:PORT[,HOST:PORT...]      plaintext ("http://" and a bare
+                                         "HOST:PORT" mean the same)
+    etcds://HOST:PORT[,HOST:PORT...][?ca=FILE&cert=FILE&key=FILE&user=NAME&password-file=FILE]
+
+`etcds` is HTTPS with the server's certificate checked (against `ca`, else
+the system's CAs, and against the member's host name); `cert` and `key` are a
+client certificate (etcd's `--client-cert-auth`); `user` and `password-file`
+log in to etcd's authentication (the password is read from the file, never
+written in the URL). A call goes to the member that answered last and passes
+on to the next one it cannot reach.
 """
 
 from __future__ import annotations
@@ -14,16 +28,20 @@ import dataclasses
 import http.client
 import json
 import logging
+import re
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 __all__ = [
     "Compare",
     "Etcd",
+    "EtcdEndpoint",
     "EtcdError",
     "EtcdUnavailable",
     "Event",
@@ -41,8 +59,21 @@ log = logging.getLogger("elastic_emb.etcd")
 
 GRPC_UNAVAILABLE = (4, 14)  # DEADLINE_EXCEEDED, UNAVAILABLE: etcd has no leader or is stopping
 LEASE_NOT_FOUND = "requested lease not found"
+# What a member answers when it did not act on the request: safe to send to another one.
+NOT_APPLIED = ("etcdserver: no leader", "raft proposal dropped")
+# etcd's answers to a missing, expired or unknown token (a watch is "permission denied").
+TOKEN_REFUSED = ("invalid auth token", "user name is empty")
+RETRY_PAUSE = 0.05  # seconds between rounds over the members while the cluster has no leader
+URL_FORMS = (
+    "'etcd://HOST:PORT[,HOST:PORT...]' or 'etcds://HOST:PORT[,HOST:PORT...]"
+    "[?ca=FILE&cert=FILE&key=FILE&user=NAME&password-file=FILE]'"
+)
+URL_OPTIONS = ("ca", "cert", "key", "user", "password-file")
 _OPS = {"=": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
-_IDLE_CONNECTIONS = 4  # kept open per client for the next calls
+_IDLE_CONNECTIONS = 4  # kept open per member for the next calls
+# A header the gateway passes on as gRPC metadata (clientv3's WithRequireLeader): a member
+# without a leader answers "no leader" at once instead of waiting, and ends its watches.
+_REQUIRE_LEADER = "Grpc-Metadata-hasleader"
 # What a kept connection that etcd closed meanwhile raises before the request reaches it.
 _CLOSED_BY_PEER = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
@@ -176,13 +207,94 @@ class TxnResult:
     responses: list[list[KeyValue] | int | None]
 
 
+@dataclasses.dataclass(frozen=True)
+class EtcdEndpoint:
+    """A parsed coordinator URL (`parse_endpoint`): the members and how to reach them.
+
+    `str()` gives the URL back; it holds file names, never a password.
+    """
+
+    members: tuple[tuple[str, int], ...]
+    tls: bool = False
+    ca: str | None = None  # CA certificate file that signed etcd's certificate
+    cert: str | None = None  # client certificate file
+    key: str | None = None  # the client certificate's key file
+    user: str | None = None
+    password_file: str | None = None
+
+    def __str__(self) -> str:
+        hosts = ",".join(_address(member) for member in self.members)
+        values = (self.ca, self.cert, self.key, self.user, self.password_file)
+        options = zip(URL_OPTIONS, values, strict=True)
+        query = "&".join(f"{name}={quote(value, safe='/')}" for name, value in options if value)
+        return f"{'etcds' if self.tls else 'etcd'}://{hosts}" + (f"?{query}" if query else "")
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS settings of `etcds` (None for plaintext): the server's certificate is
+        checked against `ca` (else the system's CAs) and the member's host name.
+
+        Raises:
+            ValueError: a file cannot be read or is not a PEM certificate or key.
+        """
+        if not self.tls:
+            return None
+        for name, path in (("ca", self.ca), ("cert", self.cert), ("key", self.key)):
+            if path is not None:
+                _check_readable(name, path)
+        try:
+            context = ssl.create_default_context(cafile=self.ca)
+        except ssl.SSLError as e:
+            raise ValueError(
+                f"etcd endpoint: ca={self.ca} is not a PEM CA certificate: {e}"
+            ) from None
+        if self.cert is not None:
+            try:
+                context.load_cert_chain(self.cert, self.key)
+            except ssl.SSLError as e:
+                raise ValueError(
+                    f"etcd endpoint: cert={self.cert} and key={self.key} are not a PEM "
+                    f"certificate and its key: {e}"
+                ) from None
+        return context
+
+    def password(self) -> str:
+        """The password in `password_file` (without the line break at its end).
+
+        Raises:
+            ValueError: the file cannot be read or is empty.
+        """
+        if self.password_file is None:
+            raise ValueError("etcd endpoint: no password-file")
+        try:
+            password = Path(self.password_file).read_text().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) else "not text"
+            raise ValueError(
+                f"etcd endpoint: cannot read password-file={self.password_file}: {reason}"
+            ) from None
+        if not password:
+            raise ValueError(f"etcd endpoint: password-file={self.password_file} is empty")
+        return password
+
+
 class Etcd:
-    """A client of one etcd endpoint.
+    """A client of one etcd cluster: one member or several.
 
     Thread-safe: a call takes an idle HTTP connection of this client (or
     opens one) and puts it back after the answer; a few stay open for the
     next calls. Every call blocks for at most `timeout` seconds (`watch` and
     `keep_alive` return at once and work in a daemon thread).
+
+    A call goes to the member that answered last. A member that cannot be
+    reached, does not answer in its share of the time, or has no leader
+    passes the call on to the next one (and, while the cluster elects a
+    leader, round after round until `timeout`). Where the connection broke
+    after the request went out, only requests that are harmless twice are
+    sent again (reads, put, delete, lease calls); `txn` and `compact` raise
+    `EtcdUnavailable` then, since the first may have been applied.
+
+    With `user=` the client logs in at its first call and again, once per
+    call, when etcd says its token is invalid (etcd's simple tokens expire).
 
     Example:
         etcd = Etcd("etcd://127.0.0.1:2379")
@@ -190,25 +302,38 @@ class Etcd:
         etcd.txn([Compare.mod_revision("jobs/a", "=", rev)], [Op.put("jobs/a", b"2")])
 
     Args:
-        endpoint: "host:port", "etcd://host:port" or "http://host:port".
+        endpoint: a coordinator URL (see `parse_endpoint`), e.g.
+            "etcd://10.0.0.1:2379,10.0.0.2:2379" or
+            "etcds://etcd:2379?ca=/certs/ca.pem&user=ps&password-file=/secrets/pw".
         timeout: seconds one request may take.
 
     Raises:
-        ValueError: a malformed endpoint.
+        ValueError: a malformed endpoint, or a file it names cannot be used.
     """
 
     def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
-        self.host, self.port = parse_endpoint(endpoint)
+        self.endpoint = parse_endpoint(endpoint)
         if not timeout > 0:
             raise ValueError(f"`timeout` must be positive. Received: timeout={timeout!r}")
         self.timeout = float(timeout)
+        self._ssl = self.endpoint.ssl_context()
+        if self.endpoint.user is not None:
+            self.endpoint.password()  # unreadable or empty: an error now, not at a call
         self._lock = threading.Lock()
+        self._auth_lock = threading.Lock()  # one log-in at a time
         self._threads: list[Watch | KeepAlive] = []  # guarded by _lock
-        self._idle: list[http.client.HTTPConnection] = []  # guarded by _lock
+        self._idle: dict[int, list[http.client.HTTPConnection]] = {}  # guarded by _lock
         self._closed = False  # guarded by _lock
+        self._preferred = 0  # guarded by _lock: index of the member tried first
+        self._token: str | None = None  # guarded by _lock; "" once etcd said auth is off
+
+    @property
+    def members(self) -> tuple[tuple[str, int], ...]:
+        """(host, port) of each member, as given."""
+        return self.endpoint.members
 
     def __repr__(self) -> str:
-        return f"Etcd({self.host}:{self.port})"
+        return f"Etcd({self.endpoint})"
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -231,7 +356,8 @@ class Etcd:
         return _revision(self._call("/v3/kv/put", _put_body(key, value, lease)))
 
     def delete(self, key: str) -> int:
-        """Deletes the key; returns how many keys were deleted (0 or 1)."""
+        """Deletes the key; returns how many keys were deleted (0 or 1; 0 also when a
+        first attempt on a member that failed meanwhile had deleted it)."""
         return int(self._call("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
 
     def delete_prefix(self, prefix: str) -> int:
@@ -241,7 +367,12 @@ class Etcd:
     def txn(
         self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
     ) -> TxnResult:
-        """Runs `success` if every comparison holds, else `failure`, atomically."""
+        """Runs `success` if every comparison holds, else `failure`, atomically.
+
+        Raises:
+            EtcdUnavailable: no member answered; when the message says so, the
+                transaction may have been applied.
+        """
         answer = self._call(
             "/v3/kv/txn",
             {
@@ -249,6 +380,7 @@ class Etcd:
                 "success": [o.to_json() for o in success],
                 "failure": [o.to_json() for o in failure],
             },
+            idempotent=False,
         )
         responses: list[list[KeyValue] | int | None] = []
         for r in answer.get("responses", []):
@@ -262,7 +394,8 @@ class Etcd:
 
     def compact(self, revision: int) -> None:
         """Discards the history before `revision` (watches from older revisions resync)."""
-        self._call("/v3/kv/compaction", {"revision": str(revision), "physical": True})
+        body = {"revision": str(revision), "physical": True}
+        self._call("/v3/kv/compaction", body, idempotent=False)
 
     # -- leases -------------------------------------------------------------------------------
 
@@ -312,11 +445,13 @@ class Etcd:
     ) -> Watch:
         """Calls `callback(events)` from a daemon thread for each change under `prefix`.
 
-        From `start_revision` (0: from now). A broken stream is reopened from the
-        revision after the last event seen; when that revision has been
-        compacted, the watch restarts from now and calls `callback([])` once it
-        is in place, so that the caller reads the keys again. The callback runs
-        in the watch's thread and holds up the events after it.
+        From `start_revision` (0: from now). A broken stream is reopened, on the
+        next member, from the revision after the last event seen; when that
+        revision has been compacted, the watch restarts from now and calls
+        `callback([])` once it is in place, so that the caller reads the keys
+        again. A member that loses its leader ends its streams, so a watch does
+        not sit on a member cut off from the others. The callback runs in the
+        watch's thread and holds up the events after it.
 
         To miss no change: `kvs, rev = get_prefix(prefix)`, then
         `watch(prefix, callback, start_revision=rev + 1)`.
@@ -329,11 +464,12 @@ class Etcd:
         """Cancels the watches and stops the keep-alives started by this client."""
         with self._lock:
             self._closed, threads, self._threads = True, self._threads, []
-            idle, self._idle = self._idle, []
+            idle, self._idle = self._idle, {}
         for t in threads:
             t.stop() if isinstance(t, KeepAlive) else t.cancel()
-        for conn in idle:
-            conn.close()
+        for connections in idle.values():
+            for conn in connections:
+                conn.close()
 
     def __enter__(self) -> Etcd:
         return self
@@ -352,58 +488,220 @@ class Etcd:
             thread.stop() if isinstance(thread, KeepAlive) else thread.cancel()
             raise EtcdError(f"{self!r} is closed")
 
-    def _connect(self, timeout: float) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-
-    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
-        """An idle connection (True) or a new one (False), waiting at most `timeout`."""
+    def _order(self) -> list[int]:
+        """The members' indices, the preferred one first."""
         with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            return self._connect(timeout), False
-        conn.timeout = timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
-        return conn, True
+            first = self._preferred
+        n = len(self.members)
+        return [(first + i) % n for i in range(n)]
 
-    def _put_back(self, conn: http.client.HTTPConnection, closing: bool) -> None:
+    def _answered(self, member: int) -> None:
         with self._lock:
-            keep = not (closing or self._closed) and len(self._idle) < _IDLE_CONNECTIONS
+            self._preferred = member
+
+    def _failed(self, member: int) -> None:
+        """The next call starts with the member after `member`, unless another answered."""
+        with self._lock:
+            if self._preferred == member:
+                self._preferred = (member + 1) % len(self.members)
+
+    def _connected(self, member: int, timeout: float) -> http.client.HTTPConnection:
+        """A new connection to `member` (TLS handshake done), in at most `timeout`.
+
+        Raises:
+            _Unreached: nothing was sent.
+        """
+        host, port = self.members[member]
+        conn = (
+            http.client.HTTPConnection(host, port, timeout=timeout)
+            if self._ssl is None
+            else http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
+        )
+        try:
+            conn.connect()
+        except (OSError, http.client.HTTPException) as e:  # ssl.SSLError is an OSError
+            conn.close()
+            timed_out = isinstance(e, TimeoutError)
+            raise _Unreached(_failure(e, self._ssl is not None), False, timed_out) from None
+        return conn
+
+    def _put_back(self, member: int, conn: http.client.HTTPConnection, closing: bool) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(member, [])
+            keep = not (closing or self._closed) and len(idle) < _IDLE_CONNECTIONS
             if keep:
-                self._idle.append(conn)
+                idle.append(conn)
         if not keep:
             conn.close()
 
-    def _call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> Any:
-        """POSTs `body` to the gateway; the JSON answer (a streaming call's first message)."""
-        wait = self.timeout if timeout is None else timeout
-        data = json.dumps(body)
+    def _exchange(
+        self,
+        member: int,
+        path: str,
+        data: str,
+        headers: dict[str, str],
+        connect_timeout: float,
+        answer_timeout: float,
+    ) -> tuple[int, bytes]:
+        """(HTTP status, first line of the answer) of one request to `member`.
+
+        Raises:
+            _Unreached: no answer (`sent`: the request may have reached etcd).
+        """
         while True:
-            conn, reused = self._connection(wait)
+            with self._lock:
+                idle = self._idle.get(member)
+                conn = idle.pop() if idle else None
+            reused = conn is not None
+            if conn is None:
+                conn = self._connected(member, connect_timeout)
+            if conn.sock is not None:
+                conn.sock.settimeout(answer_timeout)
             try:
-                conn.request("POST", path, data, {"Content-Type": "application/json"})
+                conn.request("POST", path, data, headers)
                 response = conn.getresponse()
                 # (A one-message stream, keepalive's, ends with the request: read it all.)
                 text = response.read().split(b"\n", 1)[0]
-                status = response.status
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 if reused and isinstance(e, _CLOSED_BY_PEER):
                     continue  # etcd closed that idle connection before this request reached it
-                raise EtcdUnavailable(f"etcd {self.host}:{self.port} {path}: {e!r}", 14) from None
-            self._put_back(conn, response.will_close)
-            break
+                # A TLS alert ends the connection before etcd reads the request.
+                failure = _failure(e, self._ssl is not None, fresh=not reused)
+                sent = not isinstance(e, ssl.SSLError)
+                raise _Unreached(failure, sent, timed_out=isinstance(e, TimeoutError)) from None
+            self._put_back(member, conn, response.will_close)
+            return response.status, text
+
+    def _send(
+        self, path: str, data: str, token: str | None, deadline: float, idempotent: bool
+    ) -> Any:
+        """The JSON answer of the first member that answers, trying each in turn (see the
+        class docstring) until `deadline`."""
+        headers = {"Content-Type": "application/json", _REQUIRE_LEADER: "true"}
+        if token:
+            headers["Authorization"] = token
+        failures: dict[int, str] = {}
+        while True:
+            # Another round only if a member is up but slow or without a leader (an
+            # election may be under way); members that refuse connections fail fast.
+            order, again = self._order(), False
+            for i, member in enumerate(order):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                share = remaining / (len(order) - i)  # the last member gets all that is left
+                where = f"etcd {_address(self.members[member])} {path}"
+                try:
+                    status, text = self._exchange(
+                        member, path, data, headers, share, share if idempotent else remaining
+                    )
+                    answer = _decode(where, status, text)
+                except _Unreached as e:
+                    self._failed(member)
+                    failures[member] = f"{where}: {e}"
+                    if e.sent and not idempotent:
+                        raise EtcdUnavailable(
+                            f"{where}: {e}; the request may have been applied", 14
+                        ) from None
+                    again |= e.timed_out
+                    continue
+                except EtcdUnavailable as e:  # no leader, or etcd timed out inside
+                    self._failed(member)
+                    failures[member] = str(e)
+                    if not (idempotent or any(m in str(e) for m in NOT_APPLIED)):
+                        raise
+                    again = True
+                    continue
+                except EtcdError:
+                    self._answered(member)
+                    raise
+                self._answered(member)
+                return answer
+            if not (again and deadline - time.monotonic() > RETRY_PAUSE):
+                break
+            time.sleep(RETRY_PAUSE)
+        if not failures:
+            raise EtcdUnavailable(f"etcd {path}: no time left to ask {self!r}", 14)
+        if len(self.members) == 1:
+            raise EtcdUnavailable(next(iter(failures.values())), 14)
+        raise EtcdUnavailable("no etcd member answered: " + "; ".join(failures.values()), 14)
+
+    def _call(
+        self,
+        path: str,
+        body: dict[str, Any],
+        timeout: float | None = None,
+        idempotent: bool = True,
+    ) -> Any:
+        """POSTs `body` to the gateway; the JSON answer (a streaming call's first message)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        data = json.dumps(body)
+        token = self._token_for(deadline)
         try:
-            answer = json.loads(text)
-        except ValueError:
+            return self._send(path, data, token, deadline, idempotent)
+        except EtcdError as e:
+            if not any(m in str(e) for m in TOKEN_REFUSED) or isinstance(e, EtcdUnavailable):
+                raise
+            if self.endpoint.user is None:
+                raise EtcdError(
+                    f"{e} (etcd requires authentication: add user=NAME&password-file=FILE "
+                    "to an etcds:// coordinator URL)",
+                    e.code,
+                ) from None
+        token = self._renew_token(token, deadline)  # expired: log in again, once
+        return self._send(path, data, token, deadline, idempotent)
+
+    def _token_for(self, deadline: float) -> str | None:
+        """The token to send (None without a user); logs in first if there is none yet."""
+        if self.endpoint.user is None:
+            return None
+        with self._lock:
+            token = self._token
+        return self._renew_token(None, deadline) if token is None else token
+
+    def _renew_token(self, stale: str | None, deadline: float) -> str:
+        """A token other than `stale`: one another thread got meanwhile, or a new log-in."""
+        with self._auth_lock:
+            with self._lock:
+                current = self._token
+            if current is not None and current != stale:
+                return current
+            token = self._log_in(deadline)
+            with self._lock:
+                self._token = token
+            return token
+
+    def _log_in(self, deadline: float) -> str:
+        """A new token for `user` ("" when etcd has authentication off).
+
+        Raises:
+            EtcdError: wrong user name or password (the password is never shown).
+        """
+        user = self.endpoint.user
+        data = json.dumps({"name": user, "password": self.endpoint.password()})
+        try:
+            answer = self._send("/v3/auth/authenticate", data, None, deadline, True)
+        except EtcdUnavailable:
+            raise
+        except EtcdError as e:
+            if "authentication is not enabled" in str(e):
+                return ""
             raise EtcdError(
-                f"etcd {self.host}:{self.port} {path}: HTTP {status}: {text[:200]!r}"
+                f"etcd authentication as user {user!r} failed (password from "
+                f"{self.endpoint.password_file}): {e}",
+                e.code,
             ) from None
-        if "error" in answer:
-            raise _error(f"etcd {self.host}:{self.port} {path}", answer)
-        if status != 200:
-            raise EtcdError(f"etcd {self.host}:{self.port} {path}: HTTP {status}: {answer}")
-        return answer
+        return str(answer.get("token", ""))
+
+
+class _Unreached(Exception):
+    """A member gave no answer; `sent`: the request may have reached it; `timed_out`: it
+    did not answer in time (rather than refusing)."""
+
+    def __init__(self, message: str, sent: bool, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.sent, self.timed_out = sent, timed_out
 
 
 class KeepAlive:
@@ -441,6 +739,7 @@ class KeepAlive:
 
     def _run(self) -> None:
         next_refresh = time.monotonic() + self.interval
+        failing_since = 0.0  # when refreshes began to fail (0: they succeed)
         while not self._stopped.wait(
             max(0.0, min(next_refresh, self._deadline) - time.monotonic())
         ):
@@ -454,9 +753,15 @@ class KeepAlive:
             except LeaseLost:
                 break
             except EtcdError as e:
-                log.warning("etcd lease %x: refresh failed, retrying: %s", self.lease_id, e)
+                failing_since = failing_since or now
+                if failing_since == now:  # once per outage; tried again every 0.1 s
+                    log.warning("etcd lease %x: refresh failed, retrying: %s", self.lease_id, e)
                 next_refresh = min(now + self.interval, time.monotonic() + 0.1)
                 continue
+            if failing_since:
+                log.warning("etcd lease %x: refreshed again after %.1f s", self.lease_id,
+                            now - failing_since)  # fmt: skip
+                failing_since = 0.0
             self._deadline, next_refresh = now + ttl, now + self.interval
         if self._stopped.is_set():
             return
@@ -530,9 +835,12 @@ class Watch:
         body = _range(self.prefix)
         if self._next_revision > 0:
             body["start_revision"] = str(self._next_revision)
-        conn = etcd._connect(etcd.timeout)
+        token = etcd._token_for(time.monotonic() + etcd.timeout)
+        headers = {"Content-Type": "application/json", _REQUIRE_LEADER: "true"}
+        if token:
+            headers["Authorization"] = token
+        member, conn = self._connect()
         try:
-            conn.connect()
             if conn.sock is None:
                 raise ConnectionError(f"cannot watch {self.prefix!r}: no connection to etcd")
             with self._lock:
@@ -540,7 +848,7 @@ class Watch:
                     return False
                 self._sock = conn.sock
             _keepalive_probes(conn.sock)
-            conn.request("POST", "/v3/watch", json.dumps({"create_request": body}))
+            conn.request("POST", "/v3/watch", json.dumps({"create_request": body}), headers)
             response = conn.getresponse()
             conn.sock.settimeout(None)  # events may be far apart; dead peers: TCP keep-alive
             if response.status != 200:
@@ -548,14 +856,21 @@ class Watch:
             while line := response.readline():
                 message = json.loads(line)
                 if "error" in message:
-                    raise _error(f"etcd watch {self.prefix!r}", message)
+                    error = _error(f"etcd watch {self.prefix!r}", message)
+                    if token is not None and any(m in str(error) for m in TOKEN_REFUSED):
+                        etcd._renew_token(token, time.monotonic() + etcd.timeout)
+                    raise error
                 result = message["result"]
                 if result.get("canceled"):
                     if int(result.get("compact_revision", 0)) > 0:
                         log.info("etcd watch %r: revision compacted, resyncing", self.prefix)
                         self._next_revision = 0
                         return True
-                    raise EtcdError(f"etcd watch canceled: {result.get('cancel_reason', '')}")
+                    reason = result.get("cancel_reason", "")
+                    if token is not None and "permission denied" in reason:
+                        # What an expired token gets: log in again before the next try.
+                        etcd._renew_token(token, time.monotonic() + etcd.timeout)
+                    raise EtcdError(f"etcd watch canceled: {reason}")
                 if result.get("created"):
                     if self._next_revision == 0:
                         self._next_revision = _revision(result) + 1
@@ -570,11 +885,32 @@ class Watch:
                 if events:
                     self._next_revision = events[-1].kv.mod_revision + 1
                     self._deliver(events)
+            etcd._failed(member)  # the member ended the stream: the next one goes elsewhere
             return resync
+        except (OSError, http.client.HTTPException, EtcdUnavailable):
+            etcd._failed(member)
+            raise
         finally:
             with self._lock:
                 self._sock = None
             conn.close()
+
+    def _connect(self) -> tuple[int, http.client.HTTPConnection]:
+        """(member, connection) of the first member that accepts one, in the client's order.
+
+        Raises:
+            EtcdUnavailable: none did.
+        """
+        etcd = self._etcd
+        failures = []
+        order = etcd._order()
+        for member in order:
+            try:
+                return member, etcd._connected(member, etcd.timeout / len(order))
+            except _Unreached as e:
+                etcd._failed(member)
+                failures.append(f"{_address(etcd.members[member])}: {e}")
+        raise EtcdUnavailable(f"etcd watch {self.prefix!r}: " + "; ".join(failures), 14)
 
     def _deliver(self, events: list[Event]) -> None:
         if self._cancelled.is_set():
@@ -585,31 +921,84 @@ class Watch:
             log.exception("etcd watch %r: callback raised", self.prefix)
 
 
-def parse_endpoint(url: str) -> tuple[str, int]:
-    """("host", port) of "host:port", "etcd://host:port" or "http://host:port".
+def parse_endpoint(url: str) -> EtcdEndpoint:
+    """The members and settings of a coordinator URL (see the module docstring).
+
+    "HOST:PORT" and "http://..." are plaintext like "etcd://...". Option values
+    are percent-decoded. Files are not read here (`EtcdEndpoint.ssl_context`,
+    `EtcdEndpoint.password` do).
+
+    Example:
+        >>> parse_endpoint("etcds://a:2379,b:2379?ca=ca.pem").members
+        (('a', 2379), ('b', 2379))
 
     Raises:
-        ValueError: anything else (another scheme, a path, no port).
+        ValueError: anything else, saying what is wrong: another scheme, a member
+            without a port or with a path, an unknown or repeated option, `cert`
+            without `key`, `user` without `password-file`, or options (credentials
+            above all) with plaintext etcd://.
     """
-    error = ValueError(
-        "etcd endpoint must be 'host:port', 'etcd://host:port' or 'http://host:port'. "
-        f"Received: {url!r}"
-    )
+
+    def malformed(reason: str) -> ValueError:
+        shown = _redacted(url) if isinstance(url, str) else url
+        return ValueError(f"etcd endpoint must be {URL_FORMS}: {reason}. Received: {shown!r}")
+
     if not isinstance(url, str):
-        raise error
+        raise malformed("not a string")
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "etcd", url
-    if scheme not in ("etcd", "http"):
-        raise error
-    try:
-        parts = urlsplit("//" + rest)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        raise error from None
-    if not host or port is None or parts.path not in ("", "/") or parts.query or parts.username:
-        raise error
-    return host, port
+    if scheme not in ("etcd", "http", "etcds"):
+        raise malformed(f"unknown scheme {scheme}://" + (", write etcds://" * (scheme == "https")))
+    hosts, _, query = rest.partition("?")
+    members: list[tuple[str, int]] = []
+    for part in hosts.removesuffix("/").split(","):
+        if "@" in part:
+            raise malformed("a user goes in the options: ?user=NAME&password-file=FILE")
+        try:
+            parts = urlsplit("//" + part)
+            host, port = parts.hostname, parts.port
+        except ValueError as e:
+            raise malformed(f"member {part!r}: {e}") from None
+        if not host or port is None:
+            raise malformed(f"member {part!r} is not HOST:PORT")
+        if parts.path or parts.fragment:
+            raise malformed(f"member {part!r} has a path")
+        if (host, port) in members:
+            raise malformed(f"member {part!r} appears twice")
+        members.append((host, port))
+    options: dict[str, str] = {}
+    for item in query.split("&") if query else ():
+        name, _, value = (unquote(s) for s in item.partition("="))
+        if name not in URL_OPTIONS:
+            hint = (
+                " (the password goes in a file: password-file=FILE)" if name == "password" else ""
+            )
+            raise malformed(
+                f"unknown option {name!r}{hint}; the options are {', '.join(URL_OPTIONS)}"
+            )
+        if not value:
+            raise malformed(f"option {name!r} has no value")
+        if name in options:
+            raise malformed(f"option {name!r} appears twice")
+        options[name] = value
+    if scheme != "etcds" and options:
+        if {"user", "password-file"} & options.keys():
+            raise malformed("credentials need etcds:// (TLS); they would travel in plaintext")
+        raise malformed(f"{', '.join(options)} need etcds:// (TLS)")
+    if ("cert" in options) != ("key" in options):
+        raise malformed("`cert` and `key` go together (the client certificate and its key)")
+    if ("user" in options) != ("password-file" in options):
+        raise malformed("`user` and `password-file` go together")
+    return EtcdEndpoint(
+        members=tuple(members),
+        tls=scheme == "etcds",
+        ca=options.get("ca"),
+        cert=options.get("cert"),
+        key=options.get("key"),
+        user=options.get("user"),
+        password_file=options.get("password-file"),
+    )
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -667,9 +1056,65 @@ def _error(where: str, answer: dict[str, Any]) -> EtcdError:
         message, code = str(answer.get("message", error)), int(answer.get("code", 0))
     if LEASE_NOT_FOUND in message:
         return LeaseLost(f"{where}: {message}", code)
-    if code in GRPC_UNAVAILABLE:
+    if code in GRPC_UNAVAILABLE or any(m in message for m in NOT_APPLIED):
         return EtcdUnavailable(f"{where}: {message}", code)
     return EtcdError(f"{where}: {message}", code)
+
+
+def _address(member: tuple[str, int]) -> str:
+    host, port = member
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _failure(error: BaseException, tls: bool, fresh: bool = True) -> str:
+    """Why a member gave no answer, with a hint where the cause is likely ours."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (
+            f"{text} (does ca=FILE name the CA that signed etcd's certificate, and is that "
+            "certificate valid for this host name?)"
+        )
+    if isinstance(error, ssl.SSLError) and "ALERT" in str(error):
+        return (
+            f"{text} (etcd refused the TLS connection: it may want a client certificate "
+            "signed by its --trusted-ca-file, cert=FILE&key=FILE)"
+        )
+    if isinstance(error, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(error):
+        return f"{text} (etcd does not speak TLS there: use etcd://)"
+    if not tls and fresh and isinstance(error, http.client.RemoteDisconnected):
+        return f"{text} (an etcd that serves TLS closes plaintext connections: use etcds://)"
+    return text
+
+
+def _decode(where: str, status: int, text: bytes) -> Any:
+    """The JSON answer of the gateway, or the EtcdError it stands for."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        raise EtcdError(f"{where}: HTTP {status}: {text[:200]!r}") from None
+    if not isinstance(answer, dict):
+        raise EtcdError(f"{where}: HTTP {status}: {text[:200]!r}")
+    if "error" in answer:
+        raise _error(where, answer)
+    if status != 200:
+        raise EtcdError(f"{where}: HTTP {status}: {answer}")
+    return answer
+
+
+def _check_readable(option: str, path: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ValueError(f"etcd endpoint: cannot read {option}={path}: {e.strerror}") from None
+
+
+def _redacted(url: str) -> str:
+    """`url` without what may be secret: a user:password@ and the options' values."""
+    hosts, sep, query = url.partition("?")
+    hosts = re.sub(r"[^/,]*@", "…@", hosts)
+    options = (item.partition("=")[0] + "=…" * ("=" in item) for item in query.split("&"))
+    return hosts + sep + "&".join(options) if sep else hosts
 
 
 def _keepalive_probes(sock: socket.socket) -> None:

@@ -59,8 +59,8 @@ class LocalCluster:
             new temporary directory).
         lease_seconds: the servers' lease TTL.
         server_args: more `elastic-emb serve` flags for every server.
-        coordinator: an etcd already running (etcd://HOST:PORT): join its cluster
-            instead of starting one.
+        coordinator: the URL of an etcd already running (etcd://HOST:PORT[,...] or
+            etcds://...): join it instead of starting one.
     """
 
     def __init__(
@@ -93,6 +93,7 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> LocalCluster:
         """Starts etcd (unless joining one) and the servers; returns once every group has
         all its replicas."""
+        self.directory.mkdir(parents=True, exist_ok=True)  # (etcd's start makes it otherwise)
         if not self._joined:
             self.etcd = start_etcd(self.directory / "etcd")
             self._used_ports |= {self.etcd.port, self.etcd.peer_port}
