@@ -390,6 +390,22 @@ def _bench(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+COORDINATOR_URL = (
+    "etcd://HOST:PORT[,HOST:PORT...] or etcds://...[?ca=&cert=&key=&user=&password-file=]"
+)
+
+
+def _coordinator(url: str) -> str:
+    """A --coordinator value, checked (argparse reports the ValueError's message)."""
+    from elastic_emb.ps.coord.etcd import parse_endpoint
+
+    try:
+        parse_endpoint(url)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return url
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `elastic-emb` argument parser (also checks the Kubernetes manifests)."""
     parser = argparse.ArgumentParser(prog="elastic-emb", description=__doc__)
@@ -421,7 +437,10 @@ def _add_demo(sub: Any) -> None:
         "--ps", help="comma-separated PS addresses (host:port); default: in-process tables"
     )
     demo.add_argument(
-        "--coordinator", help="etcd://HOST:PORT of a replicated cluster (instead of --ps)"
+        "--coordinator",
+        type=_coordinator,
+        metavar="URL",
+        help=f"{COORDINATOR_URL} of a replicated cluster (instead of --ps)",
     )
     demo.add_argument("--mode", choices=("async", "sync"), default="async", help="with --ps")
     demo.add_argument("--staleness", type=int, help="async staleness bound, with --ps")
@@ -478,7 +497,9 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
     )
     serve.add_argument(
         "--coordinator",
-        help="etcd://HOST:PORT: join a replicated cluster (docs/fault-tolerance.md)",
+        type=_coordinator,
+        metavar="URL",
+        help=f"{COORDINATOR_URL}: join a replicated cluster (docs/fault-tolerance.md)",
     )
     serve.add_argument("--replicas", type=int, default=2, help="replicas per group (coordinator)")
     serve.add_argument(
@@ -594,14 +615,18 @@ def _add_cluster(sub: Any) -> None:
     cluster = sub.add_parser("cluster", help="a replicated cluster: status, or one on this machine")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
     status = cluster_sub.add_parser("status", help="groups, members, primaries, rows and lag")
-    status.add_argument("--coordinator", required=True, help="etcd://HOST:PORT")
+    status.add_argument(
+        "--coordinator", required=True, type=_coordinator, metavar="URL", help=COORDINATOR_URL
+    )
     status.add_argument("--json", action="store_true", help="print JSON")
     _add_client_security(status)
     status.set_defaults(run=_cluster_status)
     drain = cluster_sub.add_parser(
         "drain", help="retire a server: a spare replaces it in its group first"
     )
-    drain.add_argument("--coordinator", required=True, help="etcd://HOST:PORT")
+    drain.add_argument(
+        "--coordinator", required=True, type=_coordinator, metavar="URL", help=COORDINATOR_URL
+    )
     drain.add_argument("--server", required=True, help="HOST:PORT of the server to retire")
     drain.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a spare")
     drain.set_defaults(run=_cluster_drain)
@@ -609,7 +634,9 @@ def _add_cluster(sub: Any) -> None:
         "autoscale",
         help="add and retire groups of servers (processes on this machine) by load and memory",
     )
-    autoscale.add_argument("--coordinator", required=True, help="etcd://HOST:PORT")
+    autoscale.add_argument(
+        "--coordinator", required=True, type=_coordinator, metavar="URL", help=COORDINATOR_URL
+    )
     autoscale.add_argument(
         "--servers", required=True, metavar="MIN:MAX", help="bounds, multiples of --replicas"
     )
@@ -705,9 +732,15 @@ def _add_tools(sub: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from elastic_emb.ps.coord.etcd import EtcdError
+
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except EtcdError as e:  # the coordinator refused, or cannot be reached
+        print(f"elastic-emb {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
