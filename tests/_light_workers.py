@@ -9,6 +9,8 @@ a row ends at exactly -count/8, count being how many acknowledged pushes carried
 
 from __future__ import annotations
 
+import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -124,10 +126,11 @@ def run_in_threads(
 
 def check_rows(groups: list, table: str, reports: list[dict], batch: int) -> int:
     """Every row of `table` is -count/8 on its group's primary, and each backup holds
-    exactly the primary's rows; the rows checked. `groups`: the cluster map's groups."""
+    exactly the primary's rows; the rows checked. `groups`: the cluster map's groups; each
+    report counts steps `first` (default 1) to `steps` of its worker."""
     counts = np.zeros(VOCAB, np.int64)
     for r in reports:
-        for step in range(1, r["steps"] + 1):
+        for step in range(r.get("first", 1), r["steps"] + 1):
             counts[keys_of(r["worker"], step, batch)] += 1
     found = []
     for group in groups:
@@ -161,3 +164,77 @@ def check_rows(groups: list, table: str, reports: list[dict], batch: int) -> int
             f"count {counts[k]}"
         )
     return len(keys)
+
+
+class Training:
+    """`workers` light workers stepping in threads until `finish()`, for fault tests and
+    benchmarks: `steps()` counts each one's steps so far, `starts[w]` holds when each of
+    worker w's steps began (so a step ended when the next one began)."""
+
+    def __init__(
+        self, coordinator: str, mode: str, batch: int, workers: int = 2, table: str = "t"
+    ) -> None:
+        separate_connections()
+        self.workers = workers
+        self.starts: list[list[float]] = [[] for _ in range(workers)]
+        self._stop = threading.Event()
+        self.reports: list[dict] = []
+
+        def go_on(worker: int, made: int) -> bool:
+            self.starts[worker].append(time.monotonic())
+            return not self._stop.is_set()
+
+        def run(worker: int) -> None:
+            go = functools.partial(go_on, worker)
+            self.reports.append(run_worker(coordinator, mode, worker, table, batch, go))
+
+        self._threads = [threading.Thread(target=run, args=(w,)) for w in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def steps(self) -> list[int]:
+        return [max(len(s) - 1, 0) for s in self.starts]
+
+    def wait_for(self, more: int, timeout: float = 120) -> None:
+        """Until every worker made `more` steps more than now."""
+        goal = [s + more for s in self.steps()]
+        deadline = time.monotonic() + timeout
+        while any(s < g for s, g in zip(self.steps(), goal, strict=True)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers stuck at {self.steps()} steps, short of {goal}")
+            if not all(t.is_alive() for t in self._threads):
+                raise RuntimeError(f"a worker ended: {self.reports}")
+            time.sleep(0.02)
+
+    def recovered(self, since: float, timeout: float = 120) -> float:
+        """Seconds from `since` until every worker completed a step begun after it."""
+        deadline = time.monotonic() + timeout
+        ends = []
+        for worker in range(self.workers):
+            while True:
+                starts = self.starts[worker]
+                begun = [i for i, t in enumerate(starts) if t >= since]
+                if len(begun) >= 2:  # step begun[0] ended when the next one began
+                    ends.append(starts[begun[0] + 1])
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {worker} completed no step begun after the fault")
+                time.sleep(0.01)
+        return max(ends) - since
+
+    def slowest_step(self, begin: float, end: float) -> float:
+        """The longest step (any worker) that ended within [begin, end]."""
+        return max(
+            (b - a for s in self.starts for a, b in itertools.pairwise(s) if begin <= b <= end),
+            default=0.0,
+        )
+
+    def finish(self) -> list[dict]:
+        """Stops the workers; their reports (raises if one failed)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        errors = [r["error"] for r in self.reports if "error" in r]
+        if errors:
+            raise RuntimeError(f"workers failed: {errors}")
+        return sorted(self.reports, key=lambda r: r["worker"])

