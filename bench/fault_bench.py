@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -174,7 +173,6 @@ def main() -> None:
     unknown = set(args.scenarios.split(",")) - set(INJECT)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; known: {list(INJECT)}")
-    subprocess.run(["pkill", "-9", "-f", "elastic-emb serve"], check=False)
     results = []
     with tempfile.TemporaryDirectory(prefix="ee-faults-") as tmp:
         for name in args.scenarios.split(","):
