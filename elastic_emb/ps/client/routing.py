@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from elastic_emb.ps.coord import membership
-from elastic_emb.ps.coord.etcd import Compare, Etcd, EtcdError, LeaseLost, Op
+from elastic_emb.ps.coord.etcd import Compare, Etcd, EtcdError, EtcdUnavailable, LeaseLost, Op
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap, Group
 from elastic_emb.tables.sharding import RangeLayout
 
@@ -319,16 +319,21 @@ class Routing:
     def claim(self, name: str) -> bool:
         """Whether this worker holds the claim `name` (`<prefix>claims/<name>`), taking
         it if no live worker does: held under the worker's lease, so it passes on when
-        its holder dies. Needs `register_worker` first."""
+        its holder dies. Needs `register_worker` first. False while etcd cannot be reached
+        (the caller asks again)."""
         if self.worker is None:
             raise RuntimeError("claims are held by registered workers: call register_worker")
         key = f"{self._prefix}claims/{name}"
         mine = str(self.worker).encode()
-        result = self._etcd.txn(
-            [Compare.version(key, "=", 0)],
-            [Op.put(key, mine, self._worker_lease)],
-            [Op.get(key)],
-        )
+        try:
+            result = self._etcd.txn(
+                [Compare.version(key, "=", 0)],
+                [Op.put(key, mine, self._worker_lease)],
+                [Op.get(key)],
+            )
+        except EtcdUnavailable as e:
+            log.warning("worker %d: cannot take the claim %r yet: %s", self.worker, name, e)
+            return False
         if result.succeeded:
             return True
         held = result.responses[0]
