@@ -7,6 +7,7 @@ fault --repeats times, waits for the cluster to be whole again, and ends with th
 check: every row is -count/8 and every backup bit-identical to its primary.
 
 - kill-primary: SIGKILL of group 0's primary (the baseline); a new server joins after.
+- kill-backup: SIGKILL of a backup of group 0; a new server joins after.
 - pause-primary: SIGSTOP of group 0's primary for 3 leases, then SIGCONT; it is
   replaced by its backup and rejoins as a backup (copied again).
 - pause-backup: SIGSTOP of a backup of group 0 for 3 leases, then SIGCONT; dropped once
@@ -58,6 +59,15 @@ def _whole(cluster: LocalCluster) -> float:
 def kill_primary(cluster: LocalCluster, training: Training) -> Repetition:
     at = time.monotonic()
     cluster.kill(cluster.map().group(0).primary)
+    recovery = training.recovered(at)
+    cluster.start_server()
+    rejoined = _whole(cluster)
+    return recovery, training.slowest_step(at, time.monotonic()), rejoined
+
+
+def kill_backup(cluster: LocalCluster, training: Training) -> Repetition:
+    at = time.monotonic()
+    cluster.kill(cluster.map().group(0).members[0])
     recovery = training.recovered(at)
     cluster.start_server()
     rejoined = _whole(cluster)
@@ -126,6 +136,7 @@ def etcd_member(cluster: LocalCluster, training: Training, members: EtcdCluster)
 
 INJECT: dict[str, Callable[..., Repetition]] = {
     "kill-primary": kill_primary,
+    "kill-backup": kill_backup,
     "pause-primary": pause_primary,
     "pause-backup": pause_backup,
     "etcd-restart": etcd_restart,
