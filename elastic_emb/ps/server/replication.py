@@ -122,6 +122,9 @@ class Replica:
         if load is not None:
             self._reporter = LoadReporter(state, etcd, prefix, load, usage)
         self._threads: list[threading.Thread] = []  # started by `start`
+        # Held while this server takes a new lease (`_register`, `_keep_place`): two rejoins
+        # at once (the lease ended and the map dropped it) must not revoke each other's.
+        self._leasing = threading.Lock()
         self._watch: Any = None  # the etcd watch: set by `start`, cancelled by `stop`
         # Set by the server before `start`: records that an elastic worker left (a change,
         # on a primary).
@@ -167,6 +170,10 @@ class Replica:
 
         `fresh`: a new process; if its address was being drained, that was another server.
         """
+        with self._leasing:
+            self._register_now(fresh)
+
+    def _register_now(self, fresh: bool) -> None:
         state = self._state
         lease = self._etcd.grant(state.lease_seconds)
         key = membership.server_key(self._prefix, self.address)
@@ -467,6 +474,10 @@ class Replica:
         change); then this server is demoted and rejoins as usual. A group without a backup
         keeps its rows instead of restarting empty.
         """
+        with self._leasing:
+            return self._keep_place_now()
+
+    def _keep_place_now(self) -> bool:
         state = self._state
         with state.cond:
             ours = state.map.group_of(self.address)

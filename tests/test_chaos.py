@@ -1,0 +1,137 @@
+"""The chaos soak (bench/chaos.py) in short, and the faults it found, one test each."""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from _light_workers import DIM, LEARNING_RATE, check_rows, keys_of
+
+from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+from elastic_emb.ps.client.cluster import Cluster, ClusterOptions
+from elastic_emb.ps.client.routing import Routing
+from elastic_emb.ps.coord import membership
+from elastic_emb.ps.coord.etcd import Etcd
+from elastic_emb.ps.coord.etcd_process import start_etcd
+from elastic_emb.ps.coord.local_cluster import LocalCluster
+from elastic_emb.ps.server.replication import Replica
+from elastic_emb.ps.server.shard import Ranges
+from elastic_emb.ps.wire import protocol
+from elastic_emb.tables import sharding
+from elastic_emb.tables.policies.optimizers import SGD
+from elastic_emb.tables.table import TableConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import chaos
+
+BATCH = 64
+
+
+def test_the_fault_schedule_is_a_function_of_the_seed():
+    weights = {k: 1.0 for k in chaos.KINDS}
+    a = chaos.make_schedule(7, 300, 10, weights, 2, 4, "async")
+    assert a == chaos.make_schedule(7, 300, 10, weights, 2, 4, "async")
+    assert a != chaos.make_schedule(8, 300, 10, weights, 2, 4, "async")
+    assert {f.kind for f in a} == set(chaos.KINDS)
+    # Sync kills no worker; the other faults keep their times and targets.
+    s = chaos.make_schedule(7, 300, 10, weights, 2, 4, "sync")
+    assert [f.at for f in s] == [f.at for f in a]
+    assert "kill-worker" not in {f.kind for f in s}
+    assert all(f.pause <= chaos.WORKER_PAUSE["sync"][1] for f in s if f.kind == "pause-worker")
+
+
+def _worker(coordinator: str, index: int) -> Cluster:
+    options = ClusterOptions(mode="async", worker_index=index, connect_timeout=20)
+    cluster = Cluster([], options, Routing(coordinator, connect_timeout=20))
+    cluster.create_tables([TableConfig.make(DIM, SGD(LEARNING_RATE), "zeros", "t", 0).to_dict()])
+    return cluster
+
+
+def _step(cluster: Cluster, worker: int, step: int) -> None:
+    keys = keys_of(worker, step, BATCH)
+    cluster.pull([("t", DIM, keys)], True)
+    cluster.push({"t": (DIM, keys, np.ones((len(keys), DIM), np.float32))})
+
+
+@pytest.mark.slow
+def test_an_async_worker_that_died_mid_push_resumes_and_applies_each_step_once(tmp_path):
+    """A worker dies while its push of step 4 has reached one range and not the other. Its
+    restart finds the ranges at steps 4 and 3: it resumes at 3, and its step 4 (the same
+    keys) is applied by the range that lacks it and skipped by the other."""
+    with LocalCluster(2, 1, tmp_path) as cluster:
+        first = _worker(cluster.coordinator, 0)
+        for step in (1, 2, 3):
+            _step(first, 0, step)
+        m = cluster.map()
+        part = m.by_slot()[0]
+        keys = keys_of(0, 4, BATCH)
+        slots = sharding.slot_of(keys)
+        keys = keys[(slots >= part.slot_begin) & (slots < part.slot_end)]
+        push = protocol.push_request(
+            0, 4, ps_pb2.FLOAT32, [("t", keys, np.ones((len(keys), DIM), np.float32))]
+        )
+        push.range = part.id
+        with grpc.insecure_channel(m.group(part.group).primary) as channel:
+            ps_pb2_grpc.ParameterServerStub(channel).Push(push, timeout=10)
+        first.close()  # (async: a worker that leaves keeps its steps)
+
+        again = _worker(cluster.coordinator, 0)
+        assert again.step == 3
+        for step in (4, 5, 6):
+            _step(again, 0, step)
+        again.close()
+        check_rows(cluster.map().groups, "t", [{"worker": 0, "steps": 6}], BATCH)
+
+
+def test_concurrent_rejoins_leave_the_server_key_under_the_servers_lease(tmp_path, monkeypatch):
+    """A paused server that wakes up rejoins twice at once (its lease ended, and the map
+    dropped it). The second registration must not revoke the lease the server key is under
+    (else the server lives on unregistered and, as a primary, can change nothing): here
+    the first one is slow to go on after writing its key, and the second one runs then."""
+    etcd = start_etcd(tmp_path / "etcd")
+    try:
+        with Etcd(etcd.url) as client:
+            replica = Replica(Ranges(), lambda method, request: None, client, "127.0.0.1:9", 2)
+            replica._register(fresh=True)
+            key = membership.server_key(membership.DEFAULT_PREFIX, replica.address)
+            put, first_put = client.put, threading.Event()
+
+            def slow_put(*args, **kwargs):
+                revision = put(*args, **kwargs)
+                if not first_put.is_set():
+                    first_put.set()
+                    time.sleep(0.5)
+                return revision
+
+            monkeypatch.setattr(client, "put", slow_put)
+            first = threading.Thread(target=replica._register)
+            first.start()
+            assert first_put.wait(10)
+            replica._register()
+            first.join()
+            held = client.get(key)
+            assert held is not None and held.lease == replica._state.lease
+    finally:
+        etcd.stop()
+
+
+@pytest.mark.slow
+def test_a_short_chaos_soak_loses_nothing(tmp_path):
+    """30 s of seeded faults on 2 groups x R=2 + a spare with 2 async workers: every fault
+    recovers, and every row is exact on every replica."""
+    config = chaos.Config(duration=30, seed=5, workers=2, fault_interval=5, batch=BATCH)
+    faults = chaos.make_schedule(
+        config.seed, config.duration, config.fault_interval, config.weights, config.groups,
+        config.workers, config.mode,
+    )  # fmt: skip
+    kinds = {f.kind for f in faults}
+    assert {"kill-server", "kill-worker"} <= kinds and len(faults) >= 4, faults
+    result = chaos.run(config, tmp_path)
+    assert result["passed"], chaos.markdown(result)
+    injected = [f for f in result["faults"] if f["injected"] is not None]
+    assert len(injected) == len(faults)
+    assert all(f["recovery"] is not None or f["unmeasured"] for f in injected)
+    assert result["check"]["rows"] > 0 and result["check"]["replicas compared"] == 2
