@@ -26,6 +26,11 @@ OPTIMIZERS = {
     ),
     "adagrad": (keras.optimizers.Adagrad, {"learning_rate": 0.1}),
     "adam": (keras.optimizers.Adam, {"learning_rate": 0.01}),
+    "rmsprop": (keras.optimizers.RMSprop, {"learning_rate": 0.01}),
+    "rmsprop_centered_momentum": (
+        keras.optimizers.RMSprop,
+        {"learning_rate": 0.01, "momentum": 0.5, "centered": True},
+    ),
     "ftrl": (
         keras.optimizers.Ftrl,
         {

@@ -73,9 +73,11 @@ class Embedding(keras.layers.Layer):
             produces a mask. Not with a combiner.
         seed: int, initialization seed; defaults to a hash of the layer name,
             so re-created models get the same initial rows.
-        input_dim: accepted for drop-in compatibility and ignored (the table
-            has no vocabulary size). `Embedding(input_dim, output_dim)` written
-            positionally, as for `keras.layers.Embedding`, also works.
+        input_dim: accepted for drop-in compatibility; the table has no
+            vocabulary size. Used only as the fan-in of a variance-scaling
+            initializer (e.g. "glorot_uniform"). `Embedding(input_dim,
+            output_dim)` written positionally, as for `keras.layers.Embedding`,
+            also works.
         name: str, layer name; also the table name in checkpoints.
         device: "cpu" (default) or "gpu": where the table's rows and
             optimizer slots live (`ee.Table(device=...)`). The layer hands
