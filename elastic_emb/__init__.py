@@ -82,8 +82,8 @@ def _check_tensorflow() -> None:
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "elastic_emb needs TensorFlow 2.16-2.21 with Keras 3. Install it with "
-            "`pip install 'elastic_emb[tensorflow-cpu]'` (or `[tensorflow]`), or install "
-            "tensorflow yourself."
+            "`pip install '.[tensorflow-cpu]'` (or `'.[tensorflow]'`) in elastic_emb's source "
+            "tree, or install tensorflow yourself."
         ) from e
     if keras.backend.backend() != "tensorflow":  # pragma: no cover
         raise ImportError(

