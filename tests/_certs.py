@@ -70,3 +70,16 @@ class Authority:
                 critical=False,
             )
         return _write(self.directory, stem, key, builder.sign(self.key, hashes.SHA256()))
+
+
+def make_pki(directory: Path) -> dict:
+    """A CA's certificate, a server and a client certificate it signed, and another CA with
+    a client certificate of its own (which the first CA's servers must refuse)."""
+    ca, stranger = Authority(directory, "ca"), Authority(directory, "stranger-ca")
+    return {
+        "ca": ca.path,
+        "server": ca.issue("server", server=True),
+        "client": ca.issue("client", server=False),
+        "stranger": stranger.issue("stranger", server=False),
+        "stranger_ca": stranger.path,
+    }

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _certs import Authority
+from _certs import make_pki
 from _cluster import serve_command
 
 from elastic_emb.ps.coord.etcd import Etcd, EtcdError, EtcdUnavailable, Op, parse_endpoint
@@ -29,14 +29,7 @@ TOKEN_TTL = 2  # seconds an idle simple token of the auth etcd lives
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    directory = tmp_path_factory.mktemp("pki")
-    ca, stranger = Authority(directory, "ca"), Authority(directory, "stranger-ca")
-    return {
-        "ca": ca.path,
-        "server": ca.issue("server", server=True),
-        "client": ca.issue("client", server=False),
-        "stranger_ca": stranger.path,
-    }
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import subprocess
 import keras
 import numpy as np
 import pytest
-from _certs import Authority
+from _certs import make_pki
 from _cluster import Shard, serve_command, serve_once, shards
 from _replicas import local_state, make_table, reference_state, train
 from _states import assert_same_state
@@ -24,15 +24,7 @@ from elastic_emb.ps.wire.security import ClientSecurity
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("pki")
-    ca, stranger = Authority(directory, "ca"), Authority(directory, "stranger-ca")
-    return {
-        "ca": ca.path,
-        "server": ca.issue("server", server=True),
-        "client": ca.issue("client", server=False),
-        "stranger": stranger.issue("stranger", server=False),
-        "stranger_ca": stranger.path,
-    }
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _train_a_step() -> np.ndarray:
