@@ -145,6 +145,7 @@ if TYPE_CHECKING:
     from elastic_emb.keras import patches as keras_patches
     from elastic_emb.keras.layers import Embedding
     from elastic_emb.keras.models import export_delta, export_saved_model, lookahead
+    from elastic_emb.keras.multi_feature import DistributedEmbedding
     from elastic_emb.persistence.checkpoint import CheckpointError, restore, save
     from elastic_emb.placement import init, shutdown
     from elastic_emb.serving.delta import apply_delta
@@ -154,6 +155,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointError",
+    "DistributedEmbedding",
     "ElasticEmbWarning",
     "Embedding",
     "Table",

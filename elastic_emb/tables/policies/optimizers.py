@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeGuard
 if TYPE_CHECKING:
     import keras
 
-__all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "Optimizer", "RMSprop", "get"]
+__all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "Optimizer", "RMSprop", "from_keras", "get"]
 
 LearningRate: TypeAlias = "float | keras.optimizers.schedules.LearningRateSchedule"
 
