@@ -10,7 +10,7 @@
 # device-array tests and the benchmark. A machine that lacks pytest or
 # pybind11 can use pure-Python copies made beforehand on a dev machine:
 #
-#   PYTHON=/work/venv/bin/python bench/gpu_check.sh --pylib   # fills build/pylib
+#   PYTHON=path/to/venv/bin/python bench/gpu_check.sh --pylib   # fills build/pylib
 #
 # then ship build/pylib along (it is git-ignored); this script puts it on
 # PYTHONPATH when pytest or pybind11 is missing.
