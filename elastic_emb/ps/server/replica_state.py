@@ -71,10 +71,6 @@ class ReplicaState:
         with self.cond:
             return self.stopped
 
-    def lease_alive(self) -> bool:
-        with self.cond:
-            return time.monotonic() - self.last_keepalive < self.lease_seconds
-
     def followed(self, backup: str, group_id: int, epoch: int) -> None:
         """A backup's failover ping: it follows this server as the primary of `group_id`
         at `epoch`."""

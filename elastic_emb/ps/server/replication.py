@@ -408,9 +408,6 @@ class Replica:
 
     # Liveness.
 
-    def lease_alive(self) -> bool:
-        return self._state.lease_alive()
-
     def _keep_alive(self) -> None:
         """Refreshes the lease every quarter of its TTL; a failed refresh is tried again
         soon, each try bounded by what is left of the lease."""
