@@ -338,12 +338,13 @@ class Replica:
             self._incoming.follow(new, group)
             state.rebalance_due = True
             state.cond.notify_all()
+            lease = state.lease
             joining: list[str] = []
             if group is not None and group.primary == self.address:
                 joining = [a for a in group.joining if a not in self._replicator.copies]
         if old_group is not None and group is None:
             log.warning("%s was removed from group %d: rejoining", self.address, old_group.id)
-            self._in_background(self._rejoin)
+            self._in_background(self._rejoin, lease)
         elif old_group is None and group is None and new.lacking():
             self._in_background(self._fill_in)
         else:
@@ -434,7 +435,7 @@ class Replica:
                     replaced = state.lease != lease  # rejoined meanwhile
                 if not replaced and not self._keep_place():
                     log.warning("%s lost its lease: rejoining with an empty state", self.address)
-                    self._rejoin()
+                    self._rejoin(lease)
             except EtcdError as e:
                 with state.cond:
                     first = state.coordinator_lost_since is None
@@ -509,12 +510,19 @@ class Replica:
         )  # fmt: skip
         return True
 
-    def _rejoin(self) -> None:
+    def _rejoin(self, lost: int) -> None:
+        """Registers again after this server lost its lease `lost`, or its place while
+        holding it; nothing if it took a new lease since (a waking server sees both, and
+        the second rejoin would wipe the copy the first one got)."""
         for attempt in range(1000):
             if self._state.is_stopped():
                 return
             try:
-                self._register()
+                with self._leasing:
+                    with self._state.cond:
+                        if self._state.lease != lost:
+                            return
+                    self._register_now(False)
                 return
             except (EtcdError, RequestError) as e:
                 log.warning("cannot rejoin (%s); retrying", e)
