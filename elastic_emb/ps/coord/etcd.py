@@ -1081,7 +1081,8 @@ def _failure(error: BaseException, tls: bool, fresh: bool = True) -> str:
         )
     if isinstance(error, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(error):
         return f"{text} (etcd does not speak TLS there: use etcd://)"
-    if not tls and fresh and isinstance(error, http.client.RemoteDisconnected):
+    if not tls and fresh and isinstance(error, _CLOSED_BY_PEER):
+        # (Closed or reset, as the timing goes.)
         return f"{text} (an etcd that serves TLS closes plaintext connections: use etcds://)"
     return text
 
