@@ -277,11 +277,13 @@ def measure(cluster, args, mode: str, workers: int) -> dict:
         "steps": len(steps),
         "keys/s": 2 * key_count / seconds,  # pulled and pushed
         "keys per server CPU s": 2 * key_count / max(cpu1 - cpu0, 1e-9),
+        "server CPU ms per step": 1e3 * (cpu1 - cpu0) / max(len(steps), 1),
         "server CPU s/s": (cpu1 - cpu0) / seconds,
         "worker CPU s/s": (worker_cpu1 - worker_cpu0) / seconds,
         "step ms": 1e3 * statistics.median(s for _, s, _ in steps),
         "pull ms": 1e3 * statistics.median(p for _, _, p in steps),
         "wait ms/pull": 1e3 * wait_seconds / max(wait_calls, 1),
+        "wait ms/pull per worker": 1e3 * wait_seconds / max(wait_calls, 1) / workers,
         "etcd CPU s/s": (etcd_cpu1 - etcd_cpu0) / seconds,
         "etcd req/s": (etcd1["requests"] - etcd0["requests"]) / seconds,
         "watch events/s": (etcd1["events"] - etcd0["events"]) / seconds,
@@ -302,11 +304,15 @@ def failover_and_move(cluster, args, mode: str, workers: int) -> dict:
     run = Run(cluster, args, mode, workers, 0, table)
     run.wait_until_training()
     kills: list[tuple[float, str]] = []
+    promoted: list[float] = []  # kill -> the map names another primary of its group
     for k in range(args.kills):
         time.sleep(1.0)
         victim = cluster.primaries()[k % len(cluster.primaries())]
         cluster.kill(victim)
-        kills.append((time.monotonic(), victim))
+        killed = time.monotonic()
+        kills.append((killed, victim))
+        cluster.wait_until(lambda v=victim: v not in cluster.primaries(), 60, "a backup took over")
+        promoted.append(time.monotonic() - killed)
         newcomer = cluster.start_server()
         lower_servers(cluster)
         cluster.wait_until(
@@ -340,6 +346,8 @@ def failover_and_move(cluster, args, mode: str, workers: int) -> dict:
         "mode": mode,
         "workers": workers,
         "kills": len(kills),
+        "kill -> backup promoted, median ms": 1e3 * statistics.median(promoted),
+        "promoted max ms": 1e3 * max(promoted),
         "step ms, median (all steps)": 1e3 * normal,
         "kill -> a step begun after it done, median ms": 1e3 * statistics.median(after),
         "p90 ms": 1e3 * sorted(after)[int(0.9 * (len(after) - 1))],

@@ -52,9 +52,11 @@ def run_worker(
     batch: int,
     go_on: Callable[[int], bool],
     started: Callable[[], None] = lambda: None,
+    pulled: Callable[[int], None] = lambda step: None,
 ) -> dict:
-    """One worker: steps while `go_on(steps made)`; its report (steps pushed and
-    acknowledged, step end times and durations, lease lapses, or the error)."""
+    """One worker: steps while `go_on(steps made)`, calling `pulled(step)` between each
+    step's pull and push; its report (steps pushed and acknowledged, step end times and
+    durations, lease lapses, or the error)."""
     report: dict = {"worker": worker, "steps": 0, "ends": [], "pull": [], "step": []}
     config = TableConfig.make(DIM, SGD(LEARNING_RATE), "zeros", table, 0).to_dict()
     cluster = None
@@ -73,9 +75,10 @@ def run_worker(
             keys = keys_of(worker, i, batch)
             began = time.monotonic()
             cluster.pull([(table, DIM, keys)], True)
-            pulled = time.monotonic()
+            pull_ended = time.monotonic()
+            pulled(i)
             cluster.push({table: (DIM, keys, ones[: len(keys)])})
-            report["pull"].append(pulled - began)
+            report["pull"].append(pull_ended - began)
             report["step"].append(time.monotonic() - began)
             report["ends"].append(time.monotonic())
         cluster.flush()  # every push acknowledged

@@ -78,6 +78,49 @@ def test_a_worker_whose_lease_lapses_registers_again_and_loses_nothing(tmp_path)
         assert check_rows(cluster.map().groups, "t", [report], BATCH) > 500
 
 
+def test_a_sync_step_applied_without_a_lapsed_worker_still_gets_its_push(tmp_path):
+    """Sync: the primary counts worker 1 as gone (a lapse) between its pull and push of
+    step 10, and worker 0 completes steps 10 and 11 without it. Worker 1's push is refused,
+    it joins again and its pushes of those steps are applied on their own: every row ends
+    at -count/8, on the backup too."""
+    separate_connections()
+    with LocalCluster(1, 2, tmp_path / "cluster") as cluster:
+        made = [0]  # steps worker 0 made
+        reports: list[dict] = []
+
+        def go_on_0(steps: int) -> bool:
+            made[0] = steps
+            return steps < 30
+
+        def pulled_1(step: int) -> None:
+            if step == 10:
+                (primary,) = cluster.primaries()
+                with grpc.insecure_channel(primary) as channel:
+                    ps_pb2_grpc.ParameterServerStub(channel).Leave(
+                        ps_pb2.LeaveRequest(worker=1, range=0), timeout=10
+                    )
+                deadline = time.monotonic() + 60
+                while made[0] < 11 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert made[0] >= 11, "worker 0 did not go on without worker 1"
+
+        def run(worker: int, go_on, pulled=lambda step: None) -> None:
+            reports.append(run_worker(cluster.coordinator, "sync", worker, "t", BATCH, go_on,
+                                      pulled=pulled))  # fmt: skip
+
+        threads = [
+            threading.Thread(target=run, args=(0, go_on_0)),
+            threading.Thread(target=run, args=(1, lambda steps: steps < 30, pulled_1)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.get("error") for r in reports] == [None, None], reports
+        assert [r["steps"] for r in reports] == [30, 30]
+        assert check_rows(cluster.map().groups, "t", reports, BATCH) > 500
+
+
 def test_workers_started_together_take_distinct_indices(tmp_path):
     """32 workers without an index register at once: each gets its own, all low."""
     with LocalCluster(1, 1, tmp_path / "cluster") as cluster:

@@ -88,20 +88,22 @@ class TablesResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker", "num_workers", "mode", "staleness", "elastic", "range")
+    __slots__ = ("worker", "num_workers", "mode", "staleness", "elastic", "again", "range")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    AGAIN_FIELD_NUMBER: _ClassVar[int]
     RANGE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     num_workers: int
     mode: Mode
     staleness: int
     elastic: bool
+    again: bool
     range: int
-    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., elastic: bool = ..., range: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., elastic: bool = ..., again: bool = ..., range: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker", "range")

@@ -204,15 +204,20 @@ class Cluster:
 
     def _join_again(self, range_id: int) -> None:
         """A server no longer counts this worker (its lease lapsed, and the servers saw it
-        leave): joins that range again. A sync step completed without this worker meanwhile
-        is not applied again with its push (the server takes a step once)."""
+        leave): joins that range again, from this worker's own step. Its push of a sync step
+        completed without it meanwhile is applied on its own: none is lost."""
         routing = self.routing
         if routing is None:
             raise RuntimeError("elastic_emb: only elastic workers join again")
         routing.check_registered()
         options = self.options
         join = protocol.join_request(
-            self.worker_index, self.num_workers, options.mode, options.staleness, elastic=True
+            self.worker_index,
+            self.num_workers,
+            options.mode,
+            options.staleness,
+            elastic=True,
+            again=True,
         )
         step = self._router.call_range(range_id, "Join", join).step
         log.warning(

@@ -261,7 +261,12 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _Join(self, request: ps_pb2.JoinRequest) -> ps_pb2.JoinResponse:
         step = self._shard(request).join(
-            request.worker, request.num_workers, request.mode, request.staleness, request.elastic
+            request.worker,
+            request.num_workers,
+            request.mode,
+            request.staleness,
+            request.elastic,
+            request.again,
         )
         return ps_pb2.JoinResponse(step=step)
 

@@ -108,10 +108,16 @@ class Shard:
     # Training.
 
     def join(
-        self, worker: int, num_workers: int, mode: int, staleness: int, elastic: bool = False
+        self,
+        worker: int,
+        num_workers: int,
+        mode: int,
+        staleness: int,
+        elastic: bool = False,
+        again: bool = False,
     ) -> int:
         """Registers a worker; returns the step it continues from (`StepClock.join`)."""
-        return self._clock.join(worker, num_workers, mode, staleness, elastic)
+        return self._clock.join(worker, num_workers, mode, staleness, elastic, again)
 
     def leave(self, worker: int) -> int:
         """An elastic worker leaves: no step waits for it any more. Returns the shard's step."""

@@ -61,12 +61,21 @@ class StepClock:
         # SYNC: step -> worker -> its pushed parts, applied in worker order once
         # every worker pushed (the same sums everywhere).
         self._pending: dict[int, dict[int, list[Part]]] = {}
+        # SYNC: (worker, step, parts) of late pushes (`_apply_late`) that came while a save
+        # held the steps, applied when it ends.
+        self._held_late: list[tuple[int, int, list[Part]]] = []
         self._gone: str | None = None  # why the shard serves no more (its range moved away)
 
     # Workers.
 
     def join(
-        self, worker: int, num_workers: int, mode: int, staleness: int, elastic: bool = False
+        self,
+        worker: int,
+        num_workers: int,
+        mode: int,
+        staleness: int,
+        elastic: bool = False,
+        again: bool = False,
     ) -> int:
         """Registers a worker; returns the step it continues from.
 
@@ -74,7 +83,10 @@ class StepClock:
         (mode, num_workers, staleness), and steps wait for workers
         0..num_workers-1. Elastic: workers join (at the current step) and
         `leave` at any time; they must agree on (mode, staleness), and steps
-        wait for the workers that joined and have not left.
+        wait for the workers that joined and have not left. An elastic
+        worker that joins `again` (its lease lapsed, the shard counted it as
+        gone) goes on from its own step: its pushes of sync steps applied
+        without it are applied on their own as they come (`push`).
         """
         if num_workers < 1 or not 0 <= worker < (1 << 30 if elastic else num_workers):
             raise invalid(f"worker {worker} of {num_workers}: need 0 <= worker < num_workers")
@@ -102,7 +114,8 @@ class StepClock:
             self._mode, self._num_workers = mode, num_workers
             self._staleness, self._elastic = staleness, elastic
             step = self._applied if self._mode == SYNC else self._pushed.get(worker, 0)
-            self._set_pushed(worker, max(self._pushed.get(worker, 0), step))
+            if not (again and elastic and worker in self._pushed):
+                self._set_pushed(worker, max(self._pushed.get(worker, 0), step))
             if elastic:
                 self._live.add(worker)
             return step
@@ -198,9 +211,11 @@ class StepClock:
         """Takes `worker`'s push of `step` once; returns the shard's step.
 
         SYNC: `queue()` (called under the lock) gives the push's parts, applied
-        with the other workers' once every worker pushed the step. ASYNC:
-        `apply()` applies it at once, outside the lock. A step pushed again
-        (after a failover) is taken once.
+        with the other workers' once every worker pushed the step; a push of
+        a step applied without it (it was gone, and joined `again`) is
+        applied on its own (`_apply_late`). ASYNC: `apply()` applies it at
+        once, outside the lock. A step pushed again (after a failover) is
+        taken once.
         """
         with self._cond:
             last = self._pushed.get(worker, 0)
@@ -214,8 +229,11 @@ class StepClock:
                 )
             if self._mode == SYNC:
                 self._set_pushed(worker, step)
-                parts = queue()
-                self._pending.setdefault(step, {})[worker] = parts
+                if step <= self._applied:
+                    self._apply_late(worker, step, queue())
+                    self._cond.notify_all()  # its own pull of step + 1 may wait for it
+                    return self._applied
+                self._pending.setdefault(step, {})[worker] = queue()
                 self._apply_complete_steps()
                 return self._applied
             self._applying.add(worker)
@@ -255,9 +273,13 @@ class StepClock:
             return True
 
     def release_hold(self) -> None:
-        """Ends `hold_at`: the steps every worker pushed meanwhile are applied."""
+        """Ends `hold_at`: the late pushes and the steps every worker pushed meanwhile are
+        applied."""
         with self._cond:
             self._hold = None
+            for worker, step, parts in self._held_late:
+                self._apply_step(step, _by_table([(worker, parts)]))
+            self._held_late = []
             self._apply_complete_steps()
             self._wake_all()
 
@@ -312,7 +334,7 @@ class StepClock:
                 "pushed": {str(w): step for w, step in self._pushed.items()},
                 "applied": self._applied,
             }
-            pending = [
+            pending = list(self._held_late) + [
                 (worker, step, parts)
                 for step, workers in sorted(self._pending.items())
                 for worker, parts in sorted(workers.items())
@@ -320,16 +342,22 @@ class StepClock:
         return state, pending
 
     def install(self, state: dict[str, Any], pending: list[tuple[int, int, list[Any]]]) -> None:
-        """Replaces the whole state with an `export`ed one."""
+        """Replaces the whole state with an `export`ed one (the tables hold the exported
+        rows already: late pushes a save held back are applied to them)."""
         with self._cond:
             self._mode, self._num_workers = state["mode"], state["num_workers"]
             self._elastic, self._live = state["elastic"], set(state["live"])
             self._staleness, self._applied = state["staleness"], state["applied"]
             self._pushed = {int(w): step for w, step in state["pushed"].items()}
             self._furthest = max(self._pushed.values(), default=0)
-            self._pending = {}
+            self._pending, self._held_late = {}, []
             for worker, step, parts in pending:
-                self._pending.setdefault(step, {})[worker] = parts
+                if step <= self._applied:
+                    # A late push a save held back there: applied now, before any later
+                    # step, as the holder applies it when the save ends.
+                    self._apply_step(step, _by_table([(worker, parts)]))
+                else:
+                    self._pending.setdefault(step, {})[worker] = parts
             self._applying = set()
             self._wake_all()
 
@@ -340,9 +368,14 @@ class StepClock:
         both under the lock, so that no step is applied in between."""
         with self._cond:
             first()
+
+            def kept(parts: list[Part]) -> list[Part]:
+                return [(n, k[keep(k)], g[keep(k)]) for n, k, g in parts]
+
             for workers in self._pending.values():
                 for worker, parts in workers.items():
-                    workers[worker] = [(n, k[keep(k)], g[keep(k)]) for n, k, g in parts]
+                    workers[worker] = kept(parts)
+            self._held_late = [(w, step, kept(parts)) for w, step, parts in self._held_late]
 
     # Under _cond.
 
@@ -397,6 +430,15 @@ class StepClock:
             )
         return len(pushed_by) >= self._num_workers
 
+    def _apply_late(self, worker: int, step: int, parts: list[Part]) -> None:
+        """SYNC: `worker`'s push of `step`, applied without it (the worker was gone), is
+        applied on its own now: nothing acknowledged is lost. While a save holds the steps,
+        it waits with them."""
+        if self._hold is not None:
+            self._held_late.append((worker, step, parts))
+        else:
+            self._apply_step(step, _by_table([(worker, parts)]))
+
     def _apply_complete_steps(self) -> None:
         """SYNC: applies, in order, every step all workers have pushed (up to a held one)."""
         while self._hold is None or self._applied < self._hold:
@@ -404,11 +446,7 @@ class StepClock:
             if entry is None or not self._step_complete(entry):
                 return
             del self._pending[self._applied + 1]
-            parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-            for worker in sorted(entry):
-                for name, keys, grads in entry[worker]:
-                    parts.setdefault(name, []).append((keys, grads))
-            self._apply_step(self._applied + 1, parts)
+            self._apply_step(self._applied + 1, _by_table(sorted(entry.items())))
             self._applied += 1
             self._cond.notify_all()
 
@@ -427,3 +465,14 @@ class StepClock:
             if left <= 0:
                 raise timed_out()
             (cond or self._cond).wait(left)
+
+
+def _by_table(
+    pushes: list[tuple[int, list[Part]]],
+) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """Table name -> its (keys, gradients) parts, in the order of `pushes` ((worker, parts))."""
+    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for _, pushed in pushes:
+        for name, keys, grads in pushed:
+            parts.setdefault(name, []).append((keys, grads))
+    return parts

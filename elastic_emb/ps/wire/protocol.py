@@ -219,7 +219,12 @@ def table_info(table: Table) -> ps_pb2.TableInfo:
 
 
 def join_request(
-    worker: int, num_workers: int, mode: str, staleness: int | None, elastic: bool = False
+    worker: int,
+    num_workers: int,
+    mode: str,
+    staleness: int | None,
+    elastic: bool = False,
+    again: bool = False,
 ) -> Any:
     return ps_pb2.JoinRequest(
         worker=worker,
@@ -227,6 +232,7 @@ def join_request(
         mode=ps_pb2.SYNC if mode == "sync" else ps_pb2.ASYNC,
         staleness=-1 if staleness is None else staleness,
         elastic=elastic,
+        again=again,
     )
 
 
