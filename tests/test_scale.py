@@ -151,7 +151,8 @@ def test_workers_started_together_take_distinct_indices(tmp_path):
 
 def test_a_lapsed_lease_held_index_is_taken_over(tmp_path):
     """A worker whose keep-alive gave up before etcd expired the lease takes its own key
-    over to the new lease (another process's key is refused)."""
+    over to the new lease, from any lease it was granted (one whose put reached etcd though
+    its answer was lost, and whose revoke failed, too). Another process's key is refused."""
     with start_etcd(tmp_path / "etcd") as server, Etcd(server.url) as etcd:
         _take_over(server.url, etcd)
 
@@ -159,14 +160,21 @@ def test_a_lapsed_lease_held_index_is_taken_over(tmp_path):
 def _take_over(url: str, etcd: Etcd) -> None:
     routing = Routing.__new__(Routing)  # only the registration parts: no cluster map needed
     routing._etcd, routing._prefix, routing.coordinator = etcd, "/scale-test/", url
-    old, new, other = etcd.grant(30), etcd.grant(30), etcd.grant(30)
+    routing._cond = threading.Condition()
+    old, ghost, new, other = (etcd.grant(30) for _ in range(4))
+    routing._granted = {old.id, ghost.id, new.id}  # `other` is another process's
     key = membership.worker_key("/scale-test/", 5)
     etcd.put(key, b"{}", old.id)
-    assert routing._take_index(5, new.id, lapsed=old.id) == 5
+    assert routing._take_index(5, ghost.id) == 5
+    assert etcd.get(key).lease == ghost.id
+    assert routing._granted == {ghost.id, new.id}  # `old` was revoked
+    assert routing._take_index(5, new.id) == 5
     assert etcd.get(key).lease == new.id
+    routing._granted = {new.id}
+    etcd.put(key, b"{}", other.id)
     with pytest.raises(ValueError, match="already connected"):
-        routing._take_index(5, other.id, lapsed=old.id)
-    for lease in (old, new, other):
+        routing._take_index(5, new.id)
+    for lease in (new, other):
         etcd.revoke(lease.id)
 
 

@@ -47,6 +47,10 @@ class Routing:
         self._worker_lease = 0
         self._lease_seconds = 0
         self.registrations = 0  # guarded by _cond: times the lease lapsed and was taken again
+        # Guarded by _cond: the leases this worker was granted and did not see end (one may
+        # still hold its key: a lapsed one etcd has not expired yet, or one whose put
+        # reached etcd though its answer was lost and whose revoke failed).
+        self._granted: set[int] = set()
         self._identity_lost: str | None = None  # why this worker cannot register again
         self._closed = threading.Event()
         self.worker: int | None = None  # the worker index this process holds
@@ -175,24 +179,23 @@ class Routing:
         self.worker = self._hold(worker, timeout)
         return self.worker
 
-    def _hold(self, worker: int | None, timeout: float, lapsed: int = 0) -> int:
-        """Registers (`_register`) and installs the lease; again if it lapsed meanwhile.
-        `lapsed`: the lease this worker held its index under before."""
+    def _hold(self, worker: int | None, timeout: float) -> int:
+        """Registers (`_register`) and installs the lease; again if it lapsed meanwhile."""
         while True:
-            index, lease, keep = self._register(worker, timeout, lapsed)
+            index, lease, keep = self._register(worker, timeout)
             with self._cond:
                 self._worker_lease, self._keep_alive = lease, keep
             if not keep.lost:  # (else its lapse was ignored: not installed yet)
                 return index
-            worker, lapsed = index, lease
+            worker = index
 
-    def _register(
-        self, worker: int | None, timeout: float, lapsed: int = 0
-    ) -> tuple[int, int, Any]:
+    def _register(self, worker: int | None, timeout: float) -> tuple[int, int, Any]:
         """A new lease, kept alive, and a worker index held under it: (index, lease, keep)."""
         deadline = time.monotonic() + timeout
         while True:
             lease = self._etcd.grant(self._lease_seconds)
+            with self._cond:
+                self._granted.add(lease.id)
             keep = None
             try:
                 # Kept alive before the index is taken: a slow registration cannot outlive it.
@@ -201,7 +204,7 @@ class Routing:
                     self._lease_seconds / 4,
                     functools.partial(self._on_lease_lost, lease.id),
                 )
-                return self._take_index(worker, lease.id, lapsed), lease.id, keep
+                return self._take_index(worker, lease.id), lease.id, keep
             except LeaseLost:
                 if time.monotonic() > deadline:
                     raise ConnectionError(
@@ -216,9 +219,9 @@ class Routing:
                 if keep is not None and keep.lost:
                     keep.stop()
 
-    def _take_index(self, worker: int | None, lease: int, lapsed: int = 0) -> int:
-        """`worker` (or a free index) held under `lease`; taken over from `lapsed`, this
-        worker's previous lease, if etcd still holds it there.
+    def _take_index(self, worker: int | None, lease: int) -> int:
+        """`worker` (or a free index) held under `lease`; taken over from another lease of
+        this worker's (`_granted`) if etcd still holds it there.
 
         Workers started together each try one of the lowest free indices at
         random, a wider choice after each collision: a few transactions each,
@@ -240,13 +243,15 @@ class Routing:
             holder = held[0].lease if isinstance(held, list) and held else 0
             if holder == lease:
                 return index  # (a put that succeeded although its answer was lost)
-            if lapsed and holder == lapsed:
+            with self._cond:
+                ours = holder in self._granted
+            if ours:
                 # Not renewed in time here, but not expired in etcd yet: move the key over.
                 moved = self._etcd.txn(
-                    [Compare.lease(key, "=", lapsed)], [Op.put(key, b"{}", lease)]
+                    [Compare.lease(key, "=", holder)], [Op.put(key, b"{}", lease)]
                 ).succeeded
                 if moved:
-                    self._end_lease(lapsed, None)
+                    self._end_lease(holder, None)
                     return index
                 continue
             if worker is not None:
@@ -278,7 +283,7 @@ class Routing:
         delay = 0.1
         while not self._closed.is_set():
             try:
-                self._hold(worker, 60.0, lease)
+                self._hold(worker, 60.0)
             except ValueError as e:  # another process took the index meanwhile
                 self._identity_lost = str(e)
                 log.error("worker %d cannot register again: %s", worker, e)
@@ -314,7 +319,9 @@ class Routing:
         try:
             self._etcd.revoke(lease)
         except EtcdError:
-            pass
+            return  # (it may still hold a key until it expires: `_take_index` moves it)
+        with self._cond:
+            self._granted.discard(lease)
 
     def claim(self, name: str) -> bool:
         """Whether this worker holds the claim `name` (`<prefix>claims/<name>`), taking
