@@ -60,7 +60,14 @@ def worker_process(args: argparse.Namespace) -> None:
             return (args.steps == 0 or steps < args.steps) and not stop.exists()
 
         report = run_worker(
-            args.coordinator, args.mode, worker, args.table, args.batch, go_on, start_gate.wait
+            args.coordinator,
+            args.mode,
+            worker,
+            args.table,
+            args.batch,
+            go_on,
+            start_gate.wait,
+            lease_seconds=args.worker_lease,
         )
         if "error" in report:
             start_gate.abort(), warmed.abort()  # the others stop waiting for this one
@@ -151,7 +158,7 @@ class Run:
                 sys.executable, __file__, "--run-workers", "--coordinator", cluster.coordinator,
                 "--mode", mode, "--first", str(first), "--count", str(min(per, workers - first)),
                 "--steps", str(steps), "--batch", str(args.batch), "--table", table,
-                "--stop", str(self.stop_file),
+                "--stop", str(self.stop_file), "--worker-lease", str(args.worker_lease),
             ]  # fmt: skip
             self.processes.append(
                 subprocess.Popen(
@@ -379,6 +386,9 @@ def main() -> None:
     parser.add_argument("--per-process", type=int, default=16, help="workers per process")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument(
+        "--worker-lease", type=int, default=3, help="each worker's etcd lease TTL, seconds"
+    )
+    parser.add_argument(
         "--cluster-dir",
         help="etcd's data and the servers' logs (default: a new directory in /dev/shm, where "
         "etcd's fsyncs cost what they do on a server's SSD, not this VM disk's ~13 ms)",
@@ -398,8 +408,10 @@ def main() -> None:
     counts = [int(w) for w in args.workers.split(",")]
     modes = args.modes.split(",")
     cpu = platform.processor() or platform.machine()
-    print(f"Machine: {os.cpu_count()} cores, {cpu}, no GPU; {args.groups} groups x R=2, "
-          f"batch {args.batch} keys, dim {DIM}, SGD")  # fmt: skip
+    print(
+        f"Machine: {os.cpu_count()} cores, {cpu}, no GPU; {args.groups} groups x R=2, batch "
+        f"{args.batch} keys, dim {DIM}, SGD; worker lease {args.worker_lease} s"
+    )
     results, faults = [], []
     if args.cluster_dir is None and Path("/dev/shm").is_dir():
         args.cluster_dir = tempfile.mkdtemp(prefix="ee-scale-", dir="/dev/shm")

@@ -68,6 +68,7 @@ class InitOptions:
     token: str | None = None
     dense: str | None = None
     dense_pull_every: int = 1
+    worker_lease_seconds: int = 3
 
     def check(self) -> None:
         """Raises ValueError for options that contradict each other (the cluster
@@ -111,7 +112,7 @@ class InitOptions:
         return ClusterOptions(
             self.mode, self.staleness, self.wire_dtype, worker_index, num_workers, self.timeout,
             self.connect_timeout, self.failover_timeout, self.read_from_backups, self.cache_rows,
-            self.cache_staleness,
+            self.cache_staleness, self.worker_lease_seconds,
         )  # fmt: skip
 
 
@@ -135,6 +136,7 @@ def init(
     token: str | None = None,
     dense: str | None = None,
     dense_pull_every: int = 1,
+    worker_lease_seconds: int = 3,
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
@@ -212,6 +214,11 @@ def init(
             `dense_pull_every - 1` steps of this worker (and whatever the
             others pushed meanwhile); every gradient is still pushed and
             applied on the PS. 1 (default): every step, exact.
+        worker_lease_seconds: with a coordinator, the TTL of this worker's
+            etcd lease, renewed every quarter of it: a dead worker counts as
+            gone about this long plus 3 s after it died (sync steps wait for
+            it until then). Each worker costs etcd 4 / TTL renewals a second:
+            raise it for jobs of hundreds of workers (docs/deployment.md).
 
     Returns:
         The `Cluster`, or None when no PS is configured.
@@ -263,7 +270,7 @@ def connect(options: InitOptions) -> Cluster | None:
 
 def _connect_cluster(options: InitOptions) -> Cluster:
     """The `Cluster` of `options` (`ps` or `coordinator` set), connected."""
-    from elastic_emb.ps.client.cluster import WORKER_LEASE_SECONDS, Cluster
+    from elastic_emb.ps.client.cluster import Cluster
     from elastic_emb.ps.wire.security import ClientSecurity
 
     ps, coordinator = options.ps, options.coordinator
@@ -287,10 +294,12 @@ def _connect_cluster(options: InitOptions) -> Cluster:
     if coordinator is not None:
         from elastic_emb.ps.client.routing import Routing
 
+        if auto_index:
+            options.cluster_options(0, 1).check(elastic=True)  # before registering
         routing = Routing(coordinator, options.connect_timeout)
         if auto_index:  # elastic workers without an index take the lowest free one
             try:
-                worker_index = routing.register_worker(None, WORKER_LEASE_SECONDS)
+                worker_index = routing.register_worker(None, options.worker_lease_seconds)
             except BaseException:
                 routing.close()
                 raise

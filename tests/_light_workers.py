@@ -53,6 +53,7 @@ def run_worker(
     go_on: Callable[[int], bool],
     started: Callable[[], None] = lambda: None,
     pulled: Callable[[int], None] = lambda step: None,
+    lease_seconds: int = 3,
 ) -> dict:
     """One worker: steps while `go_on(steps made)`, calling `pulled(step)` between each
     step's pull and push; its report (steps pushed and acknowledged, step end times and
@@ -63,7 +64,12 @@ def run_worker(
     try:
         routing = Routing(coordinator, connect_timeout=120)
         options = ClusterOptions(
-            mode=mode, worker_index=worker, timeout=600, connect_timeout=120, failover_timeout=120
+            mode=mode,
+            worker_index=worker,
+            timeout=600,
+            connect_timeout=120,
+            failover_timeout=120,
+            worker_lease_seconds=lease_seconds,
         )
         cluster = Cluster([], options, routing)
         cluster.create_tables([config])

@@ -5,6 +5,7 @@ that do not collide, a primary that keeps its rows through a lapse of its own le
 import json
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -119,6 +120,24 @@ def test_a_sync_step_applied_without_a_lapsed_worker_still_gets_its_push(tmp_pat
         assert [r.get("error") for r in reports] == [None, None], reports
         assert [r["steps"] for r in reports] == [30, 30]
         assert check_rows(cluster.map().groups, "t", reports, BATCH) > 500
+
+
+def test_worker_lease_seconds_is_the_ttl_of_the_workers_lease(tmp_path):
+    with LocalCluster(1, 1, tmp_path / "cluster") as cluster, Etcd(cluster.coordinator) as etcd:
+        ttls = []
+
+        def go_on(steps: int) -> bool:
+            if steps == 1:
+                lease = etcd.get(membership.worker_key(membership.DEFAULT_PREFIX, 2)).lease
+                request = json.dumps({"ID": lease}).encode()
+                url = f"http://{cluster.coordinator.split('://')[1]}/v3/lease/timetolive"
+                answer = json.load(urllib.request.urlopen(url, request, timeout=10))
+                ttls.append(int(answer["grantedTTL"]))
+            return steps < 2
+
+        report = run_worker(cluster.coordinator, "async", 2, "t", BATCH, go_on, lease_seconds=7)
+        assert report.get("error") is None, report
+        assert ttls == [7]
 
 
 def test_workers_started_together_take_distinct_indices(tmp_path):

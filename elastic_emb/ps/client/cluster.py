@@ -56,6 +56,7 @@ class ClusterOptions:
     read_from_backups: bool = False
     cache_rows: int = 0
     cache_staleness: int = 0
+    worker_lease_seconds: int = WORKER_LEASE_SECONDS
 
     def check(self, elastic: bool) -> None:
         """Raises ValueError for invalid options; `elastic`: with a coordinator."""
@@ -81,6 +82,12 @@ class ClusterOptions:
                 raise ValueError(
                     f"`{name}` must be a non-negative integer. Received: {name}={value!r}"
                 )
+        lease = self.worker_lease_seconds
+        if isinstance(lease, bool) or not isinstance(lease, int) or lease < 2:
+            raise ValueError(
+                "`worker_lease_seconds` must be an integer >= 2 (etcd's shortest lease). "
+                f"Received: worker_lease_seconds={lease!r}"
+            )
         if self.cache_staleness and (mode == "sync" or not self.cache_rows):
             raise ValueError(
                 "`cache_staleness` > 0 serves rows without asking the shards: it needs "
@@ -176,7 +183,7 @@ class Cluster:
         options, routing = self.options, self.routing
         self.shards.connect(connect_timeout)
         if routing is not None:  # elastic: no step waits for this worker once it is gone
-            routing.register_worker(self.worker_index, WORKER_LEASE_SECONDS)
+            routing.register_worker(self.worker_index, options.worker_lease_seconds)
         join = protocol.join_request(
             self.worker_index,
             self.num_workers,
