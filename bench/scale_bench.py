@@ -36,6 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _light_workers import DIM, check_rows, keys_of, run_worker, separate_connections
 
+from elastic_emb.ps.coord import membership
+from elastic_emb.ps.coord.etcd import Etcd
+
 WARM_UP_STEPS = 3  # steps every worker of a run makes before it is measured
 # Priorities: etcd first, then the servers, then the simulated workers, as if each had
 # machines of its own (on one small machine the workers would starve etcd of CPU).
@@ -55,6 +58,10 @@ def worker_process(args: argparse.Namespace) -> None:
 
     def run(worker: int) -> None:
         def go_on(steps: int) -> bool:
+            if args.steps < 0:  # connected and joined, idle until stopped
+                while not stop.exists():
+                    time.sleep(0.2)
+                return False
             if steps == WARM_UP_STEPS:
                 warmed.wait()
             return (args.steps == 0 or steps < args.steps) and not stop.exists()
@@ -305,6 +312,43 @@ def measure(cluster, args, mode: str, workers: int) -> dict:
     }
 
 
+def idle_cost(cluster, args, mode: str, workers: int) -> dict:
+    """What `workers` connected workers cost while none steps (leases, watches, connections,
+    the servers' own pings and load reports): CPU-seconds per second of each part."""
+    table = f"idle{mode}{workers}"
+    servers = [p.pid for p in cluster.servers.values() if p.poll() is None]
+    etcd = cluster.etcd.process.pid
+
+    def sample(pids: list[int]) -> tuple[float, float, float, float]:
+        return cpu_seconds(servers), cpu_seconds([etcd]), cpu_seconds(pids), time.monotonic()
+
+    s0, e0, _, t0 = sample([])
+    time.sleep(args.seconds)
+    s1, e1, _, t1 = sample([])
+    run = Run(cluster, args, mode, workers, -1, table)
+    prefix = membership.workers_prefix(membership.DEFAULT_PREFIX)
+    with Etcd(cluster.coordinator) as etcd_client:
+        cluster.wait_until(
+            lambda: len(etcd_client.get_prefix(prefix)[0]) >= workers, 600, "workers registered"
+        )
+        time.sleep(3.0)  # (every worker's first calls done)
+        s2, e2, w2, t2 = sample(run.pids())
+        time.sleep(args.seconds)
+        s3, e3, w3, t3 = sample(run.pids())
+    run.stop()
+    run.wait(600)
+    return {
+        "mode": mode,
+        "workers": workers,
+        "server CPU s/s, no workers": (s1 - s0) / (t1 - t0),
+        "server CPU s/s": (s3 - s2) / (t3 - t2),
+        "etcd CPU s/s, no workers": (e1 - e0) / (t1 - t0),
+        "etcd CPU s/s": (e3 - e2) / (t3 - t2),
+        "worker CPU s/s": (w3 - w2) / (t3 - t2),
+        "worker CPU ms/s per worker": 1e3 * (w3 - w2) / (t3 - t2) / workers,
+    }
+
+
 def failover_and_move(cluster, args, mode: str, workers: int) -> dict:
     """Kills a primary --kills times while `workers` train, then moves slots live; checks."""
     table = f"failover{mode}{workers}"
@@ -385,6 +429,9 @@ def main() -> None:
     parser.add_argument("--modes", default="sync,async")
     parser.add_argument("--seconds", type=float, default=20.0, help="measured per run")
     parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument(
+        "--idle", action="store_true", help="only what connected, idle workers cost (per count)"
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--per-process", type=int, default=16, help="workers per process")
     parser.add_argument("--groups", type=int, default=4)
@@ -427,15 +474,21 @@ def main() -> None:
             directory = Path(args.cluster_dir) / mode
             with LocalCluster(args.groups, 2, directory, args.server_lease) as cluster:
                 for workers in counts:
+                    if args.idle:
+                        results.append(idle_cost(cluster, args, mode, workers))
+                        continue
                     results.append(measure(cluster, args, mode, workers))
                     print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-                if args.kills:
+                if args.kills and not args.idle:
                     faults.append(failover_and_move(cluster, args, mode, max(counts)))
                     print(json.dumps(faults[-1]), file=sys.stderr, flush=True)
     finally:
         for run in _RUNS:
             run.kill()
-    print("\n## Throughput, barrier, etcd and server cost by number of workers\n")
+    if args.idle:
+        print("\n## What connected, idle workers cost\n")
+    else:
+        print("\n## Throughput, barrier, etcd and server cost by number of workers\n")
     table(results)
     if faults:
         print("\n## Failover with every worker connected, then a live slot move\n")
