@@ -17,7 +17,7 @@ from typing import Any
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps.server.catch_up import ChangeBuffers
 from elastic_emb.ps.server.peer_channels import PeerChannels
-from elastic_emb.ps.server.replica_state import ReplicaState
+from elastic_emb.ps.server.replica_state import ReplicaState, aborted
 from elastic_emb.ps.server.shard import RequestError
 from elastic_emb.ps.wire import protocol
 
@@ -101,9 +101,8 @@ class Replicator:
         with state.cond:
             group = state.map.group_of(state.address)
             if group is None or state.applied is None:
-                raise RuntimeError(
-                    f"{state.address} lost its group or its state while applying {method}"
-                )
+                # Replaced meanwhile (it rejoins empty): the worker re-sends to the new primary.
+                raise aborted(f"{state.address} lost its group while applying {method}")
             state.applied += 1
             state.applied_epoch = group.epoch
             forward = ps_pb2.ReplicateRequest(
