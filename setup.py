@@ -55,6 +55,18 @@ def cuda_lib_dir(nvcc: str) -> Path:
     raise RuntimeError(f"libcudart_static.a not found under {[str(r) for r in roots]}")
 
 
+def cuda_decision(mode: str, nvcc: str | None) -> str:
+    """The one line the build prints about the CUDA kernels: compiled or not, and why."""
+    if mode == "0":
+        return "elastic_emb: building without CUDA kernels (ELASTIC_EMB_CUDA=0)"
+    if nvcc is None:
+        return (
+            "elastic_emb: building without CUDA kernels (no nvcc found; set CUDA_HOME to use one)"
+        )
+    why = "ELASTIC_EMB_CUDA=1" if mode == "1" else "ELASTIC_EMB_CUDA=0 skips them"
+    return f"elastic_emb: compiling the CUDA kernels with {nvcc} (minutes; {why})"
+
+
 class BuildExt(build_ext):
     """Compiles csrc/*.cu with nvcc (when ELASTIC_EMB_CUDA allows) and links them into _core."""
 
@@ -62,6 +74,7 @@ class BuildExt(build_ext):
         mode, nvcc = cuda_mode(), find_nvcc()
         if mode == "1" and nvcc is None:
             raise RuntimeError("ELASTIC_EMB_CUDA=1, but nvcc was not found (set CUDA_HOME)")
+        print(cuda_decision(mode, nvcc), flush=True)
         objects: list[str] = []
         link_args: list[str] = []
         if mode != "0" and nvcc is not None:

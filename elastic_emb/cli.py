@@ -420,17 +420,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_demo(sub: Any) -> None:
     """`elastic-emb demo`."""
+    from elastic_emb.examples.demo import DEMO_LEARNING_RATES, FULL_DEMO, QUICK_DEMO
+
     demo = sub.add_parser("demo", help="train a DLRM-style CTR model in-process")
     demo.add_argument(
         "--data", help="a real Criteo TSV file (plain or .gz) instead of generated data"
     )
-    demo.add_argument("--examples", type=int, default=2_000_000, help="training examples")
+    demo.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the longer run: {FULL_DEMO[0]:,} examples, {FULL_DEMO[1]} epochs (minutes; the "
+        "default run takes well under 2 minutes on 2 cores)",
+    )
+    demo.add_argument(
+        "--examples",
+        type=int,
+        help=f"training examples (default: {QUICK_DEMO[0]:,}, or {FULL_DEMO[0]:,} with --full)",
+    )
     demo.add_argument("--test-examples", type=int, default=100_000, help="generated test examples")
     demo.add_argument("--test-fraction", type=float, default=0.1, help="held out with --data")
-    demo.add_argument("--epochs", type=int, default=2)
+    demo.add_argument(
+        "--epochs", type=int, help=f"default: {QUICK_DEMO[1]}, or {FULL_DEMO[1]} with --full"
+    )
     demo.add_argument("--batch-size", type=int, default=2048)
     demo.add_argument("--dim", type=int, default=16, help="embedding dimension")
-    demo.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate of the tables")
+    demo.add_argument(
+        "--optimizer",
+        choices=sorted(DEMO_LEARNING_RATES),
+        default="adagrad",
+        help="the tables' optimizer (ee.optimizers.*)",
+    )
+    demo.add_argument(
+        "--lr",
+        type=float,
+        help="the tables' learning rate (default: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(DEMO_LEARNING_RATES.items()))
+        + ")",
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--verbose", type=int, default=1, help="Keras fit verbosity (0, 1, 2)")
     demo.add_argument(

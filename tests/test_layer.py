@@ -373,3 +373,56 @@ def test_rebuilt_models_keep_their_table_names_and_resume_from_a_checkpoint(tmp_
     assert ee.placement.registered_tables()["rebuilt_ids"] is clone.get_layer("rebuilt_ids").table
     # The older tables still work; they are just no longer the ones ee.save() writes.
     assert first_table.pull(keys[:3], train=False).shape == (3, 4)
+
+
+def _id_model(name):
+    ids = keras.Input(shape=(), dtype="int64", name=f"{name}_ids")
+    layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name=name)
+    model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
+    model.compile("sgd", "mse")
+    return model, layer
+
+
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        (np.array(["a", "b"] * 4), "its data are strings"),
+        (np.array([b"a", b"b"] * 4, dtype=object), "its data are strings"),
+        (np.arange(8, dtype=np.float32) + 2**24, "its data are float32"),
+        (np.arange(8, dtype=np.float64), "its data are float64"),
+    ],
+    ids=["str", "bytes_object", "float32", "float64"],
+)
+def test_ids_of_a_string_or_float_dtype_for_an_int_input_are_refused_first(ids, expected):
+    model, layer = _id_model(f"refused_{ids.dtype.kind}_{len(str(ids.dtype))}")
+    name = model.inputs[0].name
+    labels = np.zeros((8, 1), np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((ids, labels)).batch(4)
+    calls = [
+        lambda: model.fit(ids, labels, verbose=0),
+        lambda: model.fit({name: ids}, labels, verbose=0),
+        lambda: model.fit(dataset, verbose=0),
+        lambda: model.evaluate(ids, labels, verbose=0),
+        lambda: model.predict(ids, verbose=0),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=expected) as error:
+            call()
+        assert repr(name) in str(error.value) and "int64" in str(error.value)
+    assert len(layer.table) == 0  # refused before a row was made
+    model.fit(np.arange(8), labels, verbose=0)  # int64 ids train
+    assert len(layer.table) == 8
+
+
+def test_float_ids_train_while_exact_and_are_refused_where_a_float_merges_ids():
+    # A Sequential model without an Input feeds its layers float32 ids (as in Keras).
+    layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), name="float_guard")
+    model = keras.Sequential([layer, keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    labels = np.zeros((4, 1), np.float32)
+    model.fit(np.array([0, 1, 2**24 - 1, 7]), labels, verbose=0)
+    np.testing.assert_array_equal(np.sort(layer.table.export_rows()[0]), [0, 1, 7, 2**24 - 1])
+    # 2**24 + 1 reads 2**24 in float32: two distinct ids, one row. Refused, nothing stored.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not whole numbers below 2\\*\\*24"):
+        model.fit(np.array([2**24, 2**24 + 1, 3, 4]), labels, verbose=0)
+    assert len(layer.table) == 4

@@ -15,13 +15,68 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run"]
+__all__ = ["DEMO_LEARNING_RATES", "FULL_DEMO", "QUICK_DEMO", "dense_only_auc", "run"]
+
+# `elastic-emb demo`'s sizes (training examples, epochs): the default and `--full`.
+QUICK_DEMO = (750_000, 1)
+FULL_DEMO = (2_000_000, 2)
+# The tables' learning rate for each `--optimizer` (docs/choosing-hyperparameters.md).
+DEMO_LEARNING_RATES = {"adagrad": 0.05, "adam": 0.001, "ftrl": 0.05, "sgd": 0.5}
 
 
 def run(args: argparse.Namespace) -> int:
     """`elastic-emb demo` with the parsed arguments (see `elastic_emb.cli`)."""
+    examples, epochs = FULL_DEMO if args.full else QUICK_DEMO
+    args.examples = examples if args.examples is None else args.examples
+    args.epochs = epochs if args.epochs is None else args.epochs
+    args.lr = DEMO_LEARNING_RATES[args.optimizer] if args.lr is None else args.lr
+    for flag in ("examples", "epochs", "batch_size", "dim", "test_examples"):
+        if getattr(args, flag) < 1:
+            name = "--" + flag.replace("_", "-")
+            print(f"elastic-emb demo: {name} must be at least 1", file=sys.stderr)
+            return 2
+    if not args.lr > 0:
+        print("elastic-emb demo: --lr must be positive", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="elastic_emb_demo_") as tmp:
         return _run_demo(args, Path(tmp))
+
+
+class _Phases:
+    """Prints a line as each phase of the demo starts, with the time since the first."""
+
+    def __init__(self, quiet: bool) -> None:
+        self._start = time.perf_counter()
+        self._quiet = quiet
+
+    def __call__(self, what: str) -> None:
+        if not self._quiet:
+            print(f"[{time.perf_counter() - self._start:6.1f}s] {what}", flush=True)
+
+
+def dense_only_auc(train: tuple[Any, Any], test: tuple[Any, Any]) -> float:
+    """The test AUC of a logistic regression on the 13 integer features alone (no ids):
+    the baseline that the embeddings must beat. Fitted by Newton's method in NumPy."""
+    import numpy as np
+
+    from elastic_emb.examples import criteo as data
+
+    def design(x: dict[str, Any]) -> Any:
+        dense = np.asarray(x["dense"], np.float64)
+        return np.hstack([dense, np.ones((len(dense), 1))])
+
+    features, labels = design(train[0]), np.asarray(train[1], np.float64).reshape(-1)
+    mean, std = features.mean(0), features.std(0)
+    mean[-1], std[-1] = 0.0, 1.0
+    std[std == 0] = 1.0
+    features = (features - mean) / std
+    weights = np.zeros(features.shape[1])
+    for _ in range(8):
+        p = 1 / (1 + np.exp(-features @ weights))
+        hessian = (features * (p * (1 - p))[:, None]).T @ features + 1e-6 * np.eye(len(weights))
+        weights -= np.linalg.solve(hessian, features.T @ (p - labels))
+    scores = ((design(test[0]) - mean) / std) @ weights
+    return data.auc(np.asarray(test[1]).reshape(-1), scores)
 
 
 def _fit_from_queue(model: Any, train: tuple[Any, Any], args: argparse.Namespace) -> int:
@@ -57,6 +112,8 @@ def _fit_from_queue(model: Any, train: tuple[Any, Any], args: argparse.Namespace
 
 
 def _run_demo(args: argparse.Namespace, workdir: Path) -> int:  # (long: the demo, step by step)
+    phase = _Phases(quiet=args.verbose == 0)
+    phase("starting TensorFlow and Keras")
     import keras
     import tensorflow as tf
 
@@ -91,6 +148,7 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:  # (long: the dem
         train = data.model_inputs(dense[:split], categorical[:split]), labels[:split]
         test = data.model_inputs(dense[split:], categorical[split:]), labels[split:]
     else:
+        phase(f"generating {args.examples:,} training and {args.test_examples:,} test examples")
         t0 = time.perf_counter()
         info = data.generate_criteo(workdir / "train.tsv", args.examples, seed=args.seed)
         data.generate_criteo(
@@ -110,10 +168,11 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:  # (long: the dem
 
     layers: list[ee.Embedding] = []
 
+    optimizer = {"adagrad": ee.optimizers.Adagrad, "adam": ee.optimizers.Adam,
+                 "ftrl": ee.optimizers.Ftrl, "sgd": ee.optimizers.SGD}[args.optimizer]  # fmt: skip
+
     def embedding(i: int) -> ee.Embedding:
-        layer = ee.Embedding(
-            args.dim, optimizer=ee.optimizers.Adagrad(learning_rate=args.lr), name=f"C{i + 1}"
-        )
+        layer = ee.Embedding(args.dim, optimizer=optimizer(learning_rate=args.lr), name=f"C{i + 1}")
         layers.append(layer)
         return layer
 
@@ -134,8 +193,9 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:  # (long: the dem
             f"worker {cluster.worker_index} of {cluster.num_workers}"
         )
     print(
-        f"Training a DLRM-style model on {n_train:,} examples: "
-        f"26 ee.Embedding(dim={args.dim}) + MLP, {where}"
+        f"Training a DLRM-style model on {n_train:,} examples for {args.epochs} epoch(s): "
+        f"26 ee.Embedding(dim={args.dim}, {args.optimizer} lr={args.lr:g}) + MLP, {where}",
+        flush=True,
     )
     t0 = time.perf_counter()
     if args.data_shards is None:
@@ -144,12 +204,16 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:  # (long: the dem
     else:
         n_train = _fit_from_queue(model, train, args)
     train_seconds = time.perf_counter() - t0
+    phase(f"scoring {len(test[1]):,} test examples")
     scores = model.predict(test[0], batch_size=8192, verbose=0)[:, 0]
     test_auc = data.auc(test[1], scores)
+    baseline = dense_only_auc(train, test)
 
     best = f"  (best reachable {oracle:.4f})" if oracle is not None else ""
     print()
     print(f"test AUC         {test_auc:.4f}{best}")
+    print(f"baseline AUC     {baseline:.4f}  (the 13 integer features alone, no ids; "
+          "guessing scores 0.5)")  # fmt: skip
     print(f"training speed   {n_train * args.epochs / train_seconds:,.0f} examples/s")
     print(f"training time    {train_seconds:.1f}s for {args.epochs} epoch(s)")
     print()
@@ -173,4 +237,5 @@ def _run_demo(args: argparse.Namespace, workdir: Path) -> int:  # (long: the dem
                 f"{s['bytes_received'] / 2**20:>10.1f}{ms:>8.1f}"
             )
         ee.shutdown()
+    phase("done")
     return 0

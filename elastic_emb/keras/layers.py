@@ -27,6 +27,10 @@ _COMBINERS = (None, "sum", "mean", "sqrtn")
 MAX_SAVED_TABLE_BYTES = 4 << 30
 
 
+# Float ids are exact whole numbers below 2**bits.
+_FLOAT_MANTISSA_BITS = {"bfloat16": 8, "float16": 11, "float32": 24, "float64": 53}
+
+
 def string_keys(strings: tf.Tensor) -> tf.Tensor:
     """Hashes strings to int64 keys with a stable 64-bit fingerprint (FarmHash)."""
     flat = tf.reshape(strings, [-1])
@@ -385,9 +389,30 @@ class Embedding(keras.layers.Layer):
                 f"`{self.name}` expects integer ids (int32 or int64). "
                 f"Received dtype={ids.dtype.name}"
             )
-        # Float ids (e.g. the float32 input a Sequential model without an Input
-        # builds) are cast, as keras.layers.Embedding does.
+        if ids.dtype.is_floating:
+            return self._exact_float_keys(ids)
         return tf.cast(ids, tf.int64)
+
+    def _exact_float_keys(self, ids: tf.Tensor) -> tf.Tensor:
+        """Float ids (e.g. the float32 input a Sequential model without an Input builds)
+        cast to int64 as keras.layers.Embedding does, but only while every id is a whole
+        number the float holds exactly: a larger one may stand for several ids (2**24 + 1
+        reads 2**24 in float32), which would share one row."""
+        bits = _FLOAT_MANTISSA_BITS[ids.dtype.name]
+        exact = tf.reduce_all((tf.abs(ids) < 2.0**bits) & (tf.math.floor(ids) == ids))
+        check = tf.debugging.Assert(
+            exact,
+            [
+                f"`{self.name}` received {ids.dtype.name} ids that are not whole numbers below "
+                f"2**{bits}: distinct ids may have been merged on their way through a float. "
+                "Feed ids as int64: keras.Input(..., dtype='int64'), and the data cast with "
+                ".astype('int64'). Ids:",
+                ids,
+            ],
+            summarize=5,
+        )
+        with tf.control_dependencies([check]):
+            return tf.cast(ids, tf.int64)
 
     def flat_keys(self, inputs: Any) -> tf.Tensor:
         """The int64 keys `call` looks up for `inputs`, flat, in lookup order."""

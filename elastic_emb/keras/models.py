@@ -1,5 +1,5 @@
 """A Keras model's elastic_emb side: its `ee.Embedding` layers, their export, and the
-hooks that make Keras's own calls (`compile`, `export`, `save`, `Functional.call`)
+hooks that make Keras's own calls (`compile`, `fit`, `export`, `save`, `Functional.call`)
 work with them, installed once by `install_hooks` (from `elastic_emb.keras`).
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from elastic_emb.keras import dense_ps, lookup, loss_scaling
+from elastic_emb.keras import dense_ps, input_checks, lookup, loss_scaling
 from elastic_emb.keras import patches as keras_patches
 from elastic_emb.keras.layers import Embedding
 from elastic_emb.serving import delta
@@ -129,6 +129,11 @@ def _after_compile(model: keras.Model) -> None:
     loss_scaling.attach(model, embedding_layers(model))
 
 
+def _check_ids(model: keras.Model, x: Any) -> None:
+    if embedding_layers(model):
+        input_checks.check_ids(model, x)
+
+
 _installed = False
 
 
@@ -145,5 +150,7 @@ def install_hooks() -> None:
     keras_patches.after_compile(_after_compile)
     # `model.save("m.h5")` (legacy format, no rows) refuses them.
     keras_patches.refuse_legacy_h5(lambda model: bool(embedding_layers(model)))
+    # String or float data for the integer inputs of a model with tables are refused.
+    keras_patches.check_data_first(_check_ids)
     # A Functional model looks up the rows of all its layers in one call.
     keras_patches.fuse_functional_lookups(lambda *args: lookup.fused_call(Embedding, *args))

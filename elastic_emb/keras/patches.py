@@ -34,7 +34,9 @@ Public functions wrapped, all of them applied when `elastic_emb.keras.layers` is
 imported: `keras.Model.export` (`export_through_serving()`: tables exported
 as stock TensorFlow ops), `tf.saved_model.save` (`save_through_serving()`,
 the same for a Keras model), `keras.Model.save` (`refuse_legacy_h5()`: the
-HDF5 format, which cannot hold tables, refuses models with them). Per
+HDF5 format, which cannot hold tables, refuses models with them),
+`keras.Model.fit`, `evaluate` and `predict` (`check_data_first()`: ids of a
+string or float dtype for an integer input are refused first). Per
 instance: `dense_ps.attach` wraps a compiled model's `train_step`,
 `test_step`, `predict_step`, `fit` and its optimizer's `apply_gradients`;
 `loss_scaling.attach` a `LossScaleOptimizer`'s `apply`.
@@ -89,6 +91,7 @@ _save_wrapped = False
 _tf_save_wrapped = False
 _call_wrapped = False
 _compile_wrapped = False
+_data_checked = False
 
 
 def refuse_legacy_h5(has_tables: Callable[[keras.Model], bool]) -> None:
@@ -157,6 +160,27 @@ def save_through_serving(
         if getattr(module, "__dict__", {}).get("save") is tf_save:
             module.save = save  # type: ignore[attr-defined]
     _tf_save_wrapped = True
+
+
+def check_data_first(check: Callable[[keras.Model, Any], None]) -> None:
+    """Runs `check(model, x)` before `model.fit`, `evaluate` and `predict` (idempotent)."""
+    global _data_checked
+    if _data_checked:
+        return
+    for method in ("fit", "evaluate", "predict"):
+        keras_method = getattr(keras.Model, method)
+
+        setattr(keras.Model, method, _checking_data(keras_method, check))
+    _data_checked = True
+
+
+def _checking_data(keras_method: Any, check: Callable[[keras.Model, Any], None]) -> Any:
+    @functools.wraps(keras_method)
+    def checked(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
+        check(self, args[0] if args else kwargs.get("x"))
+        return keras_method(self, *args, **kwargs)
+
+    return checked
 
 
 def after_compile(attach: Callable[[keras.Model], None]) -> None:
