@@ -8,6 +8,23 @@
 - docs/api.md and `elastic_emb`: every public name is mentioned (as
   `ee.NAME`, or inside the section of its module), and every `ee.NAME...`,
   `elastic_emb.MODULE...` and `--flag` written there exists.
+- docs/api.md's signatures and `inspect.signature`: every public function and
+  class has one, and each states the code's parameters, in order, with the
+  `*` before keyword-only ones and the same defaults (a default is compared
+  as a value: `300` is not `300.0`). A signature is a call of the name with
+  its parameters written as a `def` lists them, either in a ```python block
+  after the line `<!-- fragment: signature -->` (one call a statement; no
+  bare `*` there, the block being Python), or in a code span followed by a
+  colon or forming a heading ("`ee.save(directory, tables=None) -> Path`:
+  writes ..."); inside the section of `ee.MODULE`, `NAME(...)` is
+  `ee.MODULE.NAME`. A call with `...` among its arguments (`ee.Table(...,
+  device="gpu")`) abbreviates and is not one. An `| Argument |` table in the
+  section of `ee.NAME` lists NAME's parameters in the code's order.
+- docs/fault-tolerance.md's table of coordinator URL forms and
+  `parse_endpoint` (which `ee.init`, `ELASTIC_EMB_COORDINATOR` and every
+  `--coordinator` go through): each accepted form's example parses, each
+  refused one fails with the error its row quotes, and every scheme the code
+  accepts has a row.
 - Links from and to api.md and cli.md reach a heading.
 - Examples: every ```python block of README.md and docs/*.md runs as written,
   unless the line just before its fence is a fragment marker:
@@ -26,8 +43,10 @@ them a known mistake, so a checker that finds nothing cannot pass unnoticed.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
+import inspect
 import io
 import json
 import os
@@ -40,11 +59,13 @@ from typing import Any
 
 import elastic_emb as ee
 from elastic_emb.cli import build_parser
+from elastic_emb.ps.coord.etcd import URL_OPTIONS, parse_endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
+SIGNATURE_BLOCK = "<!-- fragment: signature -->"
 FRAGMENT = re.compile(r"^<!-- fragment: (?P<reason>.*\S.*?) -->$")
 _HEADING = re.compile(r"^(#{1,6}) (.*)$")
 _SPAN = re.compile(r"`([^`]+)`")
@@ -362,6 +383,365 @@ def test_the_checkers_find_an_undocumented_or_invented_name():
     ]
     missing = re.sub(r"\bRMSprop\b", "RMSProp", text)
     assert "ee.optimizers.RMSprop is not documented" in _api_problems(missing)
+
+
+# Signatures in docs/api.md (the convention is in the module docstring).
+
+
+# Public classes api.md gives no signature, and why (exceptions and warnings need none).
+NO_SIGNATURE = {
+    "gpu.GpuTable": "made by ee.Table(device='gpu'), not constructed",
+    "optimizers.Optimizer": "the base class of the optimizers, not constructed",
+}
+# Names api.md says take another name's parameters, and that name (checked in the code).
+SAME_PARAMETERS = {"placement.InitOptions": "init"}
+
+
+def _value(dotted: str) -> Any:
+    value: Any = ee
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _called(value: Any) -> Any:
+    """What a call of `value` runs: `ee.Table(...)`'s metaclass hands it to the placement."""
+    return type(ee.Table).create if value is ee.Table else value
+
+
+def _signed_names() -> list[str]:
+    """The public functions and classes whose parameters api.md must state."""
+    found = []
+    for name in _public_names():
+        value = _value(name)
+        if inspect.ismodule(value) or not callable(value):
+            continue
+        if isinstance(value, type) and issubclass(value, BaseException):
+            continue
+        if name not in NO_SIGNATURE and name not in SAME_PARAMETERS:
+            found.append(name)
+    return found
+
+
+def _split_call(call: str) -> tuple[str, str] | None:
+    """(callee, parameter text) of `callee(...)` or `callee(...) -> TYPE`, else None."""
+    match = re.match(r"(?:ee\.)?([A-Za-z_][\w.]*)\(", call)
+    if not match:
+        return None
+    depth = 0
+    for i in range(match.end() - 1, len(call)):
+        depth += {"(": 1, ")": -1}.get(call[i], 0)
+        if depth == 0:
+            rest = call[i + 1 :].strip()
+            return (match.group(1), call[match.end() : i]) if rest[:2] in ("", "->") else None
+    return None
+
+
+def _statements(text: str) -> tuple[list[tuple[int, str, str]], list[str]]:
+    """((line, name after `ee.`, parameter text) of every signature stated, problems)."""
+    found, problems = [], []
+    lines = text.splitlines()
+    for start, _, source in _code_blocks(text, "python"):
+        if start < 2 or lines[start - 2] != SIGNATURE_BLOCK:
+            continue
+        for statement in ast.parse(source).body:
+            segment = ast.get_source_segment(source, statement) or ""
+            split = _split_call(segment) if segment.startswith("ee.") else None
+            if split is None:
+                problems.append(f"api.md:{start + statement.lineno}: not an `ee.` signature")
+            else:
+                found.append((start + statement.lineno, *split))
+    fenced = False  # the fenced lines blanked, so that spans are only those of the prose
+    for i, line in enumerate(lines):
+        fence = line.startswith("```")
+        lines[i] = "" if fenced or fence else line
+        fenced ^= fence
+    plain = "\n".join(lines)
+    modules: list[list[str]] = []  # per line: the modules whose sections hold it, innermost first
+    stack: list[tuple[int, str]] = []
+    for line in lines:
+        heading = _HEADING.match(line)
+        if heading:
+            stack = [(lv, m) for lv, m in stack if lv < len(heading.group(1))]
+            for module in re.findall(r"`ee\.(\w+)[`.]", heading.group(2)):
+                if inspect.ismodule(getattr(ee, module, None)):
+                    stack.append((len(heading.group(1)), module))
+        modules.append([m for _, m in reversed(stack)])
+    for span in re.finditer(r"`([^`]+)`", plain):
+        number = plain.count("\n", 0, span.start())
+        if not plain.startswith(":", span.end()) and not _HEADING.match(lines[number]):
+            continue
+        split = _split_call(span.group(1).replace("\n", " "))
+        if split is None or "..." in split[1]:
+            continue
+        callee, parameters = split
+        if span.group(1).startswith("ee."):
+            candidates = [callee]
+        else:
+            candidates = [f"{module}.{callee}" for module in modules[number]]
+        name = next((n for n in candidates if _resolve(n)), None)
+        if name is not None and callable(_value(name)):
+            found.append((number + 1, name, parameters))
+    return found, problems
+
+
+def _default_matches(text: str, value: Any) -> bool:
+    """Whether a documented default (literals, and operators such as `4 << 20`) is `value`."""
+    tree = ast.parse(text, mode="eval")
+    literal = (ast.Expression, ast.Constant, ast.UnaryOp, ast.BinOp, ast.Tuple, ast.List)
+    if not all(
+        isinstance(n, (*literal, ast.operator, ast.unaryop, ast.Load)) for n in ast.walk(tree)
+    ):
+        return text.replace("'", '"') == repr(value).replace("'", '"')
+    documented = eval(compile(tree, "<default>", "eval"), {"__builtins__": {}})
+    return type(documented) is type(value) and documented == value
+
+
+def _parameter_problems(where: str, parameters: str, signature: inspect.Signature) -> list[str]:
+    """How the parameters `parameters` (as in a `def`) differ from `signature`."""
+    source = f"def f({parameters}): pass"
+    try:
+        function = ast.parse(source).body[0]
+    except SyntaxError:
+        return [f"{where}: ({parameters}) is not a parameter list"]
+    assert isinstance(function, ast.FunctionDef)
+    args, kind = function.args, inspect.Parameter
+    positional = [(a, kind.POSITIONAL_ONLY) for a in args.posonlyargs]
+    positional += [(a, kind.POSITIONAL_OR_KEYWORD) for a in args.args]
+    defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults))
+    documented = [
+        (a.arg, k, d) for (a, k), d in zip(positional, defaults + args.defaults, strict=True)
+    ]
+    if args.vararg:
+        documented.append((args.vararg.arg, kind.VAR_POSITIONAL, None))
+    documented += [
+        (a.arg, kind.KEYWORD_ONLY, d)
+        for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    ]
+    if args.kwarg:
+        documented.append((args.kwarg.arg, kind.VAR_KEYWORD, None))
+    code = list(signature.parameters.values())
+    names = [name for name, _, _ in documented]
+    if names != [p.name for p in code]:
+        missing = [p.name for p in code if p.name not in names]
+        invented = [name for name in names if name not in signature.parameters]
+        said = "; ".join(
+            [f"misses {', '.join(missing)}"] * bool(missing)
+            + [f"has no parameter {', '.join(invented)}"] * bool(invented)
+        )
+        listed = ", ".join(p.name for p in code)
+        return [f"{where}: {said or 'the parameters are in another order'}; the code: ({listed})"]
+    problems: list[str] = []
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for (name, documented_kind, default), p in zip(documented, code, strict=True):
+        if documented_kind != p.kind:
+            kinds.setdefault((p.kind.description, documented_kind.description), []).append(name)
+        text = None if default is None else ast.get_source_segment(source, default)
+        if p.default is p.empty and text is not None:
+            problems.append(f"{where}: {name} has no default in the code; here {text}")
+        elif p.default is not p.empty and text is None:
+            problems.append(f"{where}: {name} defaults to {p.default!r}; here no default")
+        elif text is not None and not _default_matches(text, p.default):
+            problems.append(f"{where}: {name} defaults to {p.default!r}; here {text}")
+    for (in_code, here), names in kinds.items():
+        problems.append(f"{where}: {', '.join(names)}: {in_code} in the code, {here} here")
+    return problems
+
+
+def _signature_problems(text: str) -> list[str]:
+    statements, problems = _statements(text)
+    stated = set()
+    for line, name, parameters in statements:
+        target = _called(_value(name))
+        stated.add(id(target))
+        where = f"api.md:{line}: ee.{name}"
+        problems += _parameter_problems(where, parameters, inspect.signature(target))
+    for name in _signed_names():
+        if id(_called(_value(name))) not in stated:
+            problems.append(f"ee.{name} has no signature in api.md")
+    for _, heading, body in _sections(text):  # an Argument table lists them in order too
+        match = re.fullmatch(r"`ee\.([\w.]+)`", heading)
+        table = re.search(r"^\| Argument \|.*\n(?:\|.*\n?)*", body, re.MULTILINE)
+        if match and table and _resolve(match.group(1)):
+            rows = _rows(table.group(0))
+            listed = [span.lstrip("*") for row in rows for span in _SPAN.findall(row[0])]
+            code = list(inspect.signature(_called(_value(match.group(1)))).parameters)
+            if listed != code:
+                problems.append(
+                    f"api.md: the Argument table of ee.{match.group(1)} lists "
+                    f"({', '.join(listed)}); the code: ({', '.join(code)})"
+                )
+    return problems
+
+
+def test_api_md_states_every_signature_as_the_code_has_it():
+    text = (DOCS / "api.md").read_text()
+    assert _signature_problems(text) == []
+    assert type(ee.Table).create is ee.placement.create_table  # as `_called` takes it
+    for name, same in SAME_PARAMETERS.items():  # api.md says they take the same parameters
+        assert _parameters(name) == _parameters(same)
+    assert {"Embedding", "Table", "init", "sharding.slot_of"} <= set(_signed_names())
+
+
+def test_the_checkers_find_a_wrong_signature():
+    text = (DOCS / "api.md").read_text()
+    mistakes = {
+        "mask_zero=False, seed=None": "seed=None, mask_zero=False",  # swapped
+        "timeout=300.0,": "timeout=300,",  # an int, not the float of the code
+        "sketch_bytes=4 << 20": "sketch_bytes=4 << 21",
+        "ee.save(directory, tables=None, incremental=False,": "ee.save(directory, tables=None,",
+        "ee.DistributedEmbedding(feature_configs, *, ": "ee.DistributedEmbedding(feature_configs, ",
+        "`slot_of(keys, num_slots=4096)`": "`slot_of(key, num_slots=4096)`",  # in ee.sharding
+        "`ee.gpu.available()`:": "`ee.gpu.available()` is",  # no longer a signature
+        "| `combiner` |": "| `combiners` |",
+        "protect_steps=1)\nee.eviction.LRU": "protect_steps=1)\nx = 1\nee.eviction.LRU",
+    }
+    for right, wrong in mistakes.items():
+        assert text.count(right) == 1, right
+        text = text.replace(right, wrong)
+    problems = [re.sub(r"^api\.md:\d+: ", "", p) for p in _signature_problems(text)]
+    embedding = ", ".join(inspect.signature(ee.Embedding).parameters)
+    assert problems == [
+        "not an `ee.` signature",
+        f"ee.Embedding: the parameters are in another order; the code: ({embedding})",
+        "ee.admission.Frequency: sketch_bytes defaults to 4194304; here 4 << 21",
+        "ee.init: timeout defaults to 300.0; here 300",
+        "ee.DistributedEmbedding: table_stacking, update_stats: keyword-only in the code, "
+        "positional or keyword here",
+        "ee.save: misses incremental; the code: (directory, tables, incremental, max_deltas)",
+        "ee.sharding.slot_of: misses keys; has no parameter key; the code: (keys, num_slots)",
+        "ee.gpu.available has no signature in api.md",
+        "api.md: the Argument table of ee.Embedding lists (output_dim, optimizer, "
+        f"embeddings_initializer, combiners, {embedding.split('combiner, ')[1]}); the code: "
+        f"({embedding})",
+    ]
+
+
+def _parameters(name: str) -> list[tuple[str, Any, Any]]:
+    return [
+        (p.name, p.kind, p.default) for p in inspect.signature(_value(name)).parameters.values()
+    ]
+
+
+# docs/fault-tolerance.md: the coordinator URL.
+
+# Schemes tried on `parse_endpoint` besides the string literals of its source.
+CANDIDATE_SCHEMES = (
+    "etcd", "etcds", "http", "https", "grpc", "grpcs", "unix", "unixs", "dns", "tcp", "tls",
+    "ws", "wss", "h2", "h2c", "ftp", "file", "consul", "zk",
+)  # fmt: skip
+
+
+def _coordinator_tables(text: str) -> tuple[list[list[str]], list[list[str]]]:
+    """The rows (cells) of the accepted and of the refused forms."""
+    body = next(b for _, h, b in _sections(text) if h == "The coordinator URL")
+    tables: dict[str, list[list[str]]] = {"Form": [], "Refused": []}
+    current = None
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|"):
+            current = None
+        elif current is None:
+            current = tables.get(cells[0])
+        elif current is not None and not re.fullmatch(r"[|\s:-]+", line):
+            current.append(cells)
+    return tables["Form"], tables["Refused"]
+
+
+def _coordinator_problems(text: str, parse: Any) -> list[str]:
+    """How the forms documented in `text` differ from those `parse` (raising ValueError)
+    accepts."""
+    accepted, refused = _coordinator_tables(text)
+    problems = []
+    for row in accepted:
+        example = _SPAN.findall(row[1])[0]
+        try:
+            parse(example)
+        except ValueError as e:
+            problems.append(f"{example!r} ({row[0]}) does not parse: {e}")
+    for row in refused:
+        example, says = _SPAN.findall(row[1])[0], _SPAN.findall(row[2])[0]
+        try:
+            parse(example)
+        except ValueError as e:
+            if says not in str(e):
+                problems.append(f"{example!r} is refused, but not with {says!r}: {e}")
+        else:
+            problems.append(f"{example!r} ({row[0]}) is documented as refused, but parses")
+    forms = " ".join(row[0] for row in accepted)
+    source = inspect.getsource(parse_endpoint)
+    literals = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant)}
+    words = {w for w in literals if isinstance(w, str) and re.fullmatch(r"[a-z][a-z0-9+.-]*", w)}
+    for scheme in sorted(words | set(CANDIDATE_SCHEMES)):
+        with contextlib.suppress(ValueError):
+            parse(f"{scheme}://h:1")
+            if f"`{scheme}://" not in forms:
+                problems.append(f"{scheme}://HOST:PORT parses, but has no row of its own")
+    with contextlib.suppress(ValueError):
+        parse("h:1")
+        if "`HOST:PORT`" not in forms:
+            problems.append("HOST:PORT (no scheme) parses, but has no row of its own")
+    for option in URL_OPTIONS:
+        if f"`{option}=" not in " ".join(" ".join(row) for row in accepted):
+            problems.append(f"the option {option}= is not documented")
+    return problems
+
+
+def _cli_coordinator(path: str) -> Any:
+    """The check of one subcommand's --coordinator, raising ValueError as parse_endpoint."""
+    action = _commands(build_parser())[path]._option_string_actions["--coordinator"]
+
+    def parse(url: str) -> Any:
+        try:
+            return action.type(url)  # type: ignore[misc]
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(str(e)) from None
+
+    return parse
+
+
+def test_fault_tolerance_md_lists_every_coordinator_url_form():
+    text = (DOCS / "fault-tolerance.md").read_text()
+    assert _coordinator_problems(text, parse_endpoint) == []
+    accepted, refused = _coordinator_tables(text)
+    assert len(accepted) >= 8 and len(refused) >= 6
+    with_flag = [
+        path for path, p in _commands(build_parser()).items()
+        if "--coordinator" in p._option_string_actions
+    ]  # fmt: skip
+    assert len(with_flag) >= 5
+    for path in with_flag:  # every --coordinator flag takes the same forms
+        assert _coordinator_problems(text, _cli_coordinator(path)) == [], path
+    for page in ("api.md", "cli.md"):  # they link to the table rather than repeat it
+        assert "(fault-tolerance.md#the-coordinator-url)" in (DOCS / page).read_text()
+
+
+def test_the_checkers_find_an_undocumented_coordinator_url_form():
+    text = (DOCS / "fault-tolerance.md").read_text()
+    mistakes = {
+        "| `http://HOST:PORT` | `http://127.0.0.1:2379` | the same as "
+        "`etcd://HOST:PORT` |\n": "",  # a form left out
+        "password-file=pw`": "password-file=`",  # an option without a value
+        "| `etcd://e1:2379/v3` |": "| `etcd://e1:2379/` |",  # parses
+        "| `etcd://e1` | `is not HOST:PORT` |": "| `etcd://e1` | `no port` |",
+        "`password-file=FILE`, ": "",
+    }
+    for right, wrong in mistakes.items():
+        assert text.count(right) == 1, right
+        text = text.replace(right, wrong)
+    problems = _coordinator_problems(text, parse_endpoint)
+    expected = [
+        "'etcds://e1:2379?ca=ca.pem&cert=ps.pem&key=ps.key&user=ps&password-file=' "
+        "(`etcds://HOST:PORT[,...]?OPTION=VALUE&...`) does not parse",
+        "'etcd://e1' is refused, but not with 'no port'",
+        "'etcd://e1:2379/' (a path) is documented as refused, but parses",
+        "http://HOST:PORT parses, but has no row of its own",
+        "the option password-file= is not documented",
+    ]
+    assert [p[: len(e)] for p, e in zip(problems, expected, strict=True)] == expected
+    text = (DOCS / "fault-tolerance.md").read_text()
+    ftp = _coordinator_problems(text, lambda url: parse_endpoint(url.replace("ftp:", "etcd:")))
+    assert ftp == ["ftp://HOST:PORT parses, but has no row of its own"]
 
 
 # Links.
