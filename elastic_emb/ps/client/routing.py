@@ -21,9 +21,16 @@ from elastic_emb.ps.coord.etcd import Compare, Etcd, EtcdError, EtcdUnavailable,
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap, Group
 from elastic_emb.tables.sharding import RangeLayout
 
-__all__ = ["Routing"]
+__all__ = ["Routing", "describe_mode"]
 
 log = logging.getLogger("elastic_emb")
+
+
+def describe_mode(mode: str | None, staleness: int | None) -> str:
+    """ "sync", "async", "async (staleness 3)"; "(none yet)" before a worker fixed one."""
+    if mode is None:
+        return "(none yet)"
+    return mode if staleness is None else f"{mode} (staleness {staleness})"
 
 
 class Routing:
@@ -75,7 +82,9 @@ class Routing:
             except EtcdError as e:
                 if time.monotonic() > deadline:
                     raise ConnectionError(
-                        f"elastic_emb: coordinator {self.coordinator} is unreachable: {e}"
+                        f"elastic_emb: coordinator {self.coordinator} is unreachable: {e} "
+                        f"(no answer within {timeout:g} s: does etcd run there? "
+                        "`elastic-emb cluster local` starts one with servers)"
                     ) from None
             if time.monotonic() > deadline:
                 raise ConnectionError(
@@ -156,6 +165,36 @@ class Routing:
         """Returns once the map is newer than `version`, or after `timeout`."""
         with self._cond:
             self._cond.wait_for(lambda: self._map.revision > version, timeout)
+
+    def fix_mode(self, mode: str, staleness: int | None, record: bool = False) -> None:
+        """Checks that the job trains in `mode` (and `staleness`), if a worker fixed its
+        mode already; with `record` (once the servers took this worker), fixes it in the map
+        if none did (the first worker's `ee.init` fixes it, as the servers' step clocks do).
+
+        Raises:
+            ModeMismatchError: the job runs in another mode (or staleness bound).
+        """
+        from elastic_emb.errors import ModeMismatchError
+
+        def change(m: ClusterMap) -> ClusterMap | None:
+            if m.mode is not None or not record:
+                return None
+            new = m.copy()
+            new.mode, new.staleness = mode, staleness
+            return new
+
+        current, _ = membership.update(self._etcd, self._prefix, change)
+        if current.mode is not None and (current.mode, current.staleness) != (mode, staleness):
+            raise ModeMismatchError(
+                f"elastic_emb: the job at {self.coordinator} trains in "
+                f"{describe_mode(current.mode, current.staleness)} mode, fixed by its first "
+                f"worker's ee.init; this worker asked for {describe_mode(mode, staleness)}.\n"
+                f"Pass mode={current.mode!r}"
+                + (f", staleness={current.staleness}" if current.staleness is not None else "")
+                + " as every worker of this job, or start a new job on a new cluster (a new "
+                "etcd and new servers: another `elastic-emb cluster local`; "
+                "docs/fault-tolerance.md)"
+            )
 
     def register_worker(self, worker: int | None, lease_seconds: int, timeout: float = 60.0) -> int:
         """Holds `workers/<worker>` under a lease while this worker lives (elastic workers);

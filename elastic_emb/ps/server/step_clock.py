@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from elastic_emb.ps.server.request_error import RequestError, invalid
-from elastic_emb.ps.wire.protocol import NOT_JOINED
+from elastic_emb.ps.wire.protocol import NOT_JOINED, OTHER_JOB
 
 __all__ = ["ASYNC", "MAX_PUSHES_IN_FLIGHT", "MODE_NAMES", "SYNC", "StepClock"]
 
@@ -109,7 +109,7 @@ class StepClock:
                     what, current, asked = "elastic", (self._elastic,), (elastic,)
                 raise RequestError(
                     "FAILED_PRECONDITION",
-                    f"worker {worker} joined with {what} = {asked}; this shard runs {current}",
+                    f"worker {worker} joined with {what} = {asked}; {OTHER_JOB} {current}",
                 )
             self._mode, self._num_workers = mode, num_workers
             self._staleness, self._elastic = staleness, elastic

@@ -25,6 +25,7 @@ from elastic_emb.tables.table import Table, TableState
 __all__ = [
     "ENCODINGS",
     "NOT_JOINED",
+    "OTHER_JOB",
     "RAW_METHODS",
     "Encoded",
     "WireError",
@@ -54,6 +55,9 @@ RAW_METHODS = frozenset(("Pull", "Push", "PullRanges", "PushRanges"))
 # In the FAILED_PRECONDITION a shard answers an elastic worker it does not count (the
 # worker left, or its lease lapsed): the worker joins that range again and re-sends.
 NOT_JOINED = "is not an elastic worker of this shard"
+# In the FAILED_PRECONDITION a shard answers a Join with another mode (staleness, number of
+# workers) than its job's: `ModeMismatchError` on the worker.
+OTHER_JOB = "this shard runs"
 
 ENCODINGS: dict[str, Any] = {
     "float32": ps_pb2.FLOAT32,

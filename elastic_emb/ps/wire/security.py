@@ -68,6 +68,14 @@ def _read(path: Any, what: str) -> bytes:
         raise ValueError(f"cannot read the {what} {path}: {e}") from None
 
 
+def _read_pem(path: Any, what: str) -> bytes:
+    """The PEM file `path` (a certificate or a key); ValueError if it is none."""
+    data = _read(path, what)
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"the {what} {path} is not a PEM file (no -----BEGIN line)")
+    return data
+
+
 def server_credentials(
     cert: str | os.PathLike[str], key: str | os.PathLike[str], client_ca: Any = None
 ) -> grpc.ServerCredentials:
@@ -75,10 +83,10 @@ def server_credentials(
     `client_ca` the CA whose certificates clients must present (mutual TLS).
 
     Raises:
-        ValueError: a file cannot be read.
+        ValueError: a file cannot be read, or is not PEM.
     """
-    pair = (_read(key, "TLS key"), _read(cert, "TLS certificate"))
-    ca = None if client_ca is None else _read(client_ca, "client CA certificate")
+    pair = (_read_pem(key, "TLS key"), _read_pem(cert, "TLS certificate"))
+    ca = None if client_ca is None else _read_pem(client_ca, "client CA certificate")
     return grpc.ssl_server_credentials(
         [pair], root_certificates=ca, require_client_auth=ca is not None
     )
@@ -167,9 +175,9 @@ class ClientSecurity:
         if tls_ca is None and token is None:
             return None
         return cls(
-            ca=None if tls_ca is None else _read(tls_ca, "TLS CA certificate"),
-            cert=None if tls_cert is None else _read(tls_cert, "TLS client certificate"),
-            key=None if tls_key is None else _read(tls_key, "TLS client key"),
+            ca=None if tls_ca is None else _read_pem(tls_ca, "TLS CA certificate"),
+            cert=None if tls_cert is None else _read_pem(tls_cert, "TLS client certificate"),
+            key=None if tls_key is None else _read_pem(tls_key, "TLS client key"),
             token=token,
         )
 
