@@ -326,16 +326,21 @@ def test_serve_refuses_what_cannot_work_at_start(tmp_path, args, status, words):
     _refused(result, status, words)
 
 
-def test_serve_listens_on_loopback_by_default_and_warns_beyond_it(tmp_path):
-    tokens = tmp_path / "tokens.txt"
-    tokens.write_text("3f9c0c1e5b2d4a76 admin ops\n")
-    default = subprocess.Popen(
+def _serve_with_defaults() -> subprocess.Popen:
+    """`elastic-emb serve --port 0`, its output read line by line."""
+    return subprocess.Popen(
         [*serve_command(), "serve", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=_env(),
     )
+
+
+def test_serve_listens_on_loopback_by_default_and_warns_beyond_it(tmp_path):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("3f9c0c1e5b2d4a76 admin ops\n")
+    default = _serve_with_defaults()
     try:
         assert default.stdout is not None
         lines = [default.stdout.readline() for _ in range(3)]
@@ -359,13 +364,7 @@ def test_serve_stops_on_a_sigterm_the_kernel_hands_another_thread():
     tgkill); the server must still stop, not wait forever for its main thread to wake."""
     import ctypes
 
-    server = subprocess.Popen(
-        [*serve_command(), "serve", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(),
-    )
+    server = _serve_with_defaults()
     try:
         assert server.stdout is not None
         while not server.stdout.readline().startswith("elastic-emb serve: listening"):
