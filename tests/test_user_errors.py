@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -48,12 +49,15 @@ def _cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedPro
 
 
 def _python(script: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """`python -c SCRIPT` outside the source tree (module fixtures run before the chdir of
+    `conftest._outside_the_source_tree`), so it imports the installed package."""
     return subprocess.run(
         [sys.executable, "-c", _CATCH + textwrap.dedent(script)],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=_env(**env),
+        cwd=tempfile.gettempdir(),
     )
 
 
