@@ -388,7 +388,7 @@ def _id_model(name):
     [
         (np.array(["a", "b"] * 4), "its data are strings"),
         (np.array([b"a", b"b"] * 4, dtype=object), "its data are strings"),
-        (np.arange(8, dtype=np.float32) + 2**24, "its data are float32"),
+        ((np.arange(8) + 2**24).astype(np.float32), "its data are float32"),
         (np.arange(8, dtype=np.float64), "its data are float64"),
     ],
     ids=["str", "bytes_object", "float32", "float64"],
