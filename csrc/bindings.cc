@@ -10,6 +10,7 @@
 
 #include "batch_keys.h"
 #include "check.h"
+#include "data_plane_bindings.h"
 #include "py_arrays.h"
 #include "request_bindings.h"
 #include "table.h"
@@ -641,6 +642,7 @@ PYBIND11_MODULE(_core, m) {
   BindBatchKeys(m);
   BindVarint(m);
   elastic_emb::BindRequests(m);
+  elastic_emb::BindDataPlane(m);
   py::class_<elastic_emb::Table> table(m, "Table");
   table.def(py::init<const elastic_emb::TableOptions&>(), py::arg("options"));
   BindTableMethods(table);

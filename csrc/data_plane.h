@@ -1,0 +1,232 @@
+// The data plane: Pull, Push and their range forms over TCP, served and called from C++.
+//
+// gRPC stays the control plane (docs/architecture.md, "Two planes"). On the data plane a
+// connection carries frames, each a fixed header and then `length` bytes of today's
+// protobuf request or response:
+//
+//   magic u32 | length u32 | request_id u64 | deadline_ms u32 | method u8 | status u8 | 0 u16
+//
+// little-endian, 24 bytes. A client opens one connection per server and multiplexes its
+// requests on it by request_id; answers may come back in any order. The first frame of
+// a connection is a kHello carrying the caller's token (empty without tokens); the server
+// answers it before it reads anything else, and closes the connection if it refuses it.
+// An answer's `status` is a gRPC status code (0: OK, its payload the response; otherwise
+// the payload is the UTF-8 message).
+//
+// Server: one I/O thread (epoll) reads frames and writes answers; requests run on a pool
+// of handler threads that grows as requests wait (up to Options::max_threads). A frame
+// whose length is above Options::max_frame_bytes is refused before anything is allocated
+// and its connection closed; connections beyond Options::max_connections are refused at
+// accept; a connection with a frame half read, or idle with no request in flight, for
+// longer than Options::idle_seconds is closed.
+//
+// Client: one connection per server, a reader thread per connection completing waiting
+// calls (no thread per call, no polling). `Call` and `CallMany` block until the answers
+// or the deadline; they are thread-safe.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace elastic_emb {
+namespace data_plane {
+
+constexpr uint32_t kMagic = 0x50444545;  // "EEDP"
+constexpr size_t kHeaderBytes = 24;
+
+// Frame methods. 1-4 are the ParameterServer methods of the same names.
+enum Method : uint8_t {
+  kHello = 0,
+  kPull = 1,
+  kPush = 2,
+  kPullRanges = 3,
+  kPushRanges = 4,
+};
+constexpr uint8_t kLastMethod = kPushRanges;
+
+// gRPC's status codes, the ones the plane itself answers with.
+enum Status : uint8_t {
+  kOk = 0,
+  kDeadlineExceeded = 4,
+  kResourceExhausted = 8,
+  kInvalidArgument = 3,
+  kUnauthenticated = 16,
+  kUnavailable = 14,
+  kInternal = 13,
+};
+
+struct Header {
+  uint32_t length = 0;
+  uint64_t request_id = 0;
+  uint32_t deadline_ms = 0;  // 0: none
+  uint8_t method = 0;
+  uint8_t status = 0;
+};
+
+// Writes `header` to out[0, kHeaderBytes).
+void EncodeHeader(const Header& header, char* out);
+// Parses in[0, kHeaderBytes); false if the magic is wrong.
+bool DecodeHeader(const char* in, Header* header);
+
+// An answer: a status code and the response (OK) or the error message.
+struct Answer {
+  uint8_t status = kOk;
+  std::string payload;
+};
+
+// What a server does with a request. Called on a handler thread, never the I/O thread;
+// may block. `caller` is what the connection's Authenticate returned.
+using Handler = std::function<Answer(uint8_t method, std::string payload, uint32_t deadline_ms,
+                                     const std::string& caller)>;
+// Decides a connection's kHello: true and the caller's name, or false and why not.
+using Authenticate = std::function<bool(const std::string& token, const std::string& peer,
+                                        std::string* caller_or_why)>;
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;  // 0: any free port
+  uint64_t max_frame_bytes = 1ull << 30;
+  int max_connections = 4096;
+  double idle_seconds = 600.0;
+  int max_threads = 2048;  // handler threads (a request waiting holds one)
+};
+
+// The counters a server keeps (read by the metrics).
+struct ServerCounters {
+  std::atomic<uint64_t> connections_accepted{0};
+  std::atomic<uint64_t> connections_refused{0};  // beyond max_connections
+  std::atomic<uint64_t> connections_closed_idle{0};
+  std::atomic<uint64_t> frames_refused{0};  // malformed, too large, before a kHello
+  std::atomic<uint64_t> requests{0};
+};
+
+class Server {
+ public:
+  // Binds and starts serving. Throws std::runtime_error if it cannot listen.
+  Server(const ServerOptions& options, Handler handler, Authenticate authenticate);
+  ~Server();  // Stop()
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  int port() const { return port_; }
+  // After Stop: whether every handler returned. If not, their threads still use this
+  // object, which must then be kept (never destroyed).
+  bool finished() const { return finished_; }
+  // Refuses new connections and requests; waits up to `grace_seconds` for the requests
+  // in flight to be answered, then closes every connection. Idempotent.
+  void Stop(double grace_seconds = 0.0);
+  int connections() const;
+  int threads() const;
+  const ServerCounters& counters() const { return counters_; }
+
+ private:
+  struct Connection;
+  void Loop();
+  void Accept();
+  void Read(const std::shared_ptr<Connection>& c);
+  void Flush(const std::shared_ptr<Connection>& c);
+  void SendQueued(Connection* c);  // with c->write_mu held
+  void Close(const std::shared_ptr<Connection>& c);
+  void Dispatch(const std::shared_ptr<Connection>& c, Header header, std::string payload);
+  void Reply(const std::shared_ptr<Connection>& c, const Header& request, Answer answer);
+  void SweepIdle();
+  void Submit(std::function<void()> task);
+  void Work();
+
+  ServerOptions options_;
+  Handler handler_;
+  Authenticate authenticate_;
+  int listen_fd_ = -1;
+  int epoll_fd_ = -1;
+  int wake_fd_ = -1;  // eventfd: Stop wakes the loop
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::thread loop_;
+  ServerCounters counters_;
+
+  mutable std::mutex connections_mu_;
+  std::map<int, std::shared_ptr<Connection>> connections_;  // by fd; the loop's
+
+  mutable std::mutex pool_mu_;
+  std::condition_variable pool_cv_;
+  std::condition_variable idle_cv_;  // a request finished (Stop waits for none in flight)
+  std::deque<std::function<void()>> tasks_;
+  std::vector<std::thread> workers_;
+  int idle_workers_ = 0;
+  int in_flight_ = 0;
+  bool pool_closed_ = false;
+  bool finished_ = true;
+};
+
+// One connection to a server, multiplexed. Thread-safe; held by shared_ptr (a call in
+// flight keeps its connection).
+//
+//   auto c = std::make_shared<Connection>("127.0.0.1", port, token, 5.0);
+//   Ticket t = Connection::Send(c, kPull, request, /*deadline_ms=*/5000);
+//   Connection::Wait({t}, deadline);  // then t.pending->answer
+class Connection {
+ public:
+  // Connects to host:port and says kHello with `token`. Throws std::runtime_error
+  // (connection refused, timeout, a refused token: the message says which).
+  Connection(const std::string& host, int port, const std::string& token,
+             double connect_timeout_seconds);
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  // Whether the connection still stands (false once the server closed it or it broke).
+  bool alive() const { return alive_.load(); }
+
+  struct Pending {
+    bool done = false;  // guarded by its connection's mu_
+    Answer answer;
+  };
+  // A call sent: `sent` is false when none of its bytes left this process (it failed
+  // before, with kUnavailable: safe to send again).
+  struct Ticket {
+    std::shared_ptr<Connection> connection;
+    uint64_t request_id = 0;
+    std::shared_ptr<Pending> pending;
+    bool sent = false;
+  };
+  // Sends one request; a broken connection answers it kUnavailable at once. Blocks only
+  // while the socket takes the bytes.
+  static Ticket Send(const std::shared_ptr<Connection>& c, uint8_t method,
+                     const std::string& payload, uint32_t deadline_ms);
+  // Waits until every ticket is answered or `deadline` passes; whether all were.
+  static bool Wait(const std::vector<Ticket>& tickets,
+                   std::chrono::steady_clock::time_point deadline);
+  // Whether the ticket is answered (then its pending->answer may be read).
+  static bool Done(const Ticket& ticket);
+  // Gives a call up: its answer, if it comes, is dropped.
+  static void Forget(const Ticket& ticket);
+
+ private:
+  void ReadLoop();
+  void Fail(const std::string& why);
+
+  int fd_ = -1;
+  std::string where_;
+  std::atomic<bool> alive_{true};
+  std::mutex write_mu_;
+  std::mutex mu_;  // guards pending_, the Pendings' fields, next_id_, failure_, refusal_
+  std::condition_variable cv_;
+  std::map<uint64_t, std::shared_ptr<Pending>> pending_;
+  uint64_t next_id_ = 1;
+  std::string failure_;
+  std::string refusal_;  // the server's own message when it refused the connection
+  std::thread reader_;
+};
+
+}  // namespace data_plane
+}  // namespace elastic_emb
