@@ -388,8 +388,9 @@ void Server::Read(const std::shared_ptr<Connection>& c) {
                                        std::to_string(options_.max_frame_bytes));
         return;
       }
-      bool hello = c->header.method == kHello;
-      if (hello != (!c->greeted && !c->hello_pending)) {
+      // A hello first, alone; anything else only once it was accepted.
+      const bool hello = c->header.method == kHello;
+      if (hello ? (c->greeted || c->hello_pending) : !c->greeted) {
         refuse(kInvalidArgument, hello ? "a second hello on one connection"
                                        : "a request before the connection's hello was "
                                          "answered");
@@ -531,7 +532,9 @@ void Server::Submit(std::function<void()> task) {
   std::lock_guard<std::mutex> lock(pool_mu_);
   in_flight_++;
   tasks_.push_back(std::move(task));
-  if (idle_workers_ == 0 && static_cast<int>(workers_.size()) < options_.max_threads) {
+  // A thread for each task no idle thread will take (a task may wait for long).
+  if (static_cast<int>(tasks_.size()) > idle_workers_ &&
+      static_cast<int>(workers_.size()) < options_.max_threads) {
     workers_.emplace_back([this] { Work(); });
   } else {
     pool_cv_.notify_one();

@@ -1,5 +1,6 @@
 """Type stubs of the private C++ extension (csrc/bindings.cc)."""
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal, overload
 
 import numpy as np
@@ -245,6 +246,47 @@ def push_requests(
 def request_parts(raw: bytes) -> list[bytes]: ...
 def join_parts(parts: list[bytes]) -> bytes: ...
 def cuda_device_count() -> int: ...
+
+# The data plane (csrc/data_plane.h).
+class DataPlaneOptions:
+    host: str
+    port: int
+    max_frame_bytes: int
+    max_connections: int
+    idle_seconds: float
+    max_threads: int
+    def __init__(self) -> None: ...
+
+class DataPlaneServer:
+    port: int
+    def __init__(
+        self,
+        options: DataPlaneOptions,
+        handle: Callable[[int, bytes, int, str], tuple[int, bytes]],
+        authenticate: Callable[[bytes, str], tuple[bool, str]],
+    ) -> None: ...
+    def stop(self, grace_seconds: float = 0.0) -> None: ...
+    def connections(self) -> int: ...
+    def threads(self) -> int: ...
+    def counters(self) -> dict[str, int]: ...
+
+class DataPlaneConnection:
+    alive: bool
+    def __init__(self, host: str, port: int, token: str, connect_timeout: float) -> None: ...
+
+class DataPlaneTicket:
+    sent: bool
+    def done(self) -> bool: ...
+    def answer(self) -> tuple[int, bytes]: ...
+    def forget(self) -> None: ...
+
+def data_plane_send(
+    connections: list[DataPlaneConnection],
+    methods: list[int],
+    payloads: list[bytes],
+    timeout: float,
+) -> list[DataPlaneTicket]: ...
+def data_plane_wait(tickets: list[DataPlaneTicket], seconds: float) -> bool: ...
 
 # Present only in a CUDA build (with_cuda is True).
 class CudaError(RuntimeError): ...

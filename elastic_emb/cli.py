@@ -633,6 +633,20 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time for in-flight requests"
     )
     serve.add_argument(
+        "--data-plane",
+        choices=("native", "grpc"),
+        default="native",
+        help="native (default): Pull and Push also on a C++ data-plane port of their own; "
+        "grpc: gRPC only. A server with TLS has none (its data goes through gRPC)",
+    )
+    serve.add_argument(
+        "--data-port",
+        type=_port,
+        default=0,
+        help="the data plane's TCP port (default 0: any free one; workers learn it from the "
+        "server; give one where a firewall or a Kubernetes Service must name it)",
+    )
+    serve.add_argument(
         "--checkpoint-dir",
         help="save the tables here on SIGTERM, and every --checkpoint-every seconds (with "
         "--coordinator: one directory all servers share, for cluster checkpoints)",

@@ -74,6 +74,7 @@ class InitOptions:
     dense: str | None = None
     dense_pull_every: int = 1
     worker_lease_seconds: int = 3
+    data_plane: str = "native"
 
     def check(self) -> None:
         """Raises ValueError for options that contradict each other (the cluster
@@ -131,7 +132,7 @@ class InitOptions:
         return ClusterOptions(
             self.mode, self.staleness, self.wire_dtype, worker_index, num_workers, self.timeout,
             self.wait_to_connect(), self.failover_timeout, self.read_from_backups, self.cache_rows,
-            self.cache_staleness, self.worker_lease_seconds,
+            self.cache_staleness, self.worker_lease_seconds, self.data_plane,
         )  # fmt: skip
 
 
@@ -156,6 +157,7 @@ def init(
     dense: str | None = None,
     dense_pull_every: int = 1,
     worker_lease_seconds: int = 3,
+    data_plane: str = "native",
 ) -> Cluster | None:
     """Points this process at parameter servers; tables created after are remote.
 
@@ -241,6 +243,11 @@ def init(
             gone about this long plus 3 s after it died (sync steps wait for
             it until then). Each worker costs etcd 4 / TTL renewals a second:
             raise it for jobs of hundreds of workers (docs/deployment.md).
+        data_plane: "native" (default): Pull and Push travel on each server's
+            C++ data plane, framed TCP beside gRPC, where the server has one
+            (`elastic-emb serve --data-plane native`, without TLS); "grpc":
+            always through gRPC. Results are bit-identical either way
+            (docs/architecture.md#two-planes).
 
     Returns:
         The `Cluster`, or None when no PS is configured.

@@ -425,7 +425,7 @@ class HealthRequest(_message.Message):
     def __init__(self, backup: _Optional[str] = ..., group: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "step", "num_tables", "role", "group", "epoch", "sequence", "rows", "ranges")
+    __slots__ = ("serving", "step", "num_tables", "role", "group", "epoch", "sequence", "rows", "ranges", "data_port")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -435,6 +435,7 @@ class HealthResponse(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     step: int
     num_tables: int
@@ -444,7 +445,8 @@ class HealthResponse(_message.Message):
     sequence: int
     rows: int
     ranges: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, serving: bool = ..., step: _Optional[int] = ..., num_tables: _Optional[int] = ..., role: _Optional[str] = ..., group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., rows: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
+    data_port: int
+    def __init__(self, serving: bool = ..., step: _Optional[int] = ..., num_tables: _Optional[int] = ..., role: _Optional[str] = ..., group: _Optional[int] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., rows: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("group", "epoch", "sequence", "method", "request", "primary")

@@ -58,6 +58,7 @@ class ClusterOptions:
     cache_rows: int = 0
     cache_staleness: int = 0
     worker_lease_seconds: int = WORKER_LEASE_SECONDS
+    data_plane: str = "native"
 
     def check(self, elastic: bool) -> None:
         """Raises ValueError for invalid options; `elastic`: with a coordinator."""
@@ -83,6 +84,11 @@ class ClusterOptions:
                 raise ValueError(
                     f"`{name}` must be a non-negative integer. Received: {name}={value!r}"
                 )
+        if self.data_plane not in protocol.DATA_PLANES:
+            raise ValueError(
+                f"`data_plane` must be one of {protocol.DATA_PLANES}. "
+                f"Received: data_plane={self.data_plane!r}"
+            )
         lease = self.worker_lease_seconds
         if isinstance(lease, bool) or not isinstance(lease, int) or lease < 2:
             raise ValueError(
@@ -163,6 +169,7 @@ class Cluster:
             security,
             options.failover_timeout,
             options.read_from_backups,
+            options.data_plane,
         )
         self.shards = self._router.shards
         self._timings = RoundTimings()

@@ -44,6 +44,7 @@ class RangeRouter:
         security: TLS and a token; None: plaintext.
         failover_timeout: seconds a call waits for a range's new primary.
         read_from_backups: reads (Pulls not training) may go to any replica.
+        data_plane: "native" or "grpc" (`ShardClient`).
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class RangeRouter:
         security: ClientSecurity | None,
         failover_timeout: float,
         read_from_backups: bool,
+        data_plane: str = "native",
     ) -> None:
         # Read-only after construction (`routing` is thread-safe itself).
         self.routing = routing
@@ -72,6 +74,7 @@ class RangeRouter:
             timeout=timeout + _RPC_MARGIN_SECONDS,
             retry=routing is None,
             security=security,
+            data_plane=data_plane,
         )
         self._reads_lock = threading.Lock()
         self._reads = itertools.count()  # guarded by _reads_lock: round robin over replicas

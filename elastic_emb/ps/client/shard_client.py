@@ -19,12 +19,16 @@ from typing import Any
 
 import grpc
 
-from elastic_emb._proto import health_pb2, ps_pb2_grpc
+from elastic_emb import _core
+from elastic_emb._proto import health_pb2, ps_pb2, ps_pb2_grpc
 from elastic_emb.errors import ModeMismatchError
 from elastic_emb.ps.wire import protocol, security
 from elastic_emb.ps.wire.security import GRPC_OPTIONS, SERVICE, ClientSecurity
 
-__all__ = ["NotJoined", "NotPrimary", "RangeChanged", "ShardClient", "ShardStats", "error_of"]
+__all__ = [
+    "NotJoined", "NotPrimary", "RangeChanged", "ShardClient", "ShardStats", "error_of",
+    "error_of_status",
+]  # fmt: skip
 
 # Calls that change nothing when repeated (Pull inserts deterministic rows;
 # ImportRows and Restore set state). Push, EraseRows and Save are not retried.
@@ -61,6 +65,9 @@ CLIENT_OPTIONS = [
 # With a coordinator the worker re-routes a failed call itself (to a new primary).
 NO_RETRY_OPTIONS = [*GRPC_OPTIONS, ("grpc.enable_retries", 0), *_RECONNECT_OPTIONS]
 HEALTH_SERVICE = "grpc.health.v1.Health"  # the standard one, which every server serves
+# A server without a data plane (or out of reach) is asked again after this many seconds.
+DATA_PLANE_RECHECK_SECONDS = 10.0
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class NotPrimary(ConnectionError):
@@ -100,6 +107,9 @@ class ShardClient:
         retry: retry idempotent calls that found a shard unavailable (off
             when the caller re-routes them itself).
         security: TLS and a token (`elastic_emb.ps.wire.security`); None: plaintext.
+        data_plane: "native": Pull and Push (and their range forms) go on a server's
+            C++ data plane where it has one (`elastic_emb.ps.server.data_plane`),
+            else through gRPC; "grpc": always through gRPC. With TLS, gRPC.
 
     Raises:
         ValueError: malformed addresses.
@@ -111,14 +121,25 @@ class ShardClient:
         timeout: float,
         retry: bool = True,
         security: ClientSecurity | None = None,
+        data_plane: str = "native",
     ) -> None:
+        if data_plane not in protocol.DATA_PLANES:
+            raise ValueError(
+                f"`data_plane` must be one of {protocol.DATA_PLANES}. Received: {data_plane!r}"
+            )
         if not addresses or not all(isinstance(a, str) and ":" in a for a in addresses):
             raise ValueError(f'`ps` must list "host:port" addresses. Received: {addresses!r}')
         self.timeout = float(timeout)
         self._options = CLIENT_OPTIONS if retry else NO_RETRY_OPTIONS
+        self._retry = retry
         self._security = security
+        self._native = data_plane == "native" and (security is None or security.ca is None)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}  # by address; guarded by _lock
+        # Data-plane connections by address, and when to ask again a server that had none
+        # (guarded by _lock).
+        self._data: dict[str, Any] = {}
+        self._data_recheck: dict[str, float] = {}
         self._stubs = [self._stub(a) for a in addresses]  # guarded by _lock
         self.addresses = list(addresses)  # changed only by `set_address`
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -201,6 +222,7 @@ class ShardClient:
         self._push_pool.shutdown(wait=True)
         with self._lock:
             channels = list(self._channels.values())
+            self._data.clear()  # (each closes when its last call is done)
         for channel in channels:
             channel.close()
 
@@ -226,6 +248,17 @@ class ShardClient:
                 stub = self._stub(address)
         start = time.perf_counter()
         deadline = self.timeout if timeout is None else timeout
+        if method in protocol.RAW_METHODS:
+            connection = self._data_connection(address, stub)
+            if connection is not None:
+                payload = protocol.serialize(request)
+                tickets = _core.data_plane_send(
+                    [connection], [protocol.DATA_PLANE_METHODS[method]], [payload], deadline
+                )
+                answer = self._data_answer(address, method, tickets[0], deadline, abandon)
+                if answer is not None:
+                    self._count(shard, address, len(payload), len(answer), start)
+                    return answer
         try:
             if abandon is None:
                 response = getattr(stub, method)(request, timeout=deadline)
@@ -244,20 +277,91 @@ class ShardClient:
                             ) from None
         except grpc.RpcError as e:
             raise error_of(address, method, e) from None
+        received = len(response) if isinstance(response, bytes) else response.ByteSize()
+        self._count(shard, address, request.ByteSize(), received, start)
+        return response
+
+    def _count(self, shard: int, address: str, sent: int, received: int, start: float) -> None:
         elapsed = time.perf_counter() - start
         with self._stats_lock:
             if shard >= len(self._stats):  # the shards changed meanwhile
-                return response
+                return
             s = self._stats[shard]
             s.address = address
             s.rpcs += 1
-            s.bytes_sent += request.ByteSize()
-            s.bytes_received += (
-                len(response) if isinstance(response, bytes) else response.ByteSize()
-            )
+            s.bytes_sent += sent
+            s.bytes_received += received
             s.seconds += elapsed
             s.max_seconds = max(s.max_seconds, elapsed)
-        return response
+
+    # The data plane.
+
+    def _data_connection(self, address: str, stub: Any) -> Any:
+        """The data-plane connection to `address`; None when the call goes through gRPC (no
+        data plane here, the server has none, or it cannot be reached now)."""
+        if not self._native:
+            return None
+        with self._lock:
+            connection = self._data.get(address)
+            if connection is not None and connection.alive:
+                return connection
+            self._data.pop(address, None)
+            if time.monotonic() < self._data_recheck.get(address, 0.0):
+                return None
+            # Asked once at a time: other callers go through gRPC meanwhile.
+            self._data_recheck[address] = time.monotonic() + DATA_PLANE_RECHECK_SECONDS
+        wait = min(self.timeout, 5.0)
+        try:
+            port = stub.Health(ps_pb2.HealthRequest(), timeout=wait).data_port
+            if port == 0:
+                return None
+            token = "" if self._security is None else (self._security.token or "")
+            connection = _core.DataPlaneConnection(address.rpartition(":")[0], port, token, wait)
+        except (grpc.RpcError, RuntimeError, ValueError):
+            return None  # gRPC carries the call, and says what is wrong if anything is
+        with self._lock:
+            self._data[address] = connection
+            self._data_recheck.pop(address, None)
+        return connection
+
+    def _data_answer(
+        self,
+        address: str,
+        method: str,
+        ticket: Any,
+        deadline: float,
+        abandon: Callable[[str], bool] | None,
+        end: float | None = None,
+    ) -> bytes | None:
+        """The answer of a data-plane call given `deadline` seconds (until monotonic `end`,
+        default: from now); None when its connection broke before it was sent, or an
+        idempotent call's broke (gRPC sends it again).
+
+        Raises what its gRPC call would raise (`error_of_status`).
+        """
+        end = time.monotonic() + deadline if end is None else end
+        # Without `abandon`, one wait on the answer; with it, asked every 50 ms.
+        slice_ = deadline if abandon is None else 0.05
+        while not _core.data_plane_wait([ticket], min(slice_, end - time.monotonic())):
+            if time.monotonic() >= end:
+                ticket.forget()
+                raise TimeoutError(
+                    f"elastic_emb PS {address} {method}: no answer within {deadline:g} s"
+                )
+            if abandon is not None and abandon(address):
+                ticket.forget()
+                raise NotPrimary(
+                    f"elastic_emb PS {address} {method}: abandoned, the server was replaced"
+                )
+        status, body = ticket.answer()
+        if status == 0:
+            return bytes(body)
+        code = _STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN)
+        if code == grpc.StatusCode.UNAVAILABLE and (
+            not ticket.sent or (self._retry and method in IDEMPOTENT_METHODS)
+        ):
+            return None  # the connection broke: gRPC tries (and retries) it
+        raise error_of_status(address, method, code, body.decode("utf-8", "replace"))
 
     def call_all(
         self,
@@ -270,6 +374,10 @@ class ShardClient:
 
         `call(shard, method, request, timeout)` replaces `self.call` (a caller's re-routing).
         """
+        if call is None and method in protocol.RAW_METHODS and self._native:
+            answers = self._data_call_all(method, requests, timeout)
+            if answers is not None:
+                return answers
         pool = self._push_pool if method == "Push" else self._pool
         jobs = {
             i: pool.submit(call or self.call, i, method, r, timeout)
@@ -278,11 +386,47 @@ class ShardClient:
         }
         return [jobs[i].result() if i in jobs else None for i in range(len(requests))]
 
+    def _data_call_all(
+        self, method: str, requests: list[Any], timeout: float | None
+    ) -> list[Any] | None:
+        """`call_all` on the data plane: every request sent at once from this thread, and
+        the answers awaited together. None (nothing sent) unless every shard called has a
+        data plane. A call whose connection broke goes again through `call` (gRPC)."""
+        with self._lock:
+            targets = [
+                (i, self.addresses[i], self._stubs[i])
+                for i, r in enumerate(requests)
+                if r is not None
+            ]
+        connections = [self._data_connection(address, stub) for _, address, stub in targets]
+        if not targets or any(c is None for c in connections):
+            return None
+        deadline = self.timeout if timeout is None else timeout
+        start, end = time.perf_counter(), time.monotonic() + deadline
+        payloads = [protocol.serialize(requests[i]) for i, _, _ in targets]
+        number = protocol.DATA_PLANE_METHODS[method]
+        tickets = _core.data_plane_send(connections, [number] * len(targets), payloads, deadline)
+        _core.data_plane_wait(tickets, deadline)
+        answers: list[Any] = [None] * len(requests)
+        for (i, address, _), payload, ticket in zip(targets, payloads, tickets, strict=True):
+            answer = self._data_answer(address, method, ticket, deadline, None, end)
+            if answer is None:
+                answer = self.call(i, method, requests[i], timeout)
+            else:
+                self._count(i, address, len(payload), len(answer), start)
+            answers[i] = answer
+        return answers
+
     def per_shard(
         self, method: str, make: Callable[[int], Any], timeout: float | None = None
     ) -> list[Any]:
         """Calls `method` on every shard with `make(shard_index)`'s request."""
         return self.call_all(method, [make(i) for i in range(self.num_shards)], timeout)
+
+    def data_plane_addresses(self) -> list[str]:
+        """The servers this client reaches on their data plane now (the others: gRPC)."""
+        with self._lock:
+            return sorted(a for a, c in self._data.items() if c.alive)
 
     def stats(self) -> list[dict[str, Any]]:
         """Client-side RPC count, bytes and latency per shard."""
@@ -296,8 +440,12 @@ class ShardClient:
 
 def error_of(address: str, method: str, e: grpc.RpcError) -> Exception:
     """The Python exception a failed call raises: the shard's message and what it means."""
-    code = e.code()
-    message = f"elastic_emb PS {address} {method}: {e.details()}"
+    return error_of_status(address, method, e.code(), e.details())
+
+
+def error_of_status(address: str, method: str, code: grpc.StatusCode, details: str) -> Exception:
+    """The Python exception of a call answered with `code` and `details` (either plane)."""
+    message = f"elastic_emb PS {address} {method}: {details}"
     if code == grpc.StatusCode.ABORTED:
         return NotPrimary(message)
     if code == grpc.StatusCode.OUT_OF_RANGE:

@@ -27,6 +27,7 @@ from elastic_emb.ps.server import resources
 from elastic_emb.ps.server.checkpointer import PeriodicCheckpoints
 from elastic_emb.ps.server.health import SERVING, HealthServicer
 from elastic_emb.ps.server.servicer import Servicer, add_to_server
+from elastic_emb.ps.wire.protocol import DATA_PLANES
 from elastic_emb.ps.wire.security import (
     GRPC_OPTIONS,
     SERVICE,
@@ -69,6 +70,8 @@ class ServerOptions:
     # Started as requests come; a sync pull waiting for the others holds one.
     threads: int = 2048
     grace_seconds: float = 30.0
+    data_plane: str = "native"  # or "grpc" (`elastic_emb.ps.server.data_plane`)
+    data_port: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: float | None = None
     max_deltas: int = 10
@@ -126,6 +129,10 @@ class ServerOptions:
         if self.memory_high_water is not None and not 0 < self.memory_high_water <= 1:
             raise ValueError(
                 f"--memory-high-water must be in (0, 1]. Received: {self.memory_high_water}"
+            )
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(
+                f"--data-plane must be one of {DATA_PLANES}. Received: {self.data_plane!r}"
             )
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0. Received: {self.drain_timeout}")
@@ -219,6 +226,9 @@ def serve(
         # Set before the server starts: a replicated server's calls need their replica.
         replica = _replica(options, options.coordinator, servicer, peers, bound)
         servicer.replica = replica
+    data = _data_plane(options, servicer, tls=credentials is not None)
+    if data is False:
+        return 1
     server.start()
     for service in ("", SERVICE):  # "": the whole server
         health.set(service, SERVING)
@@ -229,6 +239,8 @@ def serve(
         except Exception as e:
             log.error("cannot join the cluster at %s: %s", options.coordinator, e)
             server.stop(0)
+            if data is not None:
+                data.stop()
             return 1
     periodic = None
     if options.checkpoint_every is not None and options.checkpoint_dir:
@@ -239,6 +251,8 @@ def serve(
         periodic.start()
     if options.metrics_port is not None and not _serve_metrics(options, servicer, metrics_ready):
         server.stop(0)
+        if data is not None:
+            data.stop()
         return 1
     _wait_for_a_signal(ready, bound)
     if replica is not None and options.coordinator and options.drain_timeout > 0:
@@ -249,7 +263,10 @@ def serve(
         periodic.stop()
     if replica is not None:
         replica.stop()  # backups take over at once
-    server.stop(options.grace_seconds).wait()
+    stopped = server.stop(options.grace_seconds)
+    if data is not None:
+        data.stop(options.grace_seconds)
+    stopped.wait()
     if options.checkpoint_dir and replica is None:  # (a replica's rows live on in its group)
         if periodic is not None:
             periodic.save_now()
@@ -257,6 +274,26 @@ def serve(
             checkpoint.save(options.checkpoint_dir, servicer.ranges.tables())
         log.info("saved every table to %s", options.checkpoint_dir)
     return 0
+
+
+def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
+    """The server's data plane, listening (`--data-plane native`); None without one (gRPC
+    carries the data: `--data-plane grpc`, or TLS); False (logged) if it cannot listen."""
+    if options.data_plane != "native":
+        return None
+    if tls:
+        log.info("data plane: off with TLS (Pull and Push go through gRPC, encrypted)")
+        return None
+    from elastic_emb.ps.server.data_plane import DataPlane
+
+    try:
+        data = DataPlane(servicer, options.host, options.data_port, options.threads)
+    except RuntimeError as e:
+        log.error("%s. Use another --data-port, or 0 for a free one", e)
+        return False
+    servicer.data_port = data.port
+    log.info("data plane (Pull, Push) on %s:%d", options.host, data.port)
+    return data
 
 
 def _drain(coordinator: str, address: str, timeout: float) -> None:

@@ -65,6 +65,16 @@ class _MethodStats:
         self.codes: collections.Counter[str] = collections.Counter()  # errors by status code
 
 
+def _refusal(method: str, e: Exception) -> tuple[str, str]:
+    """The status code and message that answer a request which raised `e`."""
+    if isinstance(e, RequestError):
+        return e.code, str(e)
+    if isinstance(e, _VALIDATION_ERRORS):
+        return "INVALID_ARGUMENT", str(e)
+    log.exception("%s failed", method)  # a bug: the shard keeps serving
+    return "INTERNAL", f"{type(e).__name__}: {e}"
+
+
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps a servicer method: errors become statuses, calls are counted."""
     name = method.__name__
@@ -80,18 +90,11 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
                 self._authorize(caller, name, request)
             response = method(self, request)
             return response
-        except RequestError as e:
-            code = e.code
-            context.abort(grpc.StatusCode[e.code], str(e))
-        except _VALIDATION_ERRORS as e:
-            code = "INVALID_ARGUMENT"
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except Exception as e:  # a bug: the shard keeps serving
-            code = "INTERNAL"
-            log.exception("%s failed", name)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        except Exception as e:
+            code, message = _refusal(name, e)
+            context.abort(grpc.StatusCode[code], message)
         finally:
-            self._record(name, time.perf_counter() - start, None if response else code)
+            self._record(name, time.perf_counter() - start, None if response is not None else code)
             if self.audit is not None and (name in AUDITED or code in _AUTH_CODES):
                 who = "anonymous" if caller is None else caller.name
                 self._audit(name, request, context, who, "OK" if response is not None else code)
@@ -126,6 +129,11 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
             _MethodStats
         )  # guarded by _stats_lock
+        self.data_port = 0  # the data plane's port (`data_plane.DataPlane`); 0: none
+        self._raw_methods: dict[str, Callable[[bytes], bytes]] = {
+            "Pull": self._pull, "Push": self._push,
+            "PullRanges": self._pull_ranges, "PushRanges": self._push_ranges,
+        }  # fmt: skip
 
     def usage(self, cpu: float = 0.0) -> Usage:
         """Rows, the tables' bytes against the budget, resident bytes, keys/s over the load
@@ -215,6 +223,39 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             stats.request_bytes += received
             stats.response_bytes += sent
 
+    # The data plane (`elastic_emb.ps.server.data_plane`): the same methods, without gRPC.
+
+    def serve_raw(self, method: str, raw: bytes) -> tuple[str, bytes]:
+        """Answers a Pull, Push, PullRanges or PushRanges that came on the data plane, as
+        its gRPC call would be answered: (status code name, response bytes or message).
+        Its connection's token was checked when it connected (`authenticate`); every
+        role may call these methods."""
+        start = time.perf_counter()
+        self.count_bytes(method, received=len(raw))
+        try:
+            response = self._raw_methods[method](raw)
+        except Exception as e:
+            code, message = _refusal(method, e)
+            self._record(method, time.perf_counter() - start, code)
+            if self.audit is not None and code in _AUTH_CODES:
+                self.audit.record(method, "data plane", "anonymous", {"bytes": len(raw)}, code)
+            return code, message.encode()
+        self._record(method, time.perf_counter() - start, None)
+        self.count_bytes(method, sent=len(response))
+        return "OK", response
+
+    def authenticate(self, token: str, peer: str) -> tuple[bool, str]:
+        """A data-plane connection's token: (True, the caller's name) or (False, why not);
+        the refusal is audited like a gRPC call's."""
+        if self.tokens is None:
+            return True, "anonymous"
+        caller = self.tokens.find(token)
+        if caller is not None:
+            return True, caller.name
+        if self.audit is not None:
+            self.audit.record("Connect", peer, "anonymous", {}, "UNAUTHENTICATED")
+        return False, "data plane: no valid token; this server requires one (ee.init(token=...))"
+
     def _tables_response(self, tables: list[Any]) -> ps_pb2.TablesResponse:
         return ps_pb2.TablesResponse(tables=[protocol.table_info(t) for t in tables])
 
@@ -295,6 +336,9 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def PullRanges(self, raw: bytes) -> bytes:
+        return self._pull_ranges(raw)
+
+    def _pull_ranges(self, raw: bytes) -> bytes:
         return _core.join_parts([self._pull(part) for part in _core.request_parts(raw)])
 
     def _pull(self, raw: bytes) -> bytes:
@@ -315,6 +359,9 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def PushRanges(self, raw: bytes) -> bytes:
+        return self._push_ranges(raw)
+
+    def _push_ranges(self, raw: bytes) -> bytes:
         return _core.join_parts([self._push(part) for part in _core.request_parts(raw)])
 
     def _push(self, raw: bytes) -> bytes:
@@ -436,6 +483,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             num_tables=len(tables),
             rows=sum(len(t) for t in tables),
             ranges=[range_id for range_id, _ in self.ranges.items()],
+            data_port=self.data_port,
         )
         if self.replica is not None:
             if request.backup:

@@ -23,6 +23,8 @@ from elastic_emb.tables import sharding
 from elastic_emb.tables.table import Table, TableState
 
 __all__ = [
+    "DATA_PLANES",
+    "DATA_PLANE_METHODS",
     "ENCODINGS",
     "NOT_JOINED",
     "OTHER_JOB",
@@ -51,6 +53,10 @@ __all__ = [
 # The calls whose requests and answers both sides read and write in C++ (`_core.PullMessage`,
 # `PushMessage`, `PullPlan`, `push_requests`): sent and received as bytes.
 RAW_METHODS = frozenset(("Pull", "Push", "PullRanges", "PushRanges"))
+# The data plane's method numbers in its frames (csrc/data_plane.h): the RAW_METHODS.
+DATA_PLANE_METHODS = {"Pull": 1, "Push": 2, "PullRanges": 3, "PushRanges": 4}
+# `serve --data-plane` and `ee.init(data_plane=)`: the data plane in C++, or gRPC only.
+DATA_PLANES = ("native", "grpc")
 
 # In the FAILED_PRECONDITION a shard answers an elastic worker it does not count (the
 # worker left, or its lease lapsed): the worker joins that range again and re-sends.

@@ -133,6 +133,10 @@ class Tokens:
                 return self._callers.get(value[len("Bearer ") :])
         return None
 
+    def find(self, token: str) -> Caller | None:
+        """The caller of `token`; None if it is not one of these tokens."""
+        return self._callers.get(token)
+
     @staticmethod
     def allows(caller: Caller, method: str, workers_may: Callable[[], bool]) -> bool:
         """Whether `caller` may call `method`; `workers_may()` tells whether a

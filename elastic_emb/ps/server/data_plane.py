@@ -1,0 +1,92 @@
+"""`DataPlane`: a server's Pull, Push, PullRanges and PushRanges on the C++ data plane.
+
+gRPC stays the control plane (joins, tables, health, admin, checkpoints, replication);
+these four methods also come on a port of their own, framed TCP whose connections,
+frames, limits and tokens C++ handles (`_core.DataPlaneServer`, csrc/data_plane.h), with
+no gRPC on the way. Each request is still decided by the `Servicer`'s own Python code,
+the same as its gRPC call (one call into Python per request, with the GIL), so both
+planes give the same answers, statuses, metrics and audit records. A server with TLS has no
+data plane: its data goes through gRPC, encrypted (never a plaintext port beside TLS).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from elastic_emb import _core
+from elastic_emb.ps.wire.protocol import DATA_PLANE_METHODS
+from elastic_emb.ps.wire.security import MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:
+    from elastic_emb.ps.server.servicer import Servicer
+
+__all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "DataPlane"]
+
+log = logging.getLogger("elastic_emb.server")
+
+# A connection with no request in flight, or a frame half sent, for this long is closed
+# (the client reconnects when it next calls).
+IDLE_SECONDS = 600.0
+# Connections a server takes at once (one per worker, and one per worker process's
+# range router): beyond, a connection is refused with RESOURCE_EXHAUSTED.
+MAX_CONNECTIONS = 4096
+
+_NAMES = {number: name for name, number in DATA_PLANE_METHODS.items()}
+_STATUS = {code.name: code.value[0] for code in grpc.StatusCode}
+
+
+class DataPlane:
+    """Serves `servicer`'s data methods on host:port (0: any free port) until `stop`.
+
+    `threads`: the most requests in progress at once (a sync pull waiting for the
+    other workers holds one, as on gRPC).
+
+    Raises:
+        RuntimeError: the port cannot be bound.
+    """
+
+    def __init__(
+        self,
+        servicer: Servicer,
+        host: str,
+        port: int,
+        threads: int,
+        idle_seconds: float = IDLE_SECONDS,
+        max_connections: int = MAX_CONNECTIONS,
+        max_frame_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        options = _core.DataPlaneOptions()
+        options.host, options.port, options.max_threads = host, port, threads
+        options.idle_seconds, options.max_connections = idle_seconds, max_connections
+        options.max_frame_bytes = max_frame_bytes
+        self._servicer = servicer
+        self._server = _core.DataPlaneServer(options, self._handle, self._authenticate)
+        self.port: int = self._server.port
+
+    def _handle(self, method: int, payload: bytes, deadline_ms: int, caller: str) -> Any:
+        name = _NAMES.get(method)
+        if name is None:  # (the C++ side refuses unknown methods before this)
+            return _STATUS["INVALID_ARGUMENT"], f"unknown method {method}".encode()
+        code, response = self._servicer.serve_raw(name, payload)
+        return _STATUS[code], response
+
+    def _authenticate(self, token: bytes, peer: str) -> tuple[bool, str]:
+        try:
+            text = token.decode("utf-8")
+        except UnicodeDecodeError:
+            return False, "data plane: the token is not UTF-8"
+        return self._servicer.authenticate(text, peer)
+
+    def counters(self) -> dict[str, int]:
+        """Connections accepted, refused and closed idle, frames refused, requests."""
+        counters: dict[str, int] = self._server.counters()
+        counters["connections"] = self._server.connections()
+        counters["threads"] = self._server.threads()
+        return counters
+
+    def stop(self, grace_seconds: float = 0.0) -> None:
+        """Takes no new request; answers those in progress (up to `grace_seconds`)."""
+        self._server.stop(grace_seconds)

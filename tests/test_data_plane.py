@@ -1,0 +1,415 @@
+"""The data plane (csrc/data_plane.h): its transport's limits, and Pull and Push on it
+answered exactly as through gRPC, by real `elastic-emb serve` processes.
+
+The transport tests drive `_core.DataPlaneServer` with a Python handler that records
+what reached it, so a refusal is known to have happened before any request did. The
+server tests compare the data plane with the gRPC plane of the same servers: the same
+rows bit for bit, the same status codes and messages, nothing changed by a refusal.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import struct
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from _certs import make_pki
+from _cluster import shards
+
+import elastic_emb as ee
+from elastic_emb import _core
+from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+from elastic_emb.ps.wire import protocol, security
+from elastic_emb.ps.wire.security import WORKER_METHODS, ClientSecurity
+
+PULL, PUSH = protocol.DATA_PLANE_METHODS["Pull"], protocol.DATA_PLANE_METHODS["Push"]
+OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED = 0, 3, 8
+UNAVAILABLE, INTERNAL = 14, 13
+HEADER = struct.Struct("<IIQIBBH")  # magic, length, request id, deadline ms, method, status
+
+
+def _frame(method: int, payload: bytes, request_id: int = 1, magic: int = 0x50444545) -> bytes:
+    return HEADER.pack(magic, len(payload), request_id, 0, method, 0, 0) + payload
+
+
+def _read_frame(sock: socket.socket) -> tuple[int, bytes] | None:
+    """(status, payload) of the next frame; None at EOF."""
+    head = b""
+    while len(head) < HEADER.size:
+        got = sock.recv(HEADER.size - len(head))
+        if not got:
+            return None
+        head += got
+    _, length, _, _, _, status, _ = HEADER.unpack(head)
+    body = b""
+    while len(body) < length:
+        body += sock.recv(length - len(body))
+    return status, body
+
+
+def _closed(sock: socket.socket, within: float) -> bool:
+    """Whether the peer closes `sock` within `within` seconds (what it sends is dropped)."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+class Echo:
+    """A data-plane server whose handler records each request and answers its payload."""
+
+    def __init__(self, tokens: tuple[str, ...] = ("",), **options: object) -> None:
+        settings = _core.DataPlaneOptions()
+        for name, value in options.items():
+            setattr(settings, name, value)
+        self.seen: list[bytes] = []
+        self._lock = threading.Lock()
+
+        def handle(method: int, payload: bytes, deadline_ms: int, caller: str):
+            with self._lock:
+                self.seen.append(payload)
+            if payload.startswith(b"slow"):
+                time.sleep(0.5)
+            return OK, bytes([method]) + payload + b"|" + caller.encode()
+
+        def authenticate(token: bytes, peer: str):
+            ok = token.decode() in tokens
+            return ok, f"caller-{token.decode()}" if ok else f"token refused from {peer}"
+
+        self.server = _core.DataPlaneServer(settings, handle, authenticate)
+        self.port = self.server.port
+
+    def connect(self, token: str = "") -> _core.DataPlaneConnection:
+        return _core.DataPlaneConnection("127.0.0.1", self.port, token, 5.0)
+
+    def greeted_socket(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+        sock.sendall(_frame(0, b"", request_id=0))
+        assert _read_frame(sock) == (OK, b"")
+        return sock
+
+
+def _call(connection, method: int, payload: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
+    (ticket,) = _core.data_plane_send([connection], [method], [payload], timeout)
+    assert _core.data_plane_wait([ticket], timeout)
+    return ticket.answer()
+
+
+# 1. The transport.
+
+
+def test_answers_find_their_calls_whatever_their_order():
+    echo = Echo()
+    try:
+        c = echo.connect()
+        slow, fast = _core.data_plane_send([c, c], [PULL, PUSH], [b"slow-1", b"fast-2"], 10.0)
+        assert _core.data_plane_wait([fast], 10.0)
+        assert not slow.done()  # the fast one was answered first, on the same connection
+        assert _core.data_plane_wait([slow], 10.0)
+        assert slow.answer() == (OK, b"\x01slow-1|caller-")
+        assert fast.answer() == (OK, b"\x02fast-2|caller-")
+        big = bytes(range(256)) * 40_000  # 10 MB each way
+        assert _call(c, PUSH, big) == (OK, b"\x02" + big + b"|caller-")
+    finally:
+        echo.server.stop(1.0)
+
+
+def test_a_frame_above_the_limit_is_refused_before_the_server_reads_it():
+    echo = Echo(max_frame_bytes=1024)
+    try:
+        c = echo.connect()
+        status, message = _call(c, PULL, b"x" * 4096)
+        assert status == RESOURCE_EXHAUSTED
+        assert b"4096 bytes is above this server's limit of 1024" in message
+        assert echo.seen == []
+        assert _call(echo.connect(), PULL, b"y" * 1024)[0] == OK  # the server serves on
+    finally:
+        echo.server.stop(1.0)
+
+
+def test_bytes_that_are_not_frames_close_only_their_connection():
+    echo = Echo()
+    try:
+        good = echo.connect()
+        stranger = socket.create_connection(("127.0.0.1", echo.port), timeout=5)
+        stranger.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0" * 64)  # a gRPC client
+        status, message = _read_frame(stranger)
+        assert status == INVALID_ARGUMENT and b"wrong magic" in message
+        assert _closed(stranger, 5)
+        early = socket.create_connection(("127.0.0.1", echo.port), timeout=5)
+        early.sendall(_frame(PULL, b"before-hello"))
+        status, message = _read_frame(early)
+        assert status == INVALID_ARGUMENT and b"before the connection's hello" in message
+        unknown = echo.greeted_socket()
+        unknown.sendall(_frame(200, b"what"))
+        assert _read_frame(unknown)[1].endswith(b"unknown method 200")
+        assert echo.seen == []
+        assert _call(good, PULL, b"still") == (OK, b"\x01still|caller-")
+        assert echo.server.counters()["frames_refused"] == 3
+    finally:
+        echo.server.stop(1.0)
+
+
+def test_connections_beyond_the_limit_are_refused():
+    echo = Echo(max_connections=2)
+    try:
+        kept = [echo.connect(), echo.connect()]
+        with pytest.raises(RuntimeError, match="maximum of 2 connections"):
+            echo.connect()
+        assert all(_call(c, PULL, b"a")[0] == OK for c in kept)
+        assert echo.server.counters()["connections_refused"] == 1
+    finally:
+        echo.server.stop(1.0)
+
+
+def test_idle_and_half_open_connections_are_closed():
+    echo = Echo(idle_seconds=1.0)
+    try:
+        idle = echo.greeted_socket()
+        half = echo.greeted_socket()
+        half.sendall(_frame(PULL, b"0123456789")[:10])  # part of a header, then nothing
+        assert _closed(idle, 5) and _closed(half, 5)
+        assert echo.server.counters()["connections_closed_idle"] == 2
+        assert echo.seen == []
+        # A client whose connection was closed learns it at once, not at its deadline.
+        c = echo.connect()
+        time.sleep(2.5)
+        assert not c.alive
+        assert _call(c, PULL, b"late", timeout=60)[0] == UNAVAILABLE
+    finally:
+        echo.server.stop(1.0)
+
+
+def test_a_refused_token_lets_no_request_through():
+    echo = Echo(tokens=("s3cret",))
+    try:
+        with pytest.raises(RuntimeError, match="token refused from ipv4:127.0.0.1"):
+            echo.connect("wrong")
+        raw = socket.create_connection(("127.0.0.1", echo.port), timeout=5)
+        raw.sendall(_frame(0, b"wrong", request_id=0) + _frame(PULL, b"smuggled"))
+        # Refused: the hello (UNAUTHENTICATED) or the request sent before its answer.
+        assert _read_frame(raw)[0] in (16, INVALID_ARGUMENT)
+        assert _closed(raw, 5)
+        assert echo.seen == []
+        assert _call(echo.connect("s3cret"), PULL, b"in") == (OK, b"\x01in|caller-s3cret")
+    finally:
+        echo.server.stop(1.0)
+
+
+def test_a_stopped_server_fails_the_calls_in_flight_at_once():
+    echo = Echo()
+    c = echo.connect()
+    (ticket,) = _core.data_plane_send([c], [PULL], [b"slow-forever"], 60.0)
+    time.sleep(0.1)
+    echo.server.stop(0.0)
+    assert _core.data_plane_wait([ticket], 10.0)  # long before its deadline
+    assert ticket.answer()[0] == UNAVAILABLE
+    assert not c.alive
+
+
+def test_the_data_plane_carries_only_what_every_role_may_call():
+    # Tokens are checked once per connection: so every method on it must be a worker's.
+    assert set(protocol.DATA_PLANE_METHODS) <= WORKER_METHODS
+    assert set(protocol.DATA_PLANE_METHODS) == protocol.RAW_METHODS
+
+
+# 2. A real server: both planes.
+
+
+def _stub(address: str):
+    return ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(address))
+
+
+def _data_connection(address: str, token: str = "") -> _core.DataPlaneConnection:
+    port = _stub(address).Health(ps_pb2.HealthRequest(), timeout=10).data_port
+    assert port > 0
+    return _core.DataPlaneConnection("127.0.0.1", port, token, 5.0)
+
+
+def _train(address: str, plane: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Five sync steps of Adam on random keys (with repeats); the rows and the addresses
+    reached through the data plane."""
+    ee.init(ps=[address], mode="sync", data_plane=plane)
+    try:
+        table = ee.Table(8, ee.optimizers.Adam(0.01), initializer="uniform", name="t", seed=3)
+        rng = np.random.default_rng(0)
+        for _ in range(5):
+            keys = rng.integers(0, 300, 200)
+            table.pull(keys)
+            table.push(keys, rng.standard_normal((200, 8)).astype(np.float32))
+        keys, values = table.export_rows()
+        order = np.argsort(keys)
+        cluster = ee.placement.registry.connection().cluster
+        return keys[order], values[order], cluster.shards.data_plane_addresses()
+    finally:
+        ee.shutdown()
+
+
+def test_both_planes_train_bit_identically():
+    with shards(2, ["--data-plane", "native"]) as (a, b), shards(1, ["--data-plane", "grpc"]) as (
+        g,
+    ):
+        assert _stub(g.address).Health(ps_pb2.HealthRequest(), timeout=10).data_port == 0
+        native = _train(a.address, "native")
+        chosen = _train(b.address, "grpc")  # a server with one, not used
+        plain = _train(g.address, "native")  # asked for, but the server has none
+        assert native[2] == [a.address] and chosen[2] == [] and plain[2] == []
+        for other in (chosen, plain):
+            np.testing.assert_array_equal(native[0], other[0])
+            assert native[1].tobytes() == other[1].tobytes()
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A server with a table "rows" (dim 4) and worker 0 joined, async."""
+    with shards(1) as (ps,):
+        stub = _stub(ps.address)
+        local = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="rows")
+        config = json.dumps(local.config())
+        stub.CreateTables(
+            ps_pb2.CreateTablesRequest(tables=[ps_pb2.TableSpec(name="rows", config_json=config)]),
+            timeout=10,
+        )
+        stub.Join(
+            ps_pb2.JoinRequest(worker=0, num_workers=1, mode=ps_pb2.ASYNC, staleness=-1),
+            timeout=10,
+        )
+        yield ps, stub
+
+
+def _rows(stub) -> bytes:
+    return stub.ExportRows(
+        ps_pb2.ExportRowsRequest(table="rows", with_state=True), timeout=10
+    ).SerializeToString()
+
+
+def _pull(keys, step: int = 1, table: str = "rows") -> ps_pb2.PullRequest:
+    entry = ps_pb2.TableKeys(table=table, keys=np.asarray(keys, "<i8").tobytes())
+    return ps_pb2.PullRequest(worker=0, step=step, train=True, timeout_ms=5000, tables=[entry])
+
+
+def _push(keys, grads, step: int) -> ps_pb2.PushRequest:
+    entry = ps_pb2.TableGradients(
+        table="rows",
+        keys=np.asarray(keys, "<i8").tobytes(),
+        gradients=np.asarray(grads, "<f4").tobytes(),
+    )
+    return ps_pb2.PushRequest(worker=0, step=step, tables=[entry])
+
+
+REFUSED = [
+    ("unknown-table", "Pull", _pull([1, 2], table="nope")),
+    ("step-0", "Pull", _pull([1], step=0)),
+    ("ragged-keys", "Pull", ps_pb2.PullRequest(
+        worker=0, step=1, tables=[ps_pb2.TableKeys(table="rows", keys=b"\1\2\3")])),
+    ("wrong-step", "Push", _push([1], np.ones((1, 4)), step=7)),
+    ("grads-short", "Push", ps_pb2.PushRequest(worker=0, step=1, tables=[ps_pb2.TableGradients(
+        table="rows", keys=np.arange(3, dtype="<i8").tobytes(), gradients=b"\0" * 12)])),
+    ("not-protobuf", "Push", b"\xff\xff\xff\xff"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "method, request_", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED]
+)
+def test_a_refused_request_gets_the_same_answer_on_both_planes(served, method, request_):
+    ps, stub = served
+    raw = request_ if isinstance(request_, bytes) else request_.SerializeToString()
+    before = _rows(stub)
+    status, message = _call(_data_connection(ps.address), protocol.DATA_PLANE_METHODS[method], raw)
+    with pytest.raises(grpc.RpcError) as through_grpc:
+        grpc.insecure_channel(ps.address).unary_unary(
+            f"/elastic_emb.ps.v1.ParameterServer/{method}"
+        )(raw, timeout=10)
+    assert status == through_grpc.value.code().value[0] != INTERNAL
+    assert message.decode() == through_grpc.value.details()
+    assert _rows(stub) == before
+
+
+def test_the_data_port_survives_mutated_requests(served):
+    """Bytes mutated from valid Pulls and Pushes (and frames with mutated headers) sent to
+    a live server: never INTERNAL, never a crash or a hang."""
+    ps, stub = served
+    rng = random.Random(7)
+    keys = np.arange(1, 9)
+    valid = [
+        (PULL, _pull(keys).SerializeToString()),
+        (PUSH, _push(keys, np.full((8, 4), 0.25), step=1).SerializeToString()),
+    ]
+    connection = _data_connection(ps.address)
+    statuses: dict[int, int] = {}
+    for _ in range(400):
+        method, raw = rng.choice(valid)
+        mutated = bytearray(raw)
+        for _ in range(rng.randint(1, 4)):
+            where = rng.randrange(len(mutated))
+            mutated[where] = rng.randrange(256)
+        if rng.random() < 0.2:
+            mutated = mutated[: rng.randrange(len(mutated))]
+        status, _ = _call(connection, method, bytes(mutated))
+        statuses[status] = statuses.get(status, 0) + 1
+    assert INTERNAL not in statuses and UNAVAILABLE not in statuses, statuses
+    assert statuses.get(INVALID_ARGUMENT, 0) > 100, statuses
+    port = _stub(ps.address).Health(ps_pb2.HealthRequest(), timeout=10).data_port
+    for _ in range(50):  # mutated headers: the connection goes, the server stays
+        frame = bytearray(_frame(PULL, valid[0][1]))
+        frame[rng.randrange(HEADER.size)] ^= 1 << rng.randrange(8)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(_frame(0, b"", request_id=0))
+            _read_frame(sock)
+            sock.sendall(bytes(frame))
+            sock.settimeout(10)
+            try:
+                answer = _read_frame(sock)
+            except TimeoutError:
+                answer = None  # (a length grown past the bytes sent: an idle frame)
+            assert answer is None or answer[0] != INTERNAL
+    assert _call(_data_connection(ps.address), PULL, _pull(keys, step=2).SerializeToString())[0] in (
+        OK,
+        INVALID_ARGUMENT,
+    )
+    assert stub.Health(ps_pb2.HealthRequest(), timeout=10).serving
+
+
+def test_tls_servers_have_no_plaintext_data_port(tmp_path):
+    pki = make_pki(tmp_path)
+    cert, key = pki["server"]
+    with shards(1, ["--tls-cert", str(cert), "--tls-key", str(key)]) as (ps,):
+        credentials = grpc.ssl_channel_credentials(pki["ca"].read_bytes())
+        stub = ps_pb2_grpc.ParameterServerStub(grpc.secure_channel(ps.address, credentials))
+        assert stub.Health(ps_pb2.HealthRequest(), timeout=10).data_port == 0
+        assert any("data plane: off with TLS" in line for line in ps.output)
+
+
+def test_tokens_are_checked_per_data_plane_connection(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret-admin admin ops\n")
+    log = tmp_path / "audit.jsonl"
+    with shards(1, ["--auth-tokens", str(tokens), "--audit-log", str(log)]) as (ps,):
+        admin = ClientSecurity.make(token="s3cret-admin")
+        stub = ps_pb2_grpc.ParameterServerStub(security.channel(ps.address, [], admin))
+        port = stub.Health(ps_pb2.HealthRequest(), timeout=10).data_port
+        for wrong in ("guess", ""):
+            with pytest.raises(RuntimeError, match="no valid token"):
+                _core.DataPlaneConnection("127.0.0.1", port, wrong, 5.0)
+        assert log.read_text().count('"UNAUTHENTICATED"') == 2
+        ee.init(ps=[ps.address], token="s3cret-admin")
+        try:
+            table = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="x")
+            table.push(np.arange(5), np.ones((5, 4), np.float32))
+            np.testing.assert_array_equal(table.pull(np.arange(5)), np.full((5, 4), -0.5))
+            cluster = ee.placement.registry.connection().cluster
+            assert cluster.shards.data_plane_addresses() == [ps.address]
+        finally:
+            ee.shutdown()
