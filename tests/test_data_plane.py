@@ -60,7 +60,7 @@ def _closed(sock: socket.socket, within: float) -> bool:
         while sock.recv(4096):
             pass
         return True
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True
@@ -194,7 +194,7 @@ def test_idle_and_half_open_connections_are_closed():
 def test_a_refused_token_lets_no_request_through():
     echo = Echo(tokens=("s3cret",))
     try:
-        with pytest.raises(RuntimeError, match="token refused from ipv4:127.0.0.1"):
+        with pytest.raises(RuntimeError, match=r"token refused from ipv4:127\.0\.0\.1"):
             echo.connect("wrong")
         raw = socket.create_connection(("127.0.0.1", echo.port), timeout=5)
         raw.sendall(_frame(0, b"wrong", request_id=0) + _frame(PULL, b"smuggled"))
@@ -257,8 +257,9 @@ def _train(address: str, plane: str) -> tuple[np.ndarray, np.ndarray, list[str]]
 
 
 def test_both_planes_train_bit_identically():
-    with shards(2, ["--data-plane", "native"]) as (a, b), shards(1, ["--data-plane", "grpc"]) as (
-        g,
+    with (
+        shards(2, ["--data-plane", "native"]) as (a, b),
+        shards(1, ["--data-plane", "grpc"]) as (g,),
     ):
         assert _stub(g.address).Health(ps_pb2.HealthRequest(), timeout=10).data_port == 0
         native = _train(a.address, "native")
@@ -320,9 +321,7 @@ REFUSED = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "method, request_", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED]
-)
+@pytest.mark.parametrize("method, request_", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
 def test_a_refused_request_gets_the_same_answer_on_both_planes(served, method, request_):
     ps, stub = served
     raw = request_ if isinstance(request_, bytes) else request_.SerializeToString()
@@ -375,10 +374,8 @@ def test_the_data_port_survives_mutated_requests(served):
             except TimeoutError:
                 answer = None  # (a length grown past the bytes sent: an idle frame)
             assert answer is None or answer[0] != INTERNAL
-    assert _call(_data_connection(ps.address), PULL, _pull(keys, step=2).SerializeToString())[0] in (
-        OK,
-        INVALID_ARGUMENT,
-    )
+    after = _call(_data_connection(ps.address), PULL, _pull(keys, step=2).SerializeToString())
+    assert after[0] in (OK, INVALID_ARGUMENT)  # (a mutated push may have been step 1)
     assert stub.Health(ps_pb2.HealthRequest(), timeout=10).serving
 
 
