@@ -23,6 +23,8 @@ window by window:
   fused lookup: what the fusion across layers gains.
 - `ee 2 PS sync (lookahead)`: the dataset wrapped by `ee.lookahead`, which
   reads each step's rows while the step before ends.
+- `ee 2 PS sync (gRPC plane)`: `ee 2 PS sync` with Pull and Push through
+  gRPC (`ee.init(data_plane="grpc")`) instead of the servers' data plane.
 
 Every variant reads the same `tf.data` pipeline (in-memory batches,
 repeated); each window is one `model.fit` epoch of `--steps` steps.
@@ -65,8 +67,10 @@ VARIANTS = (
     "ee 2 PS sync",
     "ee 2 PS sync (per layer)",
     "ee 2 PS sync (lookahead)",
+    "ee 2 PS sync (gRPC plane)",
 )
 PER_LAYER = " (per layer)"
+GRPC_PLANE = " (gRPC plane)"  # ee.init(data_plane="grpc"): Pull and Push through gRPC
 TARGETS = {"ee in-process": 1.15, "ee 2 PS sync": 1.35}  # x the ceiling, from issue 11
 
 
@@ -142,7 +146,7 @@ def variant_worker(conn: Any, variant: str, ps: list[str] | None, cases: list, s
 
         lookup._plan = lambda model, layer_type: None
     if ps:
-        ee.init(ps=ps, mode="sync")
+        ee.init(ps=ps, mode="sync", data_plane="grpc" if variant.endswith(GRPC_PLANE) else "native")
     import tensorflow as tf
 
     models = {case: build(variant, case[1]) for case in cases}

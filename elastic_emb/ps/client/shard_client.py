@@ -190,13 +190,14 @@ class ShardClient:
         return len(self.addresses)
 
     def connect(self, timeout: float) -> None:
-        """Waits until every shard answers; closes and raises ConnectionError if one does not.
+        """Waits until every shard answers (and connects to its data plane, if it has one);
+        closes and raises ConnectionError if one does not.
 
         Asks the standard health service (no token, no audit record), waiting for the
         connection: not `grpc.channel_ready_future`, whose polling thread outlives it and
         fails on a channel closed soon after.
         """
-        for address in self.addresses:
+        for shard, address in enumerate(self.addresses):
             check = self._channels[address].unary_unary(
                 f"/{HEALTH_SERVICE}/Check",
                 request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
@@ -204,6 +205,7 @@ class ShardClient:
             )
             try:
                 check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True)
+                self._data_connection(shard, address, self._stubs[shard])  # (its port, now)
                 continue
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
@@ -249,7 +251,7 @@ class ShardClient:
         start = time.perf_counter()
         deadline = self.timeout if timeout is None else timeout
         if method in protocol.RAW_METHODS:
-            connection = self._data_connection(address, stub)
+            connection = self._data_connection(shard, address, stub)
             if connection is not None:
                 payload = protocol.serialize(request)
                 tickets = _core.data_plane_send(
@@ -296,9 +298,10 @@ class ShardClient:
 
     # The data plane.
 
-    def _data_connection(self, address: str, stub: Any) -> Any:
-        """The data-plane connection to `address`; None when the call goes through gRPC (no
-        data plane here, the server has none, or it cannot be reached now)."""
+    def _data_connection(self, shard: int, address: str, stub: Any) -> Any:
+        """The data-plane connection to `address` (of `shard`); None when the call goes
+        through gRPC (no data plane here, the server has none, or it cannot be reached now).
+        Its port is asked with a Health call, counted in the shard's traffic."""
         if not self._native:
             return None
         with self._lock:
@@ -312,7 +315,10 @@ class ShardClient:
             self._data_recheck[address] = time.monotonic() + DATA_PLANE_RECHECK_SECONDS
         wait = min(self.timeout, 5.0)
         try:
-            port = stub.Health(ps_pb2.HealthRequest(), timeout=wait).data_port
+            start = time.perf_counter()
+            health = stub.Health(ps_pb2.HealthRequest(), timeout=wait)
+            self._count(shard, address, 0, health.ByteSize(), start)
+            port = health.data_port
             if port == 0:
                 return None
             token = "" if self._security is None else (self._security.token or "")
@@ -398,7 +404,7 @@ class ShardClient:
                 for i, r in enumerate(requests)
                 if r is not None
             ]
-        connections = [self._data_connection(address, stub) for _, address, stub in targets]
+        connections = [self._data_connection(i, a, stub) for i, a, stub in targets]
         if not targets or any(c is None for c in connections):
             return None
         deadline = self.timeout if timeout is None else timeout
