@@ -91,6 +91,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--in-flight", type=int, default=4, help="pulls in flight per connection")
     args = p.parse_args()
+    where = machine()  # (before the client leaves CPU 0 to the server)
     process, address = start_server()
     try:
         channels = [grpc.insecure_channel(address, options=GRPC_OPTIONS) for _ in range(32)]
@@ -135,7 +136,7 @@ def main() -> None:
     ]
     print(
         f"\n## Pulls a server answers on one core, {CONNECTIONS} connections x "
-        f"{args.in_flight} in flight, 1 key ({machine()})\n"
+        f"{args.in_flight} in flight, 1 key ({where}; the server pinned to one)\n"
     )
     print(markdown_table(["plane", "pulls/s (median)", "server CPU us/pull", "rounds"], rows))
 
