@@ -237,8 +237,6 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         except Exception as e:
             code, message = _refusal(method, e)
             self._record(method, time.perf_counter() - start, code)
-            if self.audit is not None and code in _AUTH_CODES:
-                self.audit.record(method, "data plane", "anonymous", {"bytes": len(raw)}, code)
             return code, message.encode()
         self._record(method, time.perf_counter() - start, None)
         self.count_bytes(method, sent=len(response))
