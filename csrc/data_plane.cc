@@ -16,6 +16,7 @@
 #include <cstring>
 #include <deque>
 #include <stdexcept>
+#include <tuple>
 
 namespace elastic_emb {
 namespace data_plane {
@@ -68,7 +69,7 @@ addrinfo* Resolve(const std::string& host, int port, bool passive) {
   return found;
 }
 
-std::string Frame(const Header& header, const std::string& payload) {
+std::string Encode(const Header& header, const std::string& payload) {
   std::string frame(kHeaderBytes + payload.size(), '\0');
   EncodeHeader(header, &frame[0]);
   std::memcpy(&frame[kHeaderBytes], payload.data(), payload.size());
@@ -110,14 +111,29 @@ bool DecodeHeader(const char* in, Header* header) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Server.
+// Server: leader/followers. Every thread of the pool waits in epoll_wait; the one that
+// gets a connection's event reads its frames, re-arms the connection and handles the last
+// frame itself (the others go to the queue, for the next free thread): no hand-off
+// between a reading thread and a handling one. A connection is armed EPOLLONESHOT, so one
+// thread reads it at a time (`read_mu` covers a re-arm by a writer meanwhile).
 
-// A connection the server accepted. The read state belongs to the I/O thread; the write
-// state is guarded by write_mu (answers are written by handler threads).
+namespace {
+
+// epoll user data: these, or a connection's id.
+constexpr uint64_t kListenId = 0;
+constexpr uint64_t kWakeId = 1;   // Stop: level-triggered, wakes every thread
+constexpr uint64_t kTasksId = 2;  // a frame queued (a semaphore eventfd)
+constexpr uint64_t kFirstConnectionId = 3;
+
+}  // namespace
+
+// A connection the server accepted. Its read state is guarded by read_mu, its write state
+// by write_mu (answers are written by whichever thread handled their request).
 struct Server::Connection {
+  uint64_t id = 0;
   int fd = -1;
   std::string peer;
-  // Read state (the I/O thread's).
+  std::mutex read_mu;
   char header_bytes[kHeaderBytes];
   size_t header_have = 0;
   bool in_body = false;
@@ -130,12 +146,18 @@ struct Server::Connection {
   std::atomic<double> draining_until{0};   // refused: input discarded until then, then closed
   std::string caller;                      // written before `greeted`, read after
   std::atomic<int> in_flight{0};
-  // Write state.
   std::mutex write_mu;
   std::string out;
   size_t out_sent = 0;
   bool closed = false;
   bool writing = false;  // EPOLLOUT armed
+};
+
+struct Server::Frame {
+  std::shared_ptr<Connection> connection;
+  Header header;
+  std::string payload;
+  double received = 0;
 };
 
 Server::Server(const ServerOptions& options, Handler handler, Authenticate authenticate)
@@ -173,13 +195,19 @@ Server::Server(const ServerOptions& options, Handler handler, Authenticate authe
   SetNonBlocking(listen_fd_, true);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  epoll_event event{};
-  event.events = EPOLLIN;
-  event.data.fd = listen_fd_;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &event);
-  event.data.fd = wake_fd_;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &event);
-  loop_ = std::thread([this] { Loop(); });
+  tasks_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC | EFD_SEMAPHORE);
+  for (auto [fd, id, exclusive] :
+       {std::tuple{listen_fd_, kListenId, true}, std::tuple{wake_fd_, kWakeId, false},
+        std::tuple{tasks_fd_, kTasksId, true}}) {
+    epoll_event event{};
+    event.events = EPOLLIN | (exclusive ? EPOLLEXCLUSIVE : 0);
+    event.data.u64 = id;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &event);
+  }
+  last_sweep_ = Now();
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  pollers_ = 1;
+  workers_.emplace_back([this] { Work(); });
 }
 
 Server::~Server() { Stop(0.0); }
@@ -197,15 +225,16 @@ int Server::threads() const {
 void Server::Stop(double grace_seconds) {
   if (stopping_.exchange(true)) return;
   uint64_t one = 1;
-  (void)!write(wake_fd_, &one, sizeof(one));
-  if (loop_.joinable()) loop_.join();  // no new request is read from here on
+  (void)!write(wake_fd_, &one, sizeof(one));  // never read: every waiting thread wakes
+  std::vector<std::thread> workers;
   {
     std::unique_lock<std::mutex> lock(pool_mu_);
     idle_cv_.wait_for(lock, std::chrono::duration<double>(grace_seconds),
                       [this] { return in_flight_ == 0; });
-    pool_closed_ = true;
+    pool_closed_ = true;  // no thread is started from here on
+    workers.swap(workers_);
+    finished_ = in_flight_ == 0;
   }
-  pool_cv_.notify_all();
   std::vector<std::shared_ptr<Connection>> open;
   {
     std::lock_guard<std::mutex> lock(connections_mu_);
@@ -220,13 +249,7 @@ void Server::Stop(double grace_seconds) {
     }
   }
   // A handler still waiting (a pull parked beyond the grace) finishes on its own; its
-  // answer goes nowhere. Its thread is left to end: the pool outlives no Python object.
-  std::vector<std::thread> workers;
-  {
-    std::lock_guard<std::mutex> lock(pool_mu_);
-    workers.swap(workers_);
-    finished_ = in_flight_ == 0;
-  }
+  // answer goes nowhere, and its thread ends after it.
   for (auto& w : workers) {
     if (finished_) {
       w.join();
@@ -234,38 +257,51 @@ void Server::Stop(double grace_seconds) {
       w.detach();  // the caller must then keep this object (see `finished`)
     }
   }
-  close(listen_fd_);
-  close(epoll_fd_);
-  close(wake_fd_);
+  if (finished_) {
+    close(listen_fd_);
+    close(epoll_fd_);
+    close(wake_fd_);
+    close(tasks_fd_);
+  }
 }
 
-void Server::Loop() {
-  epoll_event events[64];
-  double last_sweep = Now();
+void Server::Work() {
+  epoll_event event;
   while (!stopping_.load()) {
-    int n = epoll_wait(epoll_fd_, events, 64, 500);
-    for (int i = 0; i < n && !stopping_.load(); ++i) {
-      int fd = events[i].data.fd;
-      if (fd == listen_fd_) {
-        Accept();
-        continue;
-      }
-      if (fd == wake_fd_) continue;
-      std::shared_ptr<Connection> c;
-      {
-        std::lock_guard<std::mutex> lock(connections_mu_);
-        auto it = connections_.find(fd);
-        if (it == connections_.end()) continue;
-        c = it->second;
-      }
-      if (events[i].events & EPOLLOUT) Flush(c);
-      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) Read(c);
-    }
-    if (Now() - last_sweep >= 0.5) {
-      SweepIdle();
-      last_sweep = Now();
+    int n = epoll_wait(epoll_fd_, &event, 1, 500);
+    if (stopping_.load()) break;
+    const double now = Now();
+    double last = last_sweep_.load();
+    if (now - last >= 0.5 && last_sweep_.compare_exchange_strong(last, now)) SweepIdle();
+    if (n <= 0) continue;
+    const uint64_t id = event.data.u64;
+    if (id == kListenId) {
+      Accept();
+    } else if (id == kTasksId) {
+      RunQueued();
+    } else if (id >= kFirstConnectionId) {
+      Serve(id, event.events);
     }
   }
+}
+
+bool Server::Busy() {
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  if (stopping_.load()) return false;  // (Stop waits only for what it saw in flight)
+  pollers_--;
+  in_flight_++;
+  // Someone must keep reading while this thread handles a request (it may wait long).
+  if (pollers_ == 0 && !pool_closed_ && static_cast<int>(workers_.size()) < options_.max_threads) {
+    pollers_++;
+    workers_.emplace_back([this] { Work(); });
+  }
+  return true;
+}
+
+void Server::Idle() {
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  pollers_++;
+  if (--in_flight_ == 0) idle_cv_.notify_all();
 }
 
 void Server::Accept() {
@@ -282,7 +318,7 @@ void Server::Accept() {
       std::string why = "data plane: this server has its maximum of " +
                         std::to_string(options_.max_connections) + " connections";
       refusal.length = static_cast<uint32_t>(why.size());
-      std::string frame = Frame(refusal, why);
+      std::string frame = Encode(refusal, why);
       (void)!send(fd, frame.data(), frame.size(), MSG_NOSIGNAL);
       close(fd);
       continue;
@@ -291,27 +327,25 @@ void Server::Accept() {
     auto c = std::make_shared<Connection>();
     c->fd = fd;
     char host[INET6_ADDRSTRLEN] = "?";
-    int port = 0;
     if (address.ss_family == AF_INET) {
       auto* in = reinterpret_cast<sockaddr_in*>(&address);
       inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
-      port = ntohs(in->sin_port);
-      c->peer = std::string("ipv4:") + host + ":" + std::to_string(port);
+      c->peer = std::string("ipv4:") + host + ":" + std::to_string(ntohs(in->sin_port));
     } else {
       auto* in = reinterpret_cast<sockaddr_in6*>(&address);
       inet_ntop(AF_INET6, &in->sin6_addr, host, sizeof(host));
-      port = ntohs(in->sin6_port);
-      c->peer = std::string("ipv6:[") + host + "]:" + std::to_string(port);
+      c->peer = std::string("ipv6:[") + host + "]:" + std::to_string(ntohs(in->sin6_port));
     }
     c->last_activity = Now();
     {
       std::lock_guard<std::mutex> lock(connections_mu_);
-      connections_[fd] = c;
+      c->id = next_id_++;
+      connections_[c->id] = c;
     }
     counters_.connections_accepted++;
     epoll_event event{};
-    event.events = EPOLLIN;
-    event.data.fd = fd;
+    event.events = EPOLLIN | EPOLLONESHOT;
+    event.data.u64 = c->id;
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &event);
   }
 }
@@ -319,7 +353,7 @@ void Server::Accept() {
 void Server::Close(const std::shared_ptr<Connection>& c) {
   {
     std::lock_guard<std::mutex> lock(connections_mu_);
-    connections_.erase(c->fd);
+    connections_.erase(c->id);
   }
   std::lock_guard<std::mutex> lock(c->write_mu);
   if (c->closed) return;
@@ -328,135 +362,193 @@ void Server::Close(const std::shared_ptr<Connection>& c) {
   close(c->fd);
 }
 
-void Server::Read(const std::shared_ptr<Connection>& c) {
+void Server::Arm(Connection* c) {
+  epoll_event event{};
+  event.events = EPOLLIN | EPOLLONESHOT | (c->writing ? EPOLLOUT : 0);
+  event.data.u64 = c->id;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, c->fd, &event);
+}
+
+void Server::Serve(uint64_t id, uint32_t events) {
+  std::shared_ptr<Connection> c;
+  {
+    std::lock_guard<std::mutex> lock(connections_mu_);
+    auto it = connections_.find(id);
+    if (it == connections_.end()) return;
+    c = it->second;
+  }
+  if (events & EPOLLOUT) {
+    std::lock_guard<std::mutex> lock(c->write_mu);
+    if (!c->closed) SendQueued(c.get());
+  }
+  std::vector<Frame> frames;
+  {
+    std::unique_lock<std::mutex> reading(c->read_mu, std::try_to_lock);
+    if (!reading.owns_lock()) return;  // another thread reads it, and arms it after
+    if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) && !Read(c, &frames)) return;  // closed
+    std::lock_guard<std::mutex> lock(c->write_mu);
+    if (c->closed) return;
+    Arm(c.get());
+  }
+  if (frames.empty()) return;
+  for (size_t i = 0; i + 1 < frames.size(); ++i) {
+    {
+      std::lock_guard<std::mutex> lock(pool_mu_);
+      tasks_.push_back(std::move(frames[i]));
+    }
+    uint64_t one = 1;
+    (void)!write(tasks_fd_, &one, sizeof(one));
+  }
+  Run(std::move(frames.back()));
+}
+
+void Server::Run(Frame frame) {
+  if (!Busy()) {
+    Reply(frame.connection, frame.header, Answer{kUnavailable, "data plane: the server stops"});
+    frame.connection->in_flight--;
+    return;
+  }
+  Handle(std::move(frame));
+  Idle();
+}
+
+void Server::RunQueued() {
+  uint64_t count = 0;
+  if (read(tasks_fd_, &count, sizeof(count)) != sizeof(count)) return;  // taken by another
+  Frame frame;
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    if (tasks_.empty()) return;
+    frame = std::move(tasks_.front());
+    tasks_.pop_front();
+  }
+  Run(std::move(frame));
+}
+
+bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* frames) {
   char buffer[65536];
   const double now = Now();
   auto refuse = [&](uint8_t status, const std::string& why) {
     counters_.frames_refused++;
-    Header answer;
-    answer.request_id = c->header.request_id;
-    answer.status = status;
     std::string message = "data plane: " + why;
-    answer.length = static_cast<uint32_t>(message.size());
-    Reply(c, answer, Answer{status, message});
+    Reply(c, c->header, Answer{status, message});
     std::lock_guard<std::mutex> lock(c->write_mu);
     if (!c->closed) shutdown(c->fd, SHUT_WR);
     c->draining_until = now + 2.0;
   };
-  // Large bodies are read straight into place; everything else through `buffer`.
-  char* target = buffer;
-  size_t room = sizeof(buffer);
-  if (c->in_body && c->header.length - c->body_have >= sizeof(buffer)) {
-    target = &c->body[c->body_have];
-    room = c->header.length - c->body_have;
-  }
-  ssize_t got = recv(c->fd, target, room, 0);
-  if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-    Close(c);
-    return;
-  }
-  if (got < 0) return;
-  c->last_activity = now;
-  if (c->draining_until > 0) return;  // refused: discard until closed
-  if (target != buffer) {
-    c->body_have += static_cast<size_t>(got);
-  }
-  const char* p = buffer;
-  size_t left = target == buffer ? static_cast<size_t>(got) : 0;
   while (true) {
-    if (!c->in_body) {
-      size_t take = std::min(left, kHeaderBytes - c->header_have);
-      std::memcpy(c->header_bytes + c->header_have, p, take);
-      c->header_have += take;
+    // Large bodies are read straight into place; everything else through `buffer`.
+    char* target = buffer;
+    size_t room = sizeof(buffer);
+    if (c->in_body && c->header.length - c->body_have >= sizeof(buffer)) {
+      target = &c->body[c->body_have];
+      room = c->header.length - c->body_have;
+    }
+    ssize_t got = recv(c->fd, target, room, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (got <= 0) {
+      Close(c);
+      return false;
+    }
+    c->last_activity = now;
+    if (c->draining_until > 0) continue;  // refused: discard until closed
+    if (target != buffer) {
+      c->body_have += static_cast<size_t>(got);
+    }
+    const char* p = buffer;
+    size_t left = target == buffer ? static_cast<size_t>(got) : 0;
+    while (true) {
+      if (!c->in_body) {
+        size_t take = std::min(left, kHeaderBytes - c->header_have);
+        std::memcpy(c->header_bytes + c->header_have, p, take);
+        c->header_have += take;
+        p += take;
+        left -= take;
+        if (c->header_have < kHeaderBytes) break;
+        c->header = Header();
+        if (!DecodeHeader(c->header_bytes, &c->header)) {
+          refuse(kInvalidArgument,
+                 "not a data-plane frame (wrong magic): is this a gRPC "
+                 "client? The data plane speaks its own framing");
+          return true;
+        }
+        if (c->header.method > kLastMethod) {
+          refuse(kInvalidArgument, "unknown method " + std::to_string(c->header.method));
+          return true;
+        }
+        if (c->header.length > options_.max_frame_bytes) {
+          refuse(kResourceExhausted, "a frame of " + std::to_string(c->header.length) +
+                                         " bytes is above this server's limit of " +
+                                         std::to_string(options_.max_frame_bytes));
+          return true;
+        }
+        // A hello first, alone; anything else only once it was accepted.
+        const bool hello = c->header.method == kHello;
+        if (hello ? (c->greeted || c->hello_pending) : !c->greeted) {
+          refuse(kInvalidArgument, hello ? "a second hello on one connection"
+                                         : "a request before the connection's hello was "
+                                           "answered");
+          return true;
+        }
+        c->in_body = true;
+        c->body.assign(c->header.length, '\0');  // allocated only once the length passed
+        c->body_have = 0;
+      }
+      size_t take = std::min(left, c->header.length - c->body_have);
+      if (take > 0) std::memcpy(&c->body[c->body_have], p, take);
+      c->body_have += take;
       p += take;
       left -= take;
-      if (c->header_have < kHeaderBytes) return;
-      c->header = Header();
-      if (!DecodeHeader(c->header_bytes, &c->header)) {
-        refuse(kInvalidArgument,
-               "not a data-plane frame (wrong magic): is this a gRPC "
-               "client? The data plane speaks its own framing");
-        return;
-      }
-      if (c->header.method > kLastMethod) {
-        refuse(kInvalidArgument, "unknown method " + std::to_string(c->header.method));
-        return;
-      }
-      if (c->header.length > options_.max_frame_bytes) {
-        refuse(kResourceExhausted, "a frame of " + std::to_string(c->header.length) +
-                                       " bytes is above this server's limit of " +
-                                       std::to_string(options_.max_frame_bytes));
-        return;
-      }
-      // A hello first, alone; anything else only once it was accepted.
-      const bool hello = c->header.method == kHello;
-      if (hello ? (c->greeted || c->hello_pending) : !c->greeted) {
-        refuse(kInvalidArgument, hello ? "a second hello on one connection"
-                                       : "a request before the connection's hello was "
-                                         "answered");
-        return;
-      }
-      c->in_body = true;
-      c->body.assign(c->header.length, '\0');  // allocated only once the length passed
-      c->body_have = 0;
+      if (c->body_have < c->header.length) break;
+      c->in_body = false;
+      c->header_have = 0;
+      if (c->header.method == kHello) c->hello_pending = true;
+      counters_.requests++;
+      c->in_flight++;
+      frames->push_back(Frame{c, c->header, std::move(c->body), now});
+      c->body = std::string();
+      if (left == 0) break;
     }
-    size_t take = std::min(left, c->header.length - c->body_have);
-    if (take > 0) std::memcpy(&c->body[c->body_have], p, take);
-    c->body_have += take;
-    p += take;
-    left -= take;
-    if (c->body_have < c->header.length) return;
-    c->in_body = false;
-    c->header_have = 0;
-    if (c->header.method == kHello) c->hello_pending = true;
-    Dispatch(c, c->header, std::move(c->body));
-    c->body = std::string();
-    if (left == 0) return;
   }
 }
 
-void Server::Dispatch(const std::shared_ptr<Connection>& c, Header header, std::string payload) {
-  counters_.requests++;
-  c->in_flight++;
-  const double received = Now();
-  auto task = [this, c, header, received, payload = std::move(payload)]() mutable {
-    Answer answer;
-    if (header.method == kHello) {
-      std::string caller_or_why;
-      bool ok = authenticate_(payload, c->peer, &caller_or_why);
-      if (ok) {
-        c->caller = caller_or_why;
-      } else {
-        answer = Answer{kUnauthenticated, caller_or_why};
-      }
-      // The I/O thread reads the connection's next frame only after this answer (the
-      // client waits for it), so these fields are not read meanwhile.
-      c->greeted = ok;
-      c->hello_pending = false;
+void Server::Handle(Frame frame) {
+  const std::shared_ptr<Connection>& c = frame.connection;
+  const Header& header = frame.header;
+  Answer answer;
+  if (header.method == kHello) {
+    std::string caller_or_why;
+    bool ok = authenticate_(frame.payload, c->peer, &caller_or_why);
+    if (ok) {
+      c->caller = caller_or_why;
     } else {
-      double waited_ms = (Now() - received) * 1000.0;
-      if (header.deadline_ms > 0 && waited_ms >= header.deadline_ms) {
-        answer = Answer{kDeadlineExceeded,
-                        "data plane: the request's deadline passed "
-                        "before a thread took it (server overloaded)"};
-      } else {
-        uint32_t left =
-            header.deadline_ms == 0 ? 0 : static_cast<uint32_t>(header.deadline_ms - waited_ms);
-        if (header.deadline_ms > 0 && left == 0) left = 1;
-        answer = handler_(header.method, std::move(payload), left, c->caller);
-      }
+      answer = Answer{kUnauthenticated, caller_or_why};
     }
-    const bool refused = header.method == kHello && answer.status != kOk;
-    Reply(c, header, std::move(answer));
-    c->last_activity = Now();
-    c->in_flight--;
-    if (refused) {
-      std::lock_guard<std::mutex> lock(c->write_mu);
-      if (!c->closed) shutdown(c->fd, SHUT_WR);
-      c->draining_until = Now() + 2.0;
+    c->greeted = ok;  // (the client sends nothing else before this answer)
+    c->hello_pending = false;
+  } else {
+    double waited_ms = (Now() - frame.received) * 1000.0;
+    if (header.deadline_ms > 0 && waited_ms >= header.deadline_ms) {
+      answer = Answer{kDeadlineExceeded,
+                      "data plane: the request's deadline passed "
+                      "before a thread took it (server overloaded)"};
+    } else {
+      uint32_t left =
+          header.deadline_ms == 0 ? 0 : static_cast<uint32_t>(header.deadline_ms - waited_ms);
+      if (header.deadline_ms > 0 && left == 0) left = 1;
+      answer = handler_(header.method, std::move(frame.payload), left, c->caller);
     }
-  };
-  Submit(std::move(task));
+  }
+  const bool refused = header.method == kHello && answer.status != kOk;
+  Reply(c, header, std::move(answer));
+  c->last_activity = Now();
+  c->in_flight--;
+  if (refused) {
+    std::lock_guard<std::mutex> lock(c->write_mu);
+    if (!c->closed) shutdown(c->fd, SHUT_WR);
+    c->draining_until = Now() + 2.0;
+  }
 }
 
 void Server::Reply(const std::shared_ptr<Connection>& c, const Header& request, Answer answer) {
@@ -478,11 +570,6 @@ void Server::Reply(const std::shared_ptr<Connection>& c, const Header& request, 
   SendQueued(c.get());
 }
 
-void Server::Flush(const std::shared_ptr<Connection>& c) {
-  std::lock_guard<std::mutex> lock(c->write_mu);
-  if (!c->closed) SendQueued(c.get());
-}
-
 void Server::SendQueued(Connection* c) {
   while (c->out_sent < c->out.size()) {
     ssize_t sent = send(c->fd, c->out.data() + c->out_sent, c->out.size() - c->out_sent,
@@ -490,7 +577,7 @@ void Server::SendQueued(Connection* c) {
     if (sent < 0) {
       if (errno == EINTR) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        c->out.clear();  // broken: the I/O thread sees it and closes the connection
+        c->out.clear();  // broken: its reader sees it and closes the connection
         c->out_sent = 0;
       }
       break;
@@ -500,10 +587,7 @@ void Server::SendQueued(Connection* c) {
   bool more = c->out_sent < c->out.size();
   if (more != c->writing) {
     c->writing = more;
-    epoll_event event{};
-    event.events = EPOLLIN | (more ? EPOLLOUT : 0);
-    event.data.fd = c->fd;
-    epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, c->fd, &event);
+    if (more) Arm(c);  // (a reader arms it without EPOLLOUT once the queue is empty)
   }
 }
 
@@ -514,8 +598,7 @@ void Server::SweepIdle() {
     std::lock_guard<std::mutex> lock(connections_mu_);
     for (auto& entry : connections_) {
       auto& c = entry.second;
-      bool partial = c->in_body || c->header_have > 0;
-      bool idle = c->in_flight.load() == 0 || partial;
+      bool idle = c->in_flight.load() == 0;
       if ((c->draining_until > 0 && now > c->draining_until) ||
           (idle && now - c->last_activity > options_.idle_seconds)) {
         expired.push_back(c);
@@ -525,36 +608,6 @@ void Server::SweepIdle() {
   for (auto& c : expired) {
     if (c->draining_until == 0) counters_.connections_closed_idle++;
     Close(c);
-  }
-}
-
-void Server::Submit(std::function<void()> task) {
-  std::lock_guard<std::mutex> lock(pool_mu_);
-  in_flight_++;
-  tasks_.push_back(std::move(task));
-  // A thread for each task no idle thread will take (a task may wait for long).
-  if (static_cast<int>(tasks_.size()) > idle_workers_ &&
-      static_cast<int>(workers_.size()) < options_.max_threads) {
-    workers_.emplace_back([this] { Work(); });
-  } else {
-    pool_cv_.notify_one();
-  }
-}
-
-void Server::Work() {
-  std::unique_lock<std::mutex> lock(pool_mu_);
-  while (true) {
-    idle_workers_++;
-    pool_cv_.wait(lock, [this] { return pool_closed_ || !tasks_.empty(); });
-    idle_workers_--;
-    if (tasks_.empty()) return;  // closed
-    std::function<void()> task = std::move(tasks_.front());
-    tasks_.pop_front();
-    lock.unlock();
-    task();
-    lock.lock();
-    in_flight_--;
-    if (in_flight_ == 0) idle_cv_.notify_all();
   }
 }
 
@@ -598,7 +651,7 @@ Connection::Connection(const std::string& host, int port, const std::string& tok
   Header hello;
   hello.method = kHello;
   hello.length = static_cast<uint32_t>(token.size());
-  std::string frame = Frame(hello, token);
+  std::string frame = Encode(hello, token);
   char answer[kHeaderBytes];
   Header header;
   std::string message;

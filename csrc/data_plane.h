@@ -13,16 +13,17 @@
 // An answer's `status` is a gRPC status code (0: OK, its payload the response; otherwise
 // the payload is the UTF-8 message).
 //
-// Server: one I/O thread (epoll) reads frames and writes answers; requests run on a pool
-// of handler threads that grows as requests wait (up to Options::max_threads). A frame
-// whose length is above Options::max_frame_bytes is refused before anything is allocated
-// and its connection closed; connections beyond Options::max_connections are refused at
-// accept; a connection with a frame half read, or idle with no request in flight, for
-// longer than Options::idle_seconds is closed.
+// Server: leader/followers. Its threads wait on one epoll; the thread that gets a
+// connection's event reads its frames and handles the last itself (no hand-off); the pool
+// grows while requests wait, so that a thread always waits for events (up to
+// Options::max_threads). A frame whose length is above Options::max_frame_bytes is
+// refused before anything is allocated and its connection closed; connections beyond
+// Options::max_connections are refused at accept; a connection with no request in flight
+// (or a frame half sent) for longer than Options::idle_seconds is closed.
 //
 // Client: one connection per server, a reader thread per connection completing waiting
-// calls (no thread per call, no polling). `Call` and `CallMany` block until the answers
-// or the deadline; they are thread-safe.
+// calls (no thread per call, no polling). `Connection::Send` and `Wait` are thread-safe;
+// `Wait` blocks until the answers or the deadline.
 #pragma once
 
 #include <atomic>
@@ -131,38 +132,43 @@ class Server {
 
  private:
   struct Connection;
-  void Loop();
+  struct Frame;
+  void Work();  // a pool thread: wait for an event, serve it
+  bool Busy();  // a thread takes a request; false once stopping
+  void Idle();  // ... and is done with it
   void Accept();
-  void Read(const std::shared_ptr<Connection>& c);
-  void Flush(const std::shared_ptr<Connection>& c);
-  void SendQueued(Connection* c);  // with c->write_mu held
-  void Close(const std::shared_ptr<Connection>& c);
-  void Dispatch(const std::shared_ptr<Connection>& c, Header header, std::string payload);
+  void Serve(uint64_t id, uint32_t events);
+  bool Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* frames);  // false: closed
+  void Run(Frame frame);
+  void RunQueued();
+  void Handle(Frame frame);
   void Reply(const std::shared_ptr<Connection>& c, const Header& request, Answer answer);
+  void SendQueued(Connection* c);  // with c->write_mu held
+  void Arm(Connection* c);         // with c->write_mu held, c open
+  void Close(const std::shared_ptr<Connection>& c);
   void SweepIdle();
-  void Submit(std::function<void()> task);
-  void Work();
 
   ServerOptions options_;
   Handler handler_;
   Authenticate authenticate_;
   int listen_fd_ = -1;
   int epoll_fd_ = -1;
-  int wake_fd_ = -1;  // eventfd: Stop wakes the loop
+  int wake_fd_ = -1;   // eventfd: Stop wakes every thread
+  int tasks_fd_ = -1;  // eventfd (semaphore): frames queued in tasks_
   int port_ = 0;
   std::atomic<bool> stopping_{false};
-  std::thread loop_;
+  std::atomic<double> last_sweep_{0};
   ServerCounters counters_;
 
   mutable std::mutex connections_mu_;
-  std::map<int, std::shared_ptr<Connection>> connections_;  // by fd; the loop's
+  std::map<uint64_t, std::shared_ptr<Connection>> connections_;  // by id
+  uint64_t next_id_ = 3;  // (ids below are the listening socket's and the eventfds')
 
   mutable std::mutex pool_mu_;
-  std::condition_variable pool_cv_;
-  std::condition_variable idle_cv_;  // a request finished (Stop waits for none in flight)
-  std::deque<std::function<void()>> tasks_;
+  std::condition_variable idle_cv_;  // no request in flight (Stop waits for it)
+  std::deque<Frame> tasks_;          // frames read with another, for the next free thread
   std::vector<std::thread> workers_;
-  int idle_workers_ = 0;
+  int pollers_ = 0;  // threads waiting for an event, or about to
   int in_flight_ = 0;
   bool pool_closed_ = false;
   bool finished_ = true;
