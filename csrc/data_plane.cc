@@ -384,8 +384,12 @@ void Server::Serve(uint64_t id, uint32_t events) {
   std::vector<Frame> frames;
   {
     std::unique_lock<std::mutex> reading(c->read_mu, std::try_to_lock);
-    if (!reading.owns_lock()) return;  // another thread reads it, and arms it after
+    if (!reading.owns_lock()) return;  // another thread reads it, and arms it once done
     if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) && !Read(c, &frames)) return;  // closed
+  }
+  {
+    // Armed only after `read_mu` is released: a thread that finds it held returns without
+    // arming, so the holder must arm after (else an event taken meanwhile is lost).
     std::lock_guard<std::mutex> lock(c->write_mu);
     if (c->closed) return;
     Arm(c.get());
@@ -606,6 +610,9 @@ void Server::SweepIdle() {
     }
   }
   for (auto& c : expired) {
+    // Not while a thread reads it: its fd could be closed and reused under that read.
+    std::unique_lock<std::mutex> reading(c->read_mu, std::try_to_lock);
+    if (!reading.owns_lock()) continue;  // (the next sweep)
     if (c->draining_until == 0) counters_.connections_closed_idle++;
     Close(c);
   }

@@ -127,6 +127,40 @@ def test_answers_find_their_calls_whatever_their_order():
         echo.server.stop(1.0)
 
 
+def test_every_call_is_answered_under_load_from_many_threads():
+    """Pipelined calls of mixed sizes on shared connections from several threads (answers
+    large enough to fill the sockets, so that writers and readers arm connections at
+    once): every call gets its own answer, none is lost."""
+    echo = Echo()
+    try:
+        connections = [echo.connect() for _ in range(4)]
+        failures: list[str] = []
+
+        def client(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(20):
+                payloads = [bytes([rng.randrange(256)]) * rng.choice((1, 100, 300_000))
+                            for _ in range(16)]  # fmt: skip
+                chosen = [rng.choice(connections) for _ in payloads]
+                tickets = _core.data_plane_send(chosen, [PULL] * len(payloads), payloads, 30.0)
+                if not _core.data_plane_wait(tickets, 30.0):
+                    failures.append(f"client {seed}: calls unanswered after 30 s")
+                    return
+                for payload, ticket in zip(payloads, tickets, strict=True):
+                    if ticket.answer() != (OK, b"\x01" + payload + b"|caller-"):
+                        failures.append(f"client {seed}: a wrong answer")
+                        return
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert failures == []
+    finally:
+        echo.server.stop(1.0)
+
+
 def test_a_frame_above_the_limit_is_refused_before_the_server_reads_it():
     echo = Echo(max_frame_bytes=1024)
     try:
