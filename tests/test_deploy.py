@@ -233,11 +233,13 @@ def test_every_elastic_emb_command_in_the_manifests_parses():
 
 def test_ps_port_matches_the_service_probes_and_worker_addresses():
     sts, service, serve = _ps_parts()
-    (port,) = service["spec"]["ports"]
-    assert port["port"] == serve.port
+    # The Service names the gRPC port and the data plane's (a fixed --data-port).
+    served = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
+    assert served == {"grpc": (serve.port, "grpc"), "data": (serve.data_port, "data")}
+    assert serve.data_plane == "native" and serve.data_port > 0
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": serve.port, "metrics": serve.metrics_port}
+    assert ports == {"grpc": serve.port, "data": serve.data_port, "metrics": serve.metrics_port}
     for probe in ("readinessProbe", "livenessProbe"):
         # Kubernetes' gRPC probe asks the standard health service on the PS port.
         assert container[probe]["grpc"]["port"] == serve.port
@@ -540,6 +542,7 @@ def test_replicated_servers_drain_themselves_within_the_grace_period():
     assert serve.drain_timeout + serve.grace_seconds <= grace
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["metrics"] == serve.metrics_port
+    assert ports["data"] == serve.data_port > 0 and ports["grpc"] == serve.port
 
 
 def test_the_hpa_scales_the_replicated_servers_in_whole_groups():

@@ -216,6 +216,7 @@ class Cluster:
                 ) from None
             if routing is not None:
                 routing.fix_mode(options.mode, options.staleness, record=True)
+            self.shards.connect_data_plane()  # (once joined: its token was accepted)
             if len(steps) == 1:
                 return steps.pop()
             if options.mode == "async":

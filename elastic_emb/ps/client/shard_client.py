@@ -190,14 +190,13 @@ class ShardClient:
         return len(self.addresses)
 
     def connect(self, timeout: float) -> None:
-        """Waits until every shard answers (and connects to its data plane, if it has one);
-        closes and raises ConnectionError if one does not.
+        """Waits until every shard answers; closes and raises ConnectionError if one does not.
 
         Asks the standard health service (no token, no audit record), waiting for the
         connection: not `grpc.channel_ready_future`, whose polling thread outlives it and
         fails on a channel closed soon after.
         """
-        for shard, address in enumerate(self.addresses):
+        for address in self.addresses:
             check = self._channels[address].unary_unary(
                 f"/{HEALTH_SERVICE}/Check",
                 request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
@@ -205,7 +204,6 @@ class ShardClient:
             )
             try:
                 check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True)
-                self._data_connection(shard, address, self._stubs[shard])  # (its port, now)
                 continue
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
@@ -218,6 +216,14 @@ class ShardClient:
                     "For servers that start after their workers, wait longer: "
                     "ee.init(connect_timeout=SECONDS)"
                 ) from None
+
+    def connect_data_plane(self) -> None:
+        """Connects to the data plane of every shard that has one (else later calls do);
+        its port is asked with a Health call, counted in the shard's traffic."""
+        with self._lock:
+            targets = list(enumerate(zip(self.addresses, self._stubs, strict=True)))
+        for shard, (address, stub) in targets:
+            self._data_connection(shard, address, stub)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
