@@ -217,11 +217,6 @@ int Server::connections() const {
   return static_cast<int>(connections_.size());
 }
 
-int Server::threads() const {
-  std::lock_guard<std::mutex> lock(pool_mu_);
-  return static_cast<int>(workers_.size());
-}
-
 void Server::Stop(double grace_seconds) {
   if (stopping_.exchange(true)) return;
   uint64_t one = 1;

@@ -127,7 +127,6 @@ class Server {
   // in flight to be answered, then closes every connection. Idempotent.
   void Stop(double grace_seconds = 0.0);
   int connections() const;
-  int threads() const;
   const ServerCounters& counters() const { return counters_; }
 
  private:

@@ -118,8 +118,6 @@ void BindDataPlane(py::module_& m) {
            "bytes) and authenticate(token, peer) -> (ok, caller or why) run on its threads.")
       .def_property_readonly("port", [](PyServer& s) { return s.server().port(); })
       .def("stop", &PyServer::Stop, py::arg("grace_seconds") = 0.0)
-      .def("connections", [](PyServer& s) { return s.server().connections(); })
-      .def("threads", [](PyServer& s) { return s.server().threads(); })
       .def("counters", [](PyServer& s) {
         const auto& c = s.server().counters();
         py::dict out;

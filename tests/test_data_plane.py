@@ -91,6 +91,12 @@ class Echo:
         self.server = _core.DataPlaneServer(settings, handle, authenticate)
         self.port = self.server.port
 
+    def __enter__(self) -> Echo:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop(1.0)
+
     def connect(self, token: str = "") -> _core.DataPlaneConnection:
         return _core.DataPlaneConnection("127.0.0.1", self.port, token, 5.0)
 
@@ -111,8 +117,7 @@ def _call(connection, method: int, payload: bytes, timeout: float = 10.0) -> tup
 
 
 def test_answers_find_their_calls_whatever_their_order():
-    echo = Echo()
-    try:
+    with Echo() as echo:
         c = echo.connect()
         slow, fast = _core.data_plane_send([c, c], [PULL, PUSH], [b"slow-1", b"fast-2"], 20.0)
         assert _core.data_plane_wait([fast], 20.0)
@@ -123,16 +128,13 @@ def test_answers_find_their_calls_whatever_their_order():
         assert fast.answer() == (OK, b"\x02fast-2|caller-")
         big = bytes(range(256)) * 40_000  # 10 MB each way
         assert _call(c, PUSH, big) == (OK, b"\x02" + big + b"|caller-")
-    finally:
-        echo.server.stop(1.0)
 
 
 def test_every_call_is_answered_under_load_from_many_threads():
     """Pipelined calls of mixed sizes on shared connections from several threads (answers
     large enough to fill the sockets, so that writers and readers arm connections at
     once): every call gets its own answer, none is lost."""
-    echo = Echo()
-    try:
+    with Echo() as echo:
         connections = [echo.connect() for _ in range(4)]
         failures: list[str] = []
 
@@ -157,26 +159,20 @@ def test_every_call_is_answered_under_load_from_many_threads():
         for t in threads:
             t.join()
         assert failures == []
-    finally:
-        echo.server.stop(1.0)
 
 
 def test_a_frame_above_the_limit_is_refused_before_the_server_reads_it():
-    echo = Echo(max_frame_bytes=1024)
-    try:
+    with Echo(max_frame_bytes=1024) as echo:
         c = echo.connect()
         status, message = _call(c, PULL, b"x" * 4096)
         assert status == RESOURCE_EXHAUSTED
         assert b"4096 bytes is above this server's limit of 1024" in message
         assert echo.seen == []
         assert _call(echo.connect(), PULL, b"y" * 1024)[0] == OK  # the server serves on
-    finally:
-        echo.server.stop(1.0)
 
 
 def test_bytes_that_are_not_frames_close_only_their_connection():
-    echo = Echo()
-    try:
+    with Echo() as echo:
         good = echo.connect()
         stranger = socket.create_connection(("127.0.0.1", echo.port), timeout=5)
         stranger.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0" * 64)  # a gRPC client
@@ -193,25 +189,19 @@ def test_bytes_that_are_not_frames_close_only_their_connection():
         assert echo.seen == []
         assert _call(good, PULL, b"still") == (OK, b"\x01still|caller-")
         assert echo.server.counters()["frames_refused"] == 3
-    finally:
-        echo.server.stop(1.0)
 
 
 def test_connections_beyond_the_limit_are_refused():
-    echo = Echo(max_connections=2)
-    try:
+    with Echo(max_connections=2) as echo:
         kept = [echo.connect(), echo.connect()]
         with pytest.raises(RuntimeError, match="maximum of 2 connections"):
             echo.connect()
         assert all(_call(c, PULL, b"a")[0] == OK for c in kept)
         assert echo.server.counters()["connections_refused"] == 1
-    finally:
-        echo.server.stop(1.0)
 
 
 def test_idle_and_half_open_connections_are_closed():
-    echo = Echo(idle_seconds=1.0)
-    try:
+    with Echo(idle_seconds=1.0) as echo:
         idle = echo.greeted_socket()
         half = echo.greeted_socket()
         half.sendall(_frame(PULL, b"0123456789")[:10])  # part of a header, then nothing
@@ -225,13 +215,10 @@ def test_idle_and_half_open_connections_are_closed():
             time.sleep(0.1)
         assert not c.alive
         assert _call(c, PULL, b"late", timeout=60)[0] == UNAVAILABLE
-    finally:
-        echo.server.stop(1.0)
 
 
 def test_a_refused_token_lets_no_request_through():
-    echo = Echo(tokens=("s3cret",))
-    try:
+    with Echo(tokens=("s3cret",)) as echo:
         with pytest.raises(RuntimeError, match=r"token refused from ipv4:127\.0\.0\.1"):
             echo.connect("wrong")
         raw = socket.create_connection(("127.0.0.1", echo.port), timeout=5)
@@ -241,8 +228,6 @@ def test_a_refused_token_lets_no_request_through():
         assert _closed(raw, 5)
         assert echo.seen == []
         assert _call(echo.connect("s3cret"), PULL, b"in") == (OK, b"\x01in|caller-s3cret")
-    finally:
-        echo.server.stop(1.0)
 
 
 def test_a_stopped_server_fails_the_calls_in_flight_at_once():

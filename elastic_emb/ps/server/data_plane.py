@@ -80,13 +80,6 @@ class DataPlane:
             return False, "data plane: the token is not UTF-8"
         return self._servicer.authenticate(text, peer)
 
-    def counters(self) -> dict[str, int]:
-        """Connections accepted, refused and closed idle, frames refused, requests."""
-        counters: dict[str, int] = self._server.counters()
-        counters["connections"] = self._server.connections()
-        counters["threads"] = self._server.threads()
-        return counters
-
     def stop(self, grace_seconds: float = 0.0) -> None:
         """Takes no new request; answers those in progress (up to `grace_seconds`)."""
         self._server.stop(grace_seconds)

@@ -151,10 +151,15 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             keys=keys,
         )
 
-    def _record(self, method: str, elapsed: float, error: str | None) -> None:
-        """Counts a call: its latency, and its status code if it failed."""
+    def _record(
+        self, method: str, elapsed: float, error: str | None, received: int = 0, sent: int = 0
+    ) -> None:
+        """Counts a call: its latency, its status code if it failed, and (data plane) its
+        request's and answer's bytes."""
         with self._stats_lock:
             stats = self._stats[method]
+            stats.request_bytes += received
+            stats.response_bytes += sent
             stats.calls += 1
             stats.seconds += elapsed
             stats.max_seconds = max(stats.max_seconds, elapsed)
@@ -231,15 +236,13 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         Its connection's token was checked when it connected (`authenticate`); every
         role may call these methods."""
         start = time.perf_counter()
-        self.count_bytes(method, received=len(raw))
         try:
             response = self._raw_methods[method](raw)
         except Exception as e:
             code, message = _refusal(method, e)
-            self._record(method, time.perf_counter() - start, code)
+            self._record(method, time.perf_counter() - start, code, received=len(raw))
             return code, message.encode()
-        self._record(method, time.perf_counter() - start, None)
-        self.count_bytes(method, sent=len(response))
+        self._record(method, time.perf_counter() - start, None, len(raw), len(response))
         return "OK", response
 
     def authenticate(self, token: str, peer: str) -> tuple[bool, str]:
