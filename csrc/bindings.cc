@@ -13,6 +13,7 @@
 #include "data_plane_bindings.h"
 #include "py_arrays.h"
 #include "request_bindings.h"
+#include "shard_bindings.h"
 #include "table.h"
 #include "thread_pool.h"
 #include "varint.h"
@@ -28,6 +29,7 @@
 #endif
 
 namespace py = pybind11;
+using TableClass = py::class_<elastic_emb::Table, std::shared_ptr<elastic_emb::Table>>;
 using elastic_emb::InvalidArgument;
 
 namespace {
@@ -148,8 +150,8 @@ py::tuple RowsTuple(const T& t, elastic_emb::ExportedRows& rows) {
       ToNumpy(std::move(rows.update_count), {m}));
 }
 
-template <typename T>
-void BindTableMethods(py::class_<T>& cls) {
+template <typename T, typename... Extra>
+void BindTableMethods(py::class_<T, Extra...>& cls) {
   cls.def_property_readonly("dim", &T::dim)
       .def_property_readonly("num_slots", &T::num_slots)
       .def(
@@ -253,7 +255,7 @@ void BindTableMethods(py::class_<T>& cls) {
 }
 
 // Change tracking of the CPU table (incremental checkpoints).
-void BindChangeTracking(py::class_<elastic_emb::Table>& cls) {
+void BindChangeTracking(TableClass& cls) {
   cls.def("memory_in_use", &elastic_emb::Table::MemoryInUse,
           py::call_guard<py::gil_scoped_release>());
   cls.def(
@@ -276,7 +278,7 @@ void BindChangeTracking(py::class_<elastic_emb::Table>& cls) {
 }
 
 // Admission and eviction of the CPU table.
-void BindPolicies(py::class_<elastic_emb::Table>& cls) {
+void BindPolicies(TableClass& cls) {
   cls.def(
          "export_counts",
          [](elastic_emb::Table& t) {
@@ -313,6 +315,24 @@ void BindPolicies(py::class_<elastic_emb::Table>& cls) {
           "export_rows of the rows eviction erased since the last call (keep_evicted).")
       .def("evict_now", &elastic_emb::Table::EvictNow, py::call_guard<py::gil_scoped_release>(),
            "An eviction pass now, as after a push that used no row.")
+      .def(
+          "lock_step", [](elastic_emb::Table& t) { t.step_state().mu.lock(); },
+          py::call_guard<py::gil_scoped_release>(),
+          "Takes the table's step lock (LocalTable: one push at a time, numbered in order).")
+      .def(
+          "unlock_step", [](elastic_emb::Table& t) { t.step_state().mu.unlock(); },
+          "Releases the step lock (taken by this thread).")
+      .def_property_readonly(
+          "step_order", [](const elastic_emb::Table& t) { return reinterpret_cast<uintptr_t>(&t); },
+          "The order in which callers take several tables' step locks (no deadlock).")
+      .def_property(
+          "iterations", [](elastic_emb::Table& t) { return t.step_state().iterations; },
+          [](elastic_emb::Table& t, int64_t n) { t.step_state().iterations = n; },
+          "Pushes applied so far (read and written with the step lock held).")
+      .def_property(
+          "nonfinite_pushes", [](elastic_emb::Table& t) { return t.step_state().nonfinite_pushes; },
+          [](elastic_emb::Table& t, int64_t n) { t.step_state().nonfinite_pushes = n; },
+          "Pushes skipped for gradients not finite (with the step lock held).")
       .def("set_clock", &elastic_emb::Table::SetClock, py::arg("step"),
            "The step of the table's last push (after a restore): pulls mark rows used at the "
            "next step.")
@@ -331,7 +351,7 @@ void BindPolicies(py::class_<elastic_emb::Table>& cls) {
 }
 
 // Slot ranges of the CPU table (a parameter server moving a range between groups).
-void BindSlotRanges(py::class_<elastic_emb::Table>& cls) {
+void BindSlotRanges(TableClass& cls) {
   cls.def(
          "export_slots",
          [](elastic_emb::Table& t, int64_t num_slots, int64_t begin, int64_t end) {
@@ -642,12 +662,14 @@ PYBIND11_MODULE(_core, m) {
   BindBatchKeys(m);
   BindVarint(m);
   elastic_emb::BindRequests(m);
-  elastic_emb::BindDataPlane(m);
-  py::class_<elastic_emb::Table> table(m, "Table");
+  // Held by shared_ptr: the data plane's shards share the tables (csrc/shard_core.h).
+  TableClass table(m, "Table");
   table.def(py::init<const elastic_emb::TableOptions&>(), py::arg("options"));
   BindTableMethods(table);
   BindChangeTracking(table);
   BindSlotRanges(table);
+  elastic_emb::BindShards(m);
+  elastic_emb::BindDataPlane(m);
   BindPolicies(table);
 
 #if EE_WITH_CUDA

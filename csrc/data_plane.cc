@@ -162,6 +162,7 @@ struct Server::Frame {
 
 Server::Server(const ServerOptions& options, Handler handler, Authenticate authenticate)
     : options_(options), handler_(std::move(handler)), authenticate_(std::move(authenticate)) {
+  life_->server = this;
   if (options_.max_connections < 1 || options_.max_threads < 1 || options_.idle_seconds <= 0 ||
       options_.max_frame_bytes < 1) {
     throw std::invalid_argument(
@@ -210,7 +211,11 @@ Server::Server(const ServerOptions& options, Handler handler, Authenticate authe
   workers_.emplace_back([this] { Work(); });
 }
 
-Server::~Server() { Stop(0.0); }
+Server::~Server() {
+  Stop(0.0);
+  std::lock_guard<std::mutex> lock(life_->mu);
+  life_->server = nullptr;  // parked requests are answered no more
+}
 
 int Server::connections() const {
   std::lock_guard<std::mutex> lock(connections_mu_);
@@ -536,18 +541,35 @@ void Server::Handle(Frame frame) {
       uint32_t left =
           header.deadline_ms == 0 ? 0 : static_cast<uint32_t>(header.deadline_ms - waited_ms);
       if (header.deadline_ms > 0 && left == 0) left = 1;
-      answer = handler_(header.method, std::move(frame.payload), left, c->caller);
+      std::shared_ptr<Life> life = life_;
+      const Park park = [life, c, header]() -> Respond {
+        // (the request stays in flight on its connection until answered)
+        return [life, c, header](Answer later) {
+          std::lock_guard<std::mutex> lock(life->mu);
+          if (life->server == nullptr) return;
+          life->server->Reply(c, header, std::move(later));
+          Answered(c.get());
+        };
+      };
+      std::optional<Answer> now =
+          handler_(header.method, std::move(frame.payload), left, c->caller, park);
+      if (!now) return;  // parked
+      answer = std::move(*now);
     }
   }
   const bool refused = header.method == kHello && answer.status != kOk;
   Reply(c, header, std::move(answer));
-  c->last_activity = Now();
-  c->in_flight--;
+  Answered(c.get());
   if (refused) {
     std::lock_guard<std::mutex> lock(c->write_mu);
     if (!c->closed) shutdown(c->fd, SHUT_WR);
     c->draining_until = Now() + 2.0;
   }
+}
+
+void Server::Answered(Connection* c) {
+  c->last_activity = Now();
+  c->in_flight--;
 }
 
 void Server::Reply(const std::shared_ptr<Connection>& c, const Header& request, Answer answer) {

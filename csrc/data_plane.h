@@ -35,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -85,10 +86,17 @@ struct Answer {
   std::string payload;
 };
 
-// What a server does with a request. Called on a handler thread, never the I/O thread;
-// may block. `caller` is what the connection's Authenticate returned.
-using Handler = std::function<Answer(uint8_t method, std::string payload, uint32_t deadline_ms,
-                                     const std::string& caller)>;
+// Sends the answer of a request its handler parked: once, from any thread; nothing once
+// the server stopped.
+using Respond = std::function<void(Answer)>;
+// Parks the request being handled: its answer goes through the Respond returned.
+using Park = std::function<Respond()>;
+// What a server does with a request: its answer, or nullopt once it called `park` (the
+// request then holds no thread). Called on a handler thread, never the I/O thread; may
+// block. `caller` is what the connection's Authenticate returned.
+using Handler =
+    std::function<std::optional<Answer>(uint8_t method, std::string payload, uint32_t deadline_ms,
+                                        const std::string& caller, const Park& park)>;
 // Decides a connection's kHello: true and the caller's name, or false and why not.
 using Authenticate = std::function<bool(const std::string& token, const std::string& peer,
                                         std::string* caller_or_why)>;
@@ -132,6 +140,11 @@ class Server {
  private:
   struct Connection;
   struct Frame;
+  // What a parked request's Respond reaches: the server, until it is destroyed.
+  struct Life {
+    std::mutex mu;
+    Server* server = nullptr;  // guarded by mu
+  };
   void Work();  // a pool thread: wait for an event, serve it
   bool Busy();  // a thread takes a request; false once stopping
   void Idle();  // ... and is done with it
@@ -142,12 +155,15 @@ class Server {
   void RunQueued();
   void Handle(Frame frame);
   void Reply(const std::shared_ptr<Connection>& c, const Header& request, Answer answer);
+  // A request answered: its connection counts it done.
+  static void Answered(Connection* c);
   void SendQueued(Connection* c);  // with c->write_mu held
   void Arm(Connection* c);         // with c->write_mu held, c open
   void Close(const std::shared_ptr<Connection>& c);
   void SweepIdle();
 
   ServerOptions options_;
+  std::shared_ptr<Life> life_ = std::make_shared<Life>();
   Handler handler_;
   Authenticate authenticate_;
   int listen_fd_ = -1;

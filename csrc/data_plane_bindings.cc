@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "data_plane.h"
+#include "shard_core.h"
 
 namespace py = pybind11;
 
@@ -45,15 +46,28 @@ std::shared_ptr<py::function> Shared(py::function f) {
 // the end of `stop` is kept alive (their threads still use it): the process is exiting.
 class PyServer {
  public:
-  PyServer(data_plane::ServerOptions options, py::function handle_fn,
-           py::function authenticate_fn) {
+  PyServer(data_plane::ServerOptions options, py::function handle_fn, py::function authenticate_fn,
+           std::shared_ptr<ServerCore> core) {
     // The Python callables are called with the GIL taken on a handler thread; they are
     // shared without touching their reference counts (released with the GIL taken).
     auto handle = Shared(std::move(handle_fn));
     auto authenticate = Shared(std::move(authenticate_fn));
     PyInterpreterState* interpreter = PyInterpreterState_Get();
-    auto handler = [handle, interpreter](uint8_t method, std::string payload, uint32_t deadline_ms,
-                                         const std::string& caller) -> Answer {
+    auto handler = [handle, interpreter, core](
+                       uint8_t method, std::string payload, uint32_t deadline_ms,
+                       const std::string& caller,
+                       const data_plane::Park& park) -> std::optional<Answer> {
+      if (core != nullptr) {
+        Answer answer;
+        switch (core->Serve(method, payload, park, &answer.status, &answer.payload)) {
+          case Served::kAnswered:
+            return answer;
+          case Served::kParked:
+            return std::nullopt;
+          case Served::kPython:
+            break;
+        }
+      }
       HandlerGil gil(interpreter);
       try {
         py::tuple answer =
@@ -112,10 +126,13 @@ void BindDataPlane(py::module_& m) {
       .def_readwrite("max_threads", &data_plane::ServerOptions::max_threads);
 
   py::class_<PyServer>(m, "DataPlaneServer")
-      .def(py::init<data_plane::ServerOptions, py::function, py::function>(), py::arg("options"),
-           py::arg("handle"), py::arg("authenticate"),
-           "Listens and serves: handle(method, payload, deadline_ms, caller) -> (status, "
-           "bytes) and authenticate(token, peer) -> (ok, caller or why) run on its threads.")
+      .def(py::init<data_plane::ServerOptions, py::function, py::function,
+                    std::shared_ptr<ServerCore>>(),
+           py::arg("options"), py::arg("handle"), py::arg("authenticate"),
+           py::arg("core") = nullptr,
+           "Listens and serves: `core` (a ServerCore) answers what it can; handle(method, "
+           "payload, deadline_ms, caller) -> (status, bytes) the rest, and authenticate(token, "
+           "peer) -> (ok, caller or why) the connections, on its threads.")
       .def_property_readonly("port", [](PyServer& s) { return s.server().port(); })
       .def("stop", &PyServer::Stop, py::arg("grace_seconds") = 0.0)
       .def("counters", [](PyServer& s) {

@@ -160,6 +160,15 @@ inline int64_t VirtualSlot(int64_t key, int64_t num_slots) {
   return static_cast<int64_t>(h % static_cast<uint64_t>(num_slots));
 }
 
+// The order of a table's optimizer steps (elastic_emb.tables.local.LocalTable): a push
+// takes `mu`, counts itself in `iterations` and runs as that step, so every caller's
+// pushes, Python's and the data plane's, are numbered in one sequence.
+struct StepState {
+  std::mutex mu;
+  int64_t iterations = 0;        // guarded by mu
+  int64_t nonfinite_pushes = 0;  // pushes skipped for gradients not finite; guarded by mu
+};
+
 class Table {
  public:
   explicit Table(const TableOptions& options);
@@ -238,6 +247,8 @@ class Table {
   // live rows take. The arena never shrinks; new rows fill the freed ones first.
   int64_t MemoryInUse() const;
 
+  StepState& step_state() { return step_state_; }
+
  private:
   struct Shard;
 
@@ -300,6 +311,7 @@ class Table {
   std::mutex evicted_mu_;          // guards evicted_
   ExportedRows evicted_;           // rows erased by eviction, kept (keep_evicted)
   std::atomic<int64_t> evicted_rows_{0}, admitted_keys_{0}, rejected_updates_{0};
+  StepState step_state_;
 };
 
 }  // namespace elastic_emb

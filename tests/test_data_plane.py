@@ -434,3 +434,64 @@ def test_tokens_are_checked_per_data_plane_connection(tmp_path):
             assert cluster.shards.data_plane_addresses() == [ps.address]
         finally:
             ee.shutdown()
+
+
+def test_sync_pulls_wait_on_the_plane_holding_no_thread():
+    """Seven of eight sync workers pull step 2 before the eighth pushed step 1, on a
+    server with 2 request threads: their pulls wait holding none, so the eighth's push
+    is served, applies the step and answers the seven with the step's rows (an
+    in-process table pushed the same gradients, in worker order, says which); a pull
+    that waits past its deadline is refused, naming the late worker."""
+    workers, keys = 8, np.array([3, 1, 4, 1, 5, 9], np.int64)
+    grads = np.random.default_rng(1).standard_normal((workers, len(keys), 4)).astype(np.float32)
+
+    def pull(worker: int, step: int, timeout_ms: int = 20_000) -> bytes:
+        entry = ps_pb2.TableKeys(table="rows", keys=keys.astype("<i8").tobytes())
+        return ps_pb2.PullRequest(
+            worker=worker, step=step, train=True, timeout_ms=timeout_ms, tables=[entry]
+        ).SerializeToString()
+
+    def push(worker: int) -> bytes:
+        entry = ps_pb2.TableGradients(
+            table="rows", keys=keys.astype("<i8").tobytes(), gradients=grads[worker].tobytes()
+        )
+        return ps_pb2.PushRequest(worker=worker, step=1, tables=[entry]).SerializeToString()
+
+    with shards(1, ["--threads", "2"]) as (ps,):
+        stub = _stub(ps.address)
+        config = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="rows").config()
+        stub.CreateTables(
+            ps_pb2.CreateTablesRequest(
+                tables=[ps_pb2.TableSpec(name="rows", config_json=json.dumps(config))]
+            ),
+            timeout=10,
+        )
+        for w in range(workers):
+            stub.Join(
+                ps_pb2.JoinRequest(worker=w, num_workers=workers, mode=ps_pb2.SYNC, staleness=-1),
+                timeout=10,
+            )
+        conns = [_data_connection(ps.address) for _ in range(workers)]
+        for w in range(workers):
+            assert _call(conns[w], PULL, pull(w, 1))[0] == OK
+        for w in range(workers - 1):
+            assert _call(conns[w], PUSH, push(w))[0] == OK
+        waiting = [
+            _core.data_plane_send([conns[w]], [PULL], [pull(w, 2)], 30.0)[0]
+            for w in range(workers - 1)
+        ]  # fmt: skip
+        status, message = _call(conns[0], PULL, pull(0, 2, timeout_ms=300))
+        assert status == 4 and "workers [7] have not pushed it" in message.decode(), message
+        assert not any(t.done() for t in waiting)
+
+        assert _call(conns[-1], PUSH, push(workers - 1))[0] == OK
+        assert _core.data_plane_wait(waiting, 30.0)
+        reference = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="reference")
+        reference.push(np.tile(keys, workers), grads.reshape(-1, 4))
+        expected = reference.pull(keys).astype("<f4").tobytes()
+        for ticket in waiting:
+            status, answer = ticket.answer()
+            assert status == OK
+            assert ps_pb2.PullResponse.FromString(answer).tables[0].values == expected
+        stats = stub.Stats(ps_pb2.StatsRequest(), timeout=10)
+        assert stats.pull_waits == workers - 1

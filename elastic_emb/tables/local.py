@@ -74,10 +74,31 @@ class LocalTable(Table):
     def __init__(self, config: TableConfig, core: Any = None) -> None:
         self._config = config
         self._core = _core.Table(core_options(config)) if core is None else core
-        self._step_lock = threading.Lock()  # orders pushes; guards the two counts below
-        self._iterations = 0
-        self._nonfinite_pushes = 0
+        # The step lock orders pushes and guards the counts (`_iterations`,
+        # `_nonfinite_pushes`); a C++ table keeps them itself, shared with the data plane.
+        self._steps = self._core if isinstance(self._core, _core.Table) else _StepState()
+        self._step_lock = _StepLock(self._steps)
         self._fusion = _LocalStep(self)
+
+    @property
+    def _iterations(self) -> int:
+        return int(self._steps.iterations)
+
+    @_iterations.setter
+    def _iterations(self, n: int) -> None:
+        self._steps.iterations = n
+
+    @property
+    def _nonfinite_pushes(self) -> int:
+        return int(self._steps.nonfinite_pushes)
+
+    @_nonfinite_pushes.setter
+    def _nonfinite_pushes(self, n: int) -> None:
+        self._steps.nonfinite_pushes = n
+
+    def _step_order(self) -> int:
+        """The order in which pushes take several tables' step locks (the data plane's too)."""
+        return int(self._steps.step_order) if isinstance(self._steps, _core.Table) else id(self)
 
     @property
     def iterations(self) -> int:
@@ -128,6 +149,10 @@ class LocalTable(Table):
             step = self._iterations
             lr = self.optimizer.learning_rate_at(step - 1)
             (apply or self._core.push)(keys, grads, lr, step)
+
+    def constant_learning_rate(self) -> float | None:
+        """The learning rate of every push, or None when a schedule sets each one."""
+        return self.optimizer.constant_learning_rate()
 
     def core_table(self) -> Any:
         """The C++ table that a parameter server's request path may pull from and push to
@@ -278,6 +303,34 @@ class LocalTable(Table):
         return state, erased, int(number)
 
 
+class _StepState:
+    """The step lock and counts of a table whose core keeps none (a tiered table)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.iterations = 0
+        self.nonfinite_pushes = 0
+
+    def lock_step(self) -> None:
+        self._lock.acquire()
+
+    def unlock_step(self) -> None:
+        self._lock.release()
+
+
+class _StepLock:
+    """`with`: holds a table's step lock (`_StepState`, or a `_core.Table`'s own)."""
+
+    def __init__(self, steps: Any) -> None:
+        self._steps = steps
+
+    def __enter__(self) -> None:
+        self._steps.lock_step()
+
+    def __exit__(self, *exc: object) -> None:
+        self._steps.unlock_step()
+
+
 class _LocalStep(StepFusion):
     """The layers' lookup of an in-process table: one core call per lookup and per push.
 
@@ -330,7 +383,7 @@ def push_parsed(tables: list[LocalTable | None], message: Any) -> None:
     rates = [0.0] * len(tables)
     steps = [0] * len(tables)
     with contextlib.ExitStack() as locks:
-        for _, table in sorted(direct, key=lambda it: id(it[1])):  # one order: no deadlock
+        for _, table in sorted(direct, key=lambda it: it[1]._step_order()):  # no deadlock
             locks.enter_context(table._step_lock)
         for i, table in direct:
             table._iterations += 1

@@ -3,10 +3,12 @@
 gRPC stays the control plane (joins, tables, health, admin, checkpoints, replication);
 these four methods also come on a port of their own, framed TCP whose connections,
 frames, limits and tokens C++ handles (`_core.DataPlaneServer`, csrc/data_plane.h), with
-no gRPC on the way. Each request is still decided by the `Servicer`'s own Python code,
-the same as its gRPC call (one call into Python per request, with the GIL), so both
-planes give the same answers, statuses, metrics and audit records. A server with TLS has no
-data plane: its data goes through gRPC, encrypted (never a plaintext port beside TLS).
+no gRPC on the way. With `native`, C++ answers the requests it can itself
+(`_core.ServerCore`, csrc/shard_core.h: the shards' step clocks and tables, no Python and
+no GIL per request); the others, and every request without `native`, are decided by the
+`Servicer`'s own Python code, the same as their gRPC calls. Both ways give the same
+answers, statuses and metrics. A server with TLS has no data plane: its data goes through
+gRPC, encrypted (never a plaintext port beside TLS).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class DataPlane:
     """Serves `servicer`'s data methods on host:port (0: any free port) until `stop`.
 
     `threads`: the most requests in progress at once (a sync pull waiting for the
-    other workers holds one, as on gRPC).
+    other workers holds one, as on gRPC). `native`: C++ answers what it can (a server
+    without a coordinator: with one, every change replicates and load is metered in
+    Python).
 
     Raises:
         RuntimeError: the port cannot be bound.
@@ -57,13 +61,17 @@ class DataPlane:
         idle_seconds: float = IDLE_SECONDS,
         max_connections: int = MAX_CONNECTIONS,
         max_frame_bytes: int = MAX_MESSAGE_BYTES,
+        native: bool = True,
     ) -> None:
         options = _core.DataPlaneOptions()
         options.host, options.port, options.max_threads = host, port, threads
         options.idle_seconds, options.max_connections = idle_seconds, max_connections
         options.max_frame_bytes = max_frame_bytes
         self._servicer = servicer
-        self._server = _core.DataPlaneServer(options, self._handle, self._authenticate)
+        core = servicer.ranges.native if native else None
+        if core is not None:
+            core.set_enabled(True)
+        self._server = _core.DataPlaneServer(options, self._handle, self._authenticate, core)
         self.port: int = self._server.port
 
     def _handle(self, method: int, payload: bytes, deadline_ms: int, caller: str) -> Any:

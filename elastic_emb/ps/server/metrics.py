@@ -70,14 +70,15 @@ class ServerCollector(Collector):
             PREFIX + "changes_applied", "Requests that changed a slot range"
         )
         changes.add_metric([], self._servicer.changes)
+        pull_waits, pull_wait_seconds = self._servicer.pull_waits()
         waits = CounterMetricFamily(
             PREFIX + "pull_waits", "Pulls that waited for other workers' pushes"
         )
-        waits.add_metric([], self._servicer.pull_waits)
+        waits.add_metric([], pull_waits)
         waited = CounterMetricFamily(
             PREFIX + "pull_wait_seconds", "Seconds pulls waited for other workers' pushes"
         )
-        waited.add_metric([], self._servicer.pull_wait_seconds)
+        waited.add_metric([], pull_wait_seconds)
         yield from (calls, errors, received, sent, seconds, changes, waits, waited)
 
     def _tables(self) -> Iterator[Metric]:

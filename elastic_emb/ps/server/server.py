@@ -287,7 +287,10 @@ def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
     from elastic_emb.ps.server.data_plane import DataPlane
 
     try:
-        data = DataPlane(servicer, options.host, options.data_port, options.threads)
+        data = DataPlane(
+            servicer, options.host, options.data_port, options.threads,
+            native=not options.coordinator,
+        )  # fmt: skip
     except RuntimeError as e:
         log.error("%s. Use another --data-port, or 0 for a free one", e)
         return False

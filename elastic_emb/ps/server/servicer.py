@@ -121,10 +121,10 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         self.tokens: Tokens | None = None  # set once, before the server starts
         self.load: LoadMeter | None = None  # set once, before the server starts
         self.memory_budget = 0  # bytes the tables may take (`serve --memory-budget`)
-        self.changes = 0  # change requests applied (guarded by _stats_lock)
-        # Pulls that waited for other workers (the sync barrier, a staleness bound) and
-        # their seconds (guarded by _stats_lock).
-        self.pull_waits, self.pull_wait_seconds = 0, 0.0
+        self._changes = 0  # change requests applied here (guarded by _stats_lock)
+        # Pulls Python answered after waiting for other workers (the sync barrier, a
+        # staleness bound) and their seconds (guarded by _stats_lock).
+        self._pull_waits, self._pull_wait_seconds = 0, 0.0
         self._stats_lock = threading.Lock()
         self._stats: collections.defaultdict[str, _MethodStats] = collections.defaultdict(
             _MethodStats
@@ -134,6 +134,12 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             "Pull": self._pull, "Push": self._push,
             "PullRanges": self._pull_ranges, "PushRanges": self._push_ranges,
         }  # fmt: skip
+
+    @property
+    def changes(self) -> int:
+        """Change requests applied, by Python and by the data plane."""
+        with self._stats_lock:
+            return self._changes + self.ranges.native.changes
 
     def usage(self, cpu: float = 0.0) -> Usage:
         """Rows, the tables' bytes against the budget, resident bytes, keys/s over the load
@@ -170,8 +176,14 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _count_wait(self, seconds: float) -> None:
         with self._stats_lock:
-            self.pull_waits += 1
-            self.pull_wait_seconds += seconds
+            self._pull_waits += 1
+            self._pull_wait_seconds += seconds
+
+    def pull_waits(self) -> tuple[int, float]:
+        """Pulls that waited for other workers' pushes, and their seconds, on both planes."""
+        waits, seconds = self.ranges.native.waits
+        with self._stats_lock:
+            return self._pull_waits + waits, self._pull_wait_seconds + seconds
 
     def _caller(self, method: str, context: Any) -> Caller:
         """The caller whose token a call carries; RequestError without a valid one."""
@@ -217,9 +229,20 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             log.exception("cannot write the audit record of %s", method)
 
     def method_stats(self) -> dict[str, _MethodStats]:
-        """A copy of each method's counts (`metrics`)."""
+        """A copy of each method's counts (`metrics`), the data plane's calls included."""
         with self._stats_lock:
-            return {name: copy.deepcopy(m) for name, m in self._stats.items()}
+            stats = {name: copy.deepcopy(m) for name, m in self._stats.items()}
+        for name, native in self.ranges.native.counts().items():
+            m = stats.setdefault(name, _MethodStats())
+            m.calls += native["calls"]
+            m.errors += native["errors"]
+            m.request_bytes += native["request_bytes"]
+            m.response_bytes += native["response_bytes"]
+            m.seconds += native["seconds"]
+            m.max_seconds = max(m.max_seconds, native["max_seconds"])
+            m.latency = [a + b for a, b in zip(m.latency, native["latency"], strict=True)]
+            m.codes.update(native["codes"])
+        return stats
 
     def count_bytes(self, method: str, received: int = 0, sent: int = 0) -> None:
         """Adds to a method's request and response bytes (see `add_to_server`)."""
@@ -269,7 +292,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     def apply_change(self, method: str, request: Any) -> Any:
         """Applies a change request; its response."""
         with self._stats_lock:
-            self.changes += 1
+            self._changes += 1
         return getattr(self, f"_{method}")(request)
 
     def _shard(self, request: Any, serving: bool = False, read_only: bool = False) -> Shard:
@@ -455,20 +478,19 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Stats(self, request: ps_pb2.StatsRequest) -> ps_pb2.StatsResponse:
-        with self._stats_lock:
-            methods = [
-                ps_pb2.MethodStats(
-                    method=name,
-                    calls=m.calls,
-                    errors=m.errors,
-                    request_bytes=m.request_bytes,
-                    response_bytes=m.response_bytes,
-                    seconds=m.seconds,
-                    max_seconds=m.max_seconds,
-                )
-                for name, m in sorted(self._stats.items())
-            ]
-            waits, wait_seconds = self.pull_waits, self.pull_wait_seconds
+        methods = [
+            ps_pb2.MethodStats(
+                method=name,
+                calls=m.calls,
+                errors=m.errors,
+                request_bytes=m.request_bytes,
+                response_bytes=m.response_bytes,
+                seconds=m.seconds,
+                max_seconds=m.max_seconds,
+            )
+            for name, m in sorted(self.method_stats().items())
+        ]
+        waits, wait_seconds = self.pull_waits()
         tables = [protocol.table_info(t) for t in self.ranges.tables()]
         return ps_pb2.StatsResponse(
             methods=methods, tables=tables, step=self.ranges.step(), pull_waits=waits,

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from elastic_emb import _core
 from elastic_emb.persistence import checkpoint
 from elastic_emb.ps.server.request_error import RequestError, invalid
-from elastic_emb.ps.server.step_clock import ASYNC, MAX_PUSHES_IN_FLIGHT, SYNC, StepClock
+from elastic_emb.ps.server.step_clock import ASYNC, MAX_PUSHES_IN_FLIGHT, SYNC
 from elastic_emb.ps.server.table_files import restore_owned_rows, write_tables
 from elastic_emb.ps.server.table_set import CheckedPush, TableSet, answer_pull, row_versions
 from elastic_emb.tables import sharding
@@ -43,13 +44,20 @@ class Shard:
     Thread-safe: the servicer calls every method from its request threads.
     `pull` blocks while the mode makes it wait for other workers; the others
     block only for the tables' own work. Locks: the tables' (`TableSet`) and
-    the step clock's (`StepClock`), taken in that order (`install`); tables
+    the step clock's (`step_clock`), taken in that order (`install`); tables
     push a sync step and `shrink` erases rows under the clock's.
+
+    `native` (a `_core.ShardCore`) holds the clock and the tables as the data
+    plane sees them: the plane answers a range's pulls and pushes itself while
+    it has no slot bounds (a server without a coordinator).
     """
 
     def __init__(self, slots: tuple[int, int] | None = None) -> None:
         self._tables = TableSet()
-        self._clock = StepClock(self._tables.apply_sync_step)
+        self.native = _core.ShardCore(self._tables.apply_sync_table)
+        self._tables.publish_to(self.native)
+        self.native.set_slotted(slots is not None)
+        self._clock = self.native.clock
         # The slots [begin, end) whose keys this shard takes (None: every key). Written
         # under the clock's lock (`shrink`); read without (a tuple, replaced whole).
         self.slots = slots
@@ -225,7 +233,7 @@ class Shard:
             for table in self.tables():
                 table.erase_slots((at, end))
 
-        self._clock.keep_pending(_slot_filter((begin, at)), erase_moved_rows)
+        self._clock.keep_pending(sharding.NUM_SLOTS, begin, at, erase_moved_rows)
 
     # Checkpoints.
 
@@ -296,12 +304,15 @@ class Ranges:
 
     Thread-safe. With a coordinator a group holds several ranges
     (`elastic_emb.ps.coord.membership`), each its own `Shard`, so that one can
-    move to another group whole.
+    move to another group whole. `native` (a `_core.ServerCore`) holds the same
+    shards for the data plane.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._shards: dict[int, Shard] = {0: Shard()}  # guarded by _lock
+        self.native = _core.ServerCore()
+        self._shards: dict[int, Shard] = {}  # guarded by _lock
+        self.put(0, Shard())
 
     def get(self, range_id: int) -> Shard:
         with self._lock:
@@ -336,11 +347,17 @@ class Ranges:
     def put(self, range_id: int, shard: Shard) -> None:
         with self._lock:
             self._shards[range_id] = shard
+            self.native.put_range(range_id, shard.native)
 
     def pop(self, range_id: int) -> Shard | None:
         with self._lock:
+            self.native.drop_range(range_id)
             return self._shards.pop(range_id, None)
 
     def replace(self, shards: dict[int, Shard]) -> None:
         with self._lock:
+            for range_id in self._shards:
+                self.native.drop_range(range_id)
+            for range_id, shard in shards.items():
+                self.native.put_range(range_id, shard.native)
             self._shards = dict(shards)

@@ -34,12 +34,29 @@ class TableSet:
 
     `_tables` changes only under `_lock`: `create` adds tables to it,
     `replacing` swaps in another dict. Readers take no lock: they see the
-    set before or after a change, and a table they found stays usable.
+    set before or after a change, and a table they found stays usable. Each
+    change is published to the data plane's copy (`publish_to`).
     """
 
     def __init__(self) -> None:
         self._tables: dict[str, LocalTable] = {}  # changed under _lock; read without
         self._lock = threading.Lock()
+        self._native: Any = None  # the `_core.ShardCore` told of each change
+
+    def publish_to(self, native: Any) -> None:
+        """Tells `native` (a `_core.ShardCore`) the tables now and after each change: the
+        C++ table of each, and its learning rate where it is constant (the plane pushes
+        those tables itself)."""
+        with self._lock:
+            self._native = native
+            self._publish()
+
+    def _publish(self) -> None:
+        if self._native is not None:
+            tables = self._tables.values()
+            self._native.set_tables(
+                [(t.name, t.core_table(), t.constant_learning_rate()) for t in tables]
+            )
 
     def get(self, name: str) -> LocalTable:
         """The table `name`; refuses (NOT_FOUND) an unknown one."""
@@ -90,6 +107,7 @@ class TableSet:
                     raise invalid(f"Table {name!r}: invalid configuration {config}: {e}") from e
                 chosen[table.name] = table
             self._tables.update(chosen)
+            self._publish()
             return [chosen[c["name"]] for c in configs]
 
     @contextlib.contextmanager
@@ -98,28 +116,30 @@ class TableSet:
         runs under the lock too, so that what changes with the tables changes at once."""
         with self._lock:
             self._tables = {t.name: t for t in tables}
+            self._publish()
             yield
 
-    def apply_sync_step(
-        self, step: int, parts: dict[str, list[tuple[np.ndarray, np.ndarray]]]
+    def apply_sync_table(
+        self, step: int, name: str, parts: list[tuple[np.ndarray, np.ndarray]]
     ) -> None:
-        """Applies sync step `step`: each table's parts (in worker order) in one push.
+        """Applies table `name`'s parts (in worker order) of sync step `step` in one push,
+        for the step clock (`_core.ShardCore`, which pushes the tables it can itself, the
+        same way).
 
         Each part was checked finite (`CheckedPush`); their sum may overflow:
-        that table then skips the step (logged), never raises (the step is
+        the table then skips the step (logged), never raises (the step is
         acknowledged to every worker already).
         """
-        for name, table_parts in sorted(parts.items()):
-            table = self._tables[name]
-            if len(table_parts) == 1:  # one worker's part, checked finite already
-                table.push_checked(*table_parts[0])
-                continue
-            keys = np.concatenate([k for k, _ in table_parts])
-            grads = np.concatenate([g for _, g in table_parts])
-            if check_finite_gradients(name, keys, grads, "skip"):
-                table.push_checked(keys, grads)
-            else:
-                log.error("step %d of table %r sums to NaN or Inf: skipped", step, name)
+        table = self._tables[name]
+        if len(parts) == 1:  # one worker's part, checked finite already
+            table.push_checked(*parts[0])
+            return
+        keys = np.concatenate([k for k, _ in parts])
+        grads = np.concatenate([g for _, g in parts])
+        if check_finite_gradients(name, keys, grads, "skip"):
+            table.push_checked(keys, grads)
+        else:
+            log.error("step %d of table %r sums to NaN or Inf: skipped", step, name)
 
 
 class CheckedPush:

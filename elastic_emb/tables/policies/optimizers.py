@@ -86,6 +86,11 @@ class Optimizer:
                 )
             object.__setattr__(self, "learning_rate", float(lr))
 
+    def constant_learning_rate(self) -> float | None:
+        """The learning rate of every update, or None when a schedule sets each one."""
+        lr = self.learning_rate
+        return None if _is_schedule(lr) else lr
+
     def learning_rate_at(self, iterations: int) -> float:
         """The learning rate of the update that follows `iterations` updates."""
         lr = self.learning_rate

@@ -1,0 +1,294 @@
+#include "shard_bindings.h"
+
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "py_arrays.h"
+#include "shard_core.h"
+#include "step_clock.h"
+#include "table.h"
+
+namespace py = pybind11;
+
+namespace elastic_emb {
+namespace {
+
+using py_arrays::CheckArray;
+
+// A Python callable kept by C++ objects that may be dropped on a thread without the GIL.
+std::shared_ptr<py::function> Shared(py::function f) {
+  return std::shared_ptr<py::function>(new py::function(std::move(f)), [](py::function* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+}
+
+// Parts as Python has them: [(table name, keys (n,) int64, gradients (n, dim) float32)].
+StepParts PartsFromPython(const py::handle& parts) {
+  StepParts out;
+  for (py::handle item : parts) {
+    auto t = item.cast<py::tuple>();
+    auto keys = CheckArray<int64_t>(t[1], "keys", {-1});
+    auto grads = CheckArray<float>(t[2], "gradients", {keys.shape(0), -1});
+    StepPart part;
+    part.table = t[0].cast<std::string>();
+    part.dim = static_cast<int>(grads.shape(1));
+    part.keys.assign(keys.data(), keys.data() + keys.size());
+    part.gradients.assign(grads.data(), grads.data() + grads.size());
+    out.push_back(std::move(part));
+  }
+  return out;
+}
+
+py::tuple PartToPython(const StepPart& p) {
+  const auto n = static_cast<py::ssize_t>(p.keys.size());
+  py::array_t<int64_t> keys(n);
+  std::copy(p.keys.begin(), p.keys.end(), keys.mutable_data());
+  py::array_t<float> grads({n, static_cast<py::ssize_t>(p.dim)});
+  std::copy(p.gradients.begin(), p.gradients.end(), grads.mutable_data());
+  return py::make_tuple(keys, grads);
+}
+
+py::list PartsToPython(const StepParts& parts) {
+  py::list out;
+  for (const StepPart& p : parts) {
+    py::tuple kg = PartToPython(p);
+    out.append(py::make_tuple(p.table, kg[0], kg[1]));
+  }
+  return out;
+}
+
+py::object ModeOrNone(int mode) {
+  return mode == kNoMode ? py::object(py::none()) : py::int_(mode);
+}
+
+py::dict StateToPython(const ClockState& s) {
+  py::dict state, pushed;
+  for (const auto& [worker, step] : s.pushed) pushed[py::str(std::to_string(worker))] = step;
+  state["mode"] = ModeOrNone(s.mode);
+  state["num_workers"] = s.num_workers;
+  state["elastic"] = s.elastic;
+  state["live"] = std::vector<int64_t>(s.live.begin(), s.live.end());
+  state["staleness"] = s.staleness;
+  state["pushed"] = pushed;
+  state["applied"] = s.applied;
+  return state;
+}
+
+ClockState StateFromPython(const py::dict& d) {
+  ClockState s;
+  s.mode = d["mode"].is_none() ? kNoMode : d["mode"].cast<int>();
+  s.num_workers = d["num_workers"].cast<int64_t>();
+  s.elastic = d["elastic"].cast<bool>();
+  for (py::handle w : d["live"]) s.live.insert(w.cast<int64_t>());
+  s.staleness = d["staleness"].cast<int64_t>();
+  for (auto item : d["pushed"].cast<py::dict>()) {
+    s.pushed[std::stoll(item.first.cast<std::string>())] = item.second.cast<int64_t>();
+  }
+  s.applied = d["applied"].cast<int64_t>();
+  return s;
+}
+
+py::dict StepsToPython(const std::map<int64_t, int64_t>& steps) {
+  py::dict out;
+  for (const auto& [worker, step] : steps) out[py::int_(worker)] = step;
+  return out;
+}
+
+void BindStepClock(py::module_& m) {
+  using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<StepClock>(m, "StepClock", "A shard's step protocol (csrc/step_clock.h).")
+      .def("join", &StepClock::Join, py::arg("worker"), py::arg("num_workers"), py::arg("mode"),
+           py::arg("staleness"), py::arg("elastic") = false, py::arg("again") = false, Release())
+      .def("leave", &StepClock::Leave, py::arg("worker"), Release())
+      .def("retire", &StepClock::Retire, py::arg("why"), Release())
+      .def("check_worker", &StepClock::CheckWorker, py::arg("worker"), py::arg("step"), Release())
+      .def("check_pull_step", &StepClock::CheckPullStep, py::arg("worker"), py::arg("step"),
+           Release())
+      .def("wait_to_pull", &StepClock::WaitToPull, py::arg("worker"), py::arg("step"),
+           py::arg("timeout"), Release())
+      .def(
+          "push",
+          [](StepClock& c, int64_t worker, int64_t step, py::function queue, py::function apply) {
+            py::gil_scoped_release release;
+            return c.Push(
+                worker, step,
+                [&] {
+                  py::gil_scoped_acquire gil;
+                  return PartsFromPython(queue());
+                },
+                [&] {
+                  py::gil_scoped_acquire gil;
+                  apply();
+                });
+          },
+          py::arg("worker"), py::arg("step"), py::arg("queue"), py::arg("apply"),
+          "SYNC: queue() -> [(table, keys, gradients)], queued; ASYNC: apply() applies it.")
+      .def("hold_at", &StepClock::HoldAt, py::arg("after_step"), Release())
+      .def("release_hold", &StepClock::ReleaseHold, Release())
+      .def(
+          "wait_applied",
+          [](StepClock& c, int64_t after_step, double timeout) {
+            std::pair<int64_t, std::map<int64_t, int64_t>> r;
+            {
+              py::gil_scoped_release release;
+              r = c.WaitApplied(after_step, timeout);
+            }
+            return py::make_tuple(r.first, StepsToPython(r.second));
+          },
+          py::arg("after_step"), py::arg("timeout"))
+      .def("worker_steps",
+           [](StepClock& c) {
+             std::map<int64_t, int64_t> steps;
+             {
+               py::gil_scoped_release release;
+               steps = c.WorkerSteps();
+             }
+             return StepsToPython(steps);
+           })
+      .def("mode_name",
+           [](StepClock& c) -> py::object {
+             int mode;
+             {
+               py::gil_scoped_release release;
+               mode = c.mode();
+             }
+             if (mode == kNoMode) return py::none();
+             return py::str(mode == kSync ? "sync" : "async");
+           })
+      .def("step", &StepClock::step, Release())
+      .def(
+          "export",
+          [](StepClock& c) {
+            std::pair<ClockState, std::vector<PendingPush>> e;
+            {
+              py::gil_scoped_release release;
+              e = c.Export();
+            }
+            py::list pending;
+            for (const PendingPush& p : e.second) {
+              pending.append(py::make_tuple(p.worker, p.step, PartsToPython(p.parts)));
+            }
+            return py::make_tuple(StateToPython(e.first), pending);
+          },
+          "(state, JSON-ready; [(worker, step, parts)] of the sync steps not applied yet).")
+      .def(
+          "install",
+          [](StepClock& c, const py::dict& state, const py::list& pending) {
+            ClockState s = StateFromPython(state);
+            std::vector<PendingPush> pushes;
+            for (py::handle item : pending) {
+              auto t = item.cast<py::tuple>();
+              pushes.push_back({t[0].cast<int64_t>(), t[1].cast<int64_t>(), PartsFromPython(t[2])});
+            }
+            py::gil_scoped_release release;
+            c.Install(s, std::move(pushes));
+          },
+          py::arg("state"), py::arg("pending"))
+      .def(
+          "keep_pending",
+          [](StepClock& c, int64_t num_slots, int64_t begin, int64_t end, py::function first) {
+            py::gil_scoped_release release;
+            c.KeepPending(num_slots, begin, end, [&] {
+              py::gil_scoped_acquire gil;
+              first();
+            });
+          },
+          py::arg("num_slots"), py::arg("begin"), py::arg("end"), py::arg("first"),
+          "first(), then the pending pushes keep the keys of slots [begin, end).");
+}
+
+}  // namespace
+
+void BindShards(py::module_& m) {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Refusal& e) {
+      py::object cls =
+          py::module_::import("elastic_emb.ps.server.request_error").attr("RequestError");
+      py::object error = cls(e.code(), e.what());
+      PyErr_SetObject(cls.ptr(), error.ptr());
+    }
+  });
+  m.attr("MAX_PUSHES_IN_FLIGHT") = kMaxPushesInFlight;
+  BindStepClock(m);
+
+  py::class_<ShardCore, std::shared_ptr<ShardCore>>(
+      m, "ShardCore", "A shard's step clock and tables as the data plane serves them.")
+      .def(py::init([](py::function apply_in_python) {
+             auto apply = Shared(std::move(apply_in_python));
+             return std::make_shared<ShardCore>([apply](int64_t step, const std::string& table,
+                                                        const std::vector<const StepPart*>& parts) {
+               py::gil_scoped_acquire gil;
+               py::list out;
+               for (const StepPart* p : parts) out.append(PartToPython(*p));
+               (*apply)(step, table, out);
+             });
+           }),
+           py::arg("apply_in_python"),
+           "apply_in_python(step, table, [(keys, gradients)]): a sync step's parts of a table "
+           "the plane does not push itself.")
+      .def_property_readonly(
+          "clock", [](ShardCore& s) -> StepClock& { return s.clock(); },
+          py::return_value_policy::reference_internal)
+      .def(
+          "set_tables",
+          [](ShardCore& s, const py::list& tables) {
+            PlaneTables out;
+            for (py::handle item : tables) {
+              auto t = item.cast<py::tuple>();
+              PlaneTable table;
+              if (!t[1].is_none()) table.table = t[1].cast<std::shared_ptr<Table>>();
+              if (!t[2].is_none()) {
+                table.learning_rate = t[2].cast<float>();
+                table.constant_rate = true;
+              }
+              out[t[0].cast<std::string>()] = std::move(table);
+            }
+            py::gil_scoped_release release;
+            s.SetTables(std::move(out));
+          },
+          py::arg("tables"),
+          "[(name, _core.Table or None, constant learning rate or None)]: the shard's tables.")
+      .def("set_slotted", &ShardCore::SetSlotted, py::arg("slotted"));
+
+  py::class_<ServerCore, std::shared_ptr<ServerCore>>(
+      m, "ServerCore", "A server's shards by range, as the data plane serves them.")
+      .def(py::init<>())
+      .def("set_enabled", &ServerCore::SetEnabled, py::arg("enabled"))
+      .def("put_range", &ServerCore::PutRange, py::arg("range"), py::arg("shard"))
+      .def("drop_range", &ServerCore::DropRange, py::arg("range"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "counts",
+          [](const ServerCore& s) {
+            py::dict out;
+            for (const auto& [name, c] : s.counts()) {
+              py::dict d;
+              d["calls"] = c.calls;
+              d["errors"] = c.errors;
+              d["request_bytes"] = c.request_bytes;
+              d["response_bytes"] = c.response_bytes;
+              d["seconds"] = c.seconds;
+              d["max_seconds"] = c.max_seconds;
+              d["latency"] = std::vector<int64_t>(c.latency.begin(), c.latency.end());
+              d["codes"] = c.codes;
+              out[py::str(name)] = d;
+            }
+            return out;
+          },
+          "Per method: the calls the plane answered itself (servicer._MethodStats's fields).")
+      .def_property_readonly("changes", &ServerCore::changes)
+      .def_property_readonly("waits", &ServerCore::waits,
+                             "(pulls answered after waiting for their step, their seconds).");
+}
+
+}  // namespace elastic_emb

@@ -1,0 +1,478 @@
+#include "shard_core.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "check.h"
+#include "table.h"
+
+namespace elastic_emb {
+namespace {
+
+// The Pull, Push, PullRanges and PushRanges methods (data_plane::Method).
+enum : uint8_t { kPull = 1, kPush = 2, kPullRanges = 3, kPushRanges = 4 };
+const char* const kMethodNames[] = {"", "Pull", "Push", "PullRanges", "PushRanges"};
+
+constexpr double kLatencyBucketSeconds[kLatencyBounds] = {
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0};
+
+// gRPC's status codes by name.
+uint8_t StatusNumber(const std::string& code) {
+  static const std::map<std::string, uint8_t> numbers = {{"OK", 0},
+                                                         {"CANCELLED", 1},
+                                                         {"UNKNOWN", 2},
+                                                         {"INVALID_ARGUMENT", 3},
+                                                         {"DEADLINE_EXCEEDED", 4},
+                                                         {"NOT_FOUND", 5},
+                                                         {"ALREADY_EXISTS", 6},
+                                                         {"PERMISSION_DENIED", 7},
+                                                         {"RESOURCE_EXHAUSTED", 8},
+                                                         {"FAILED_PRECONDITION", 9},
+                                                         {"ABORTED", 10},
+                                                         {"OUT_OF_RANGE", 11},
+                                                         {"UNIMPLEMENTED", 12},
+                                                         {"INTERNAL", 13},
+                                                         {"UNAVAILABLE", 14},
+                                                         {"DATA_LOSS", 15},
+                                                         {"UNAUTHENTICATED", 16}};
+  auto it = numbers.find(code);
+  return it == numbers.end() ? 2 : it->second;
+}
+
+// A PushResponse: field 1 (step), omitted when 0 as protobuf omits it.
+std::string PushResponse(int64_t step) {
+  std::string out;
+  if (step == 0) return out;
+  out.push_back(0x08);
+  uint64_t v = static_cast<uint64_t>(step);
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>((v & 0x7F) | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+  return out;
+}
+
+// One optimizer step of `table` (its step lock held): numbered next, at its constant rate.
+void PushLocked(const PlaneTable& t, int64_t n, const int64_t* keys, const float* grads) {
+  StepState& steps = t.table->step_state();
+  ++steps.iterations;
+  t.table->Push(n, keys, grads, t.learning_rate, steps.iterations);
+}
+
+}  // namespace
+
+ShardCore::ShardCore(ApplyInPython apply_in_python)
+    : apply_in_python_(std::move(apply_in_python)),
+      clock_([this](int64_t step, const std::vector<const StepParts*>& pushes) {
+        // Each table's parts, in worker order; tables by name.
+        std::map<std::string, std::vector<const StepPart*>> by_table;
+        for (const StepParts* parts : pushes) {
+          for (const StepPart& part : *parts) by_table[part.table].push_back(&part);
+        }
+        for (const auto& [name, parts] : by_table) ApplyStep(step, parts, name);
+      }),
+      tables_(std::make_shared<const PlaneTables>()) {}
+
+void ShardCore::SetTables(PlaneTables tables) {
+  auto shared = std::make_shared<const PlaneTables>(std::move(tables));
+  std::lock_guard<std::mutex> lock(mu_);
+  tables_ = std::move(shared);
+}
+
+void ShardCore::SetSlotted(bool slotted) {
+  std::lock_guard<std::mutex> lock(mu_);
+  slotted_ = slotted;
+}
+
+std::shared_ptr<const PlaneTables> ShardCore::tables() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return slotted_ ? nullptr : tables_;
+}
+
+// A sync step's parts of one table: summed by one push, as Python's
+// TableSet.apply_sync_step does (each part was checked finite; a sum of several that is
+// not goes to Python, which skips the step and logs it).
+void ShardCore::ApplyStep(int64_t step, const std::vector<const StepPart*>& parts,
+                          const std::string& name) {
+  const auto all = tables();
+  auto it = all == nullptr ? PlaneTables::const_iterator() : all->find(name);
+  if (all == nullptr || it == all->end() || !it->second.native()) {
+    apply_in_python_(step, name, parts);
+    return;
+  }
+  const PlaneTable& t = it->second;
+  if (parts.size() == 1) {
+    std::lock_guard<std::mutex> lock(t.table->step_state().mu);
+    PushLocked(t, static_cast<int64_t>(parts[0]->keys.size()), parts[0]->keys.data(),
+               parts[0]->gradients.data());
+    return;
+  }
+  std::vector<int64_t> keys;
+  std::vector<float> grads;
+  for (const StepPart* p : parts) {
+    keys.insert(keys.end(), p->keys.begin(), p->keys.end());
+    grads.insert(grads.end(), p->gradients.begin(), p->gradients.end());
+  }
+  if (!wire::NonfiniteProblem(keys, grads, t.table->dim()).empty()) {
+    apply_in_python_(step, name, parts);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(t.table->step_state().mu);
+  PushLocked(t, static_cast<int64_t>(keys.size()), keys.data(), grads.data());
+}
+
+bool ShardCore::PreparePull(const wire::PullRequest& request,
+                            std::vector<wire::RowSource>* sources) {
+  const auto all = tables();
+  if (all == nullptr) return false;
+  if (request.encoding < wire::kFloat32 || request.encoding > wire::kBfloat16) return false;
+  sources->assign(request.tables.size(), wire::RowSource{});
+  for (size_t i = 0; i < request.tables.size(); ++i) {
+    auto it = all->find(request.tables[i].name);
+    if (it == all->end() || it->second.table == nullptr) return false;
+    (*sources)[i].table = it->second.table.get();
+    (*sources)[i].dim = it->second.table->dim();
+  }
+  return true;
+}
+
+std::optional<std::string> ShardCore::AnswerPull(const wire::PullRequest& request,
+                                                 const std::vector<wire::RowSource>& sources) {
+  clock_.CheckWorker(request.worker, request.step);
+  clock_.CheckPullStep(request.worker, request.step);
+  if (!clock_.ReadyToPull(request.worker, request.step)) return std::nullopt;
+  return wire::AnswerPull(request, sources);
+}
+
+bool ShardCore::PreparePush(wire::PushRequest& request, std::vector<PlaneTable>* tables_out) {
+  const auto all = tables();
+  if (all == nullptr) return false;
+  std::vector<int> dims;
+  for (const auto& part : request.tables) {
+    auto it = all->find(part.name);
+    if (it == all->end() || !it->second.native()) return false;
+    tables_out->push_back(it->second);
+    dims.push_back(it->second.table->dim());
+  }
+  try {
+    wire::DecodeGradients(request, dims);
+  } catch (const InvalidArgument&) {
+    return false;  // Python refuses it, naming the problem
+  }
+  for (size_t i = 0; i < request.tables.size(); ++i) {
+    const auto& part = request.tables[i];
+    if (!wire::NonfiniteProblem(part.keys, part.gradients, dims[i]).empty()) return false;
+  }
+  return true;
+}
+
+std::string ShardCore::ApplyPush(wire::PushRequest& request,
+                                 const std::vector<PlaneTable>& tables) {
+  clock_.CheckWorker(request.worker, request.step);
+  auto queue = [&] {
+    StepParts parts;
+    for (size_t i = 0; i < request.tables.size(); ++i) {
+      auto& part = request.tables[i];
+      parts.push_back(
+          {part.name, std::move(part.keys), std::move(part.gradients), tables[i].table->dim()});
+    }
+    return parts;
+  };
+  auto apply = [&] {
+    // Every table's step lock, taken in one order (LocalTable._step_order), then each
+    // table's step in request order (as Python's push_parsed).
+    std::vector<Table*> order;
+    for (const PlaneTable& t : tables) order.push_back(t.table.get());
+    std::sort(order.begin(), order.end());
+    std::vector<std::unique_lock<std::mutex>> locks;
+    for (Table* t : order) locks.emplace_back(t->step_state().mu);
+    for (size_t i = 0; i < tables.size(); ++i) {
+      const auto& part = request.tables[i];
+      PushLocked(tables[i], static_cast<int64_t>(part.keys.size()), part.keys.data(),
+                 part.gradients.data());
+    }
+  };
+  return PushResponse(clock_.Push(request.worker, request.step, queue, apply));
+}
+
+void ServerCore::SetEnabled(bool enabled) {
+  std::lock_guard<std::mutex> lock(mu_);
+  enabled_ = enabled;
+}
+
+void ServerCore::PutRange(int32_t range, std::shared_ptr<ShardCore> shard) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ranges_[range] = std::move(shard);
+}
+
+void ServerCore::DropRange(int32_t range) {
+  std::shared_ptr<ShardCore> dropped;  // released outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ranges_.find(range);
+  if (it == ranges_.end()) return;
+  dropped = std::move(it->second);
+  ranges_.erase(it);
+}
+
+std::shared_ptr<ShardCore> ServerCore::Find(int32_t range) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!enabled_) return nullptr;
+  auto it = ranges_.find(range);
+  return it == ranges_.end() ? nullptr : it->second;
+}
+
+Served ServerCore::Serve(uint8_t method, const std::string& payload, const data_plane::Park& park,
+                         uint8_t* status, std::string* out) {
+  if (method < kPull || method > kPushRanges) return Served::kPython;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!enabled_) return Served::kPython;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const bool ranges = method == kPullRanges || method == kPushRanges;
+  const bool pull = method == kPull || method == kPullRanges;
+  std::string code;
+  std::optional<std::string> answer;
+  int64_t pushes = 0;  // pushes taken (Python's `changes` counts the refused ones too)
+  try {
+    if (method == kPull) return Pull(payload, park, start, status, out);
+    std::vector<std::string_view> parts;
+    if (ranges) {
+      try {
+        parts = wire::ParseParts(payload);
+      } catch (const InvalidArgument&) {
+        return Served::kPython;
+      }
+    } else {
+      parts.push_back(payload);
+    }
+    answer = pull ? Pulls(parts) : Pushes(parts, ranges, &pushes);
+    if (!answer) return Served::kPython;
+  } catch (const Refusal& e) {
+    code = e.code();
+    *out = e.what();
+  } catch (const InvalidArgument& e) {  // (a table refused an argument: Python's ValueError)
+    code = "INVALID_ARGUMENT";
+    *out = e.what();
+  } catch (const std::exception& e) {
+    code = "INTERNAL";
+    *out = e.what();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (code.empty()) {
+    *status = 0;
+    *out = std::move(*answer);
+    Record(method, seconds, code, payload.size(), out->size(), pushes);
+  } else {
+    *status = StatusNumber(code);
+    Record(method, seconds, code, payload.size(), 0, pushes);
+  }
+  return Served::kAnswered;
+}
+
+Served ServerCore::Pull(std::string_view payload, const data_plane::Park& park, TimePoint start,
+                        uint8_t* status, std::string* out) {
+  auto request = std::make_shared<wire::PullRequest>();
+  try {
+    *request = wire::ParsePullRequest(payload);
+  } catch (const InvalidArgument&) {
+    return Served::kPython;
+  }
+  auto shard = Find(request->range);
+  auto sources = std::make_shared<std::vector<wire::RowSource>>();
+  if (shard == nullptr || !shard->PreparePull(*request, sources.get())) return Served::kPython;
+  const size_t received = payload.size();
+  // Answers it: with the rows, or the refusal (Refusal is caught by Serve before it parks).
+  auto finish = [request, sources, received, start](ServerCore* core, const Refusal* refusal,
+                                                    uint8_t* status, std::string* out) {
+    std::string code;
+    if (refusal != nullptr) {
+      code = refusal->code();
+      *out = refusal->what();
+    } else {
+      try {
+        *out = wire::AnswerPull(*request, *sources);
+      } catch (const std::exception& e) {
+        code = "INTERNAL";
+        *out = e.what();
+      }
+    }
+    *status = code.empty() ? 0 : StatusNumber(code);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (core != nullptr) {
+      core->Record(kPull, seconds, code, received, code.empty() ? out->size() : 0, 0);
+    }
+  };
+  StepClock& clock = shard->clock();
+  clock.CheckWorker(request->worker, request->step);
+  clock.CheckPullStep(request->worker, request->step);
+  const double timeout = request->timeout_ms > 0 ? request->timeout_ms / 1000.0 : 3600.0;
+  data_plane::Respond respond = park();
+  std::weak_ptr<ServerCore> self = weak_from_this();
+  const bool parked = clock.Park(request->worker, request->step, timeout,
+                                 [self, respond, finish](const Refusal* refusal, double waited) {
+                                   auto core = self.lock();
+                                   data_plane::Answer answer;
+                                   finish(core.get(), refusal, &answer.status, &answer.payload);
+                                   if (core != nullptr && refusal == nullptr) {
+                                     std::lock_guard<std::mutex> lock(core->mu_);
+                                     ++core->waits_;
+                                     core->wait_seconds_ += waited;
+                                   }
+                                   respond(std::move(answer));
+                                 });
+  if (parked) {
+    Watch(std::chrono::steady_clock::now() +
+          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+              std::chrono::duration<double>(std::min(timeout, 1e8))));
+    return Served::kParked;
+  }
+  finish(this, nullptr, status, out);
+  return Served::kAnswered;
+}
+
+void ServerCore::Watch(TimePoint deadline) {
+  std::lock_guard<std::mutex> lock(timer_mu_);
+  if (stopping_) return;
+  if (!timer_.joinable()) timer_ = std::thread([this] { WatchDeadlines(); });
+  if (!next_ || deadline < *next_) {
+    next_ = deadline;
+    timer_cv_.notify_one();
+  }
+}
+
+// The timer thread: refuses (DEADLINE_EXCEEDED) each parked pull once its deadline passes.
+void ServerCore::WatchDeadlines() {
+  std::unique_lock<std::mutex> lock(timer_mu_);
+  while (!stopping_) {
+    if (!next_) {
+      timer_cv_.wait(lock);
+      continue;
+    }
+    if (std::chrono::steady_clock::now() < *next_) {
+      timer_cv_.wait_until(lock, *next_);
+      continue;
+    }
+    next_.reset();
+    lock.unlock();
+    std::vector<std::shared_ptr<ShardCore>> shards;
+    {
+      std::lock_guard<std::mutex> ranges_lock(mu_);
+      for (const auto& [range, shard] : ranges_) shards.push_back(shard);
+    }
+    std::optional<TimePoint> next;
+    for (const auto& shard : shards) {
+      auto deadline = shard->clock().Expire();
+      if (deadline && (!next || *deadline < *next)) next = deadline;
+    }
+    lock.lock();
+    if (next && (!next_ || *next < *next_)) next_ = next;
+  }
+}
+
+ServerCore::~ServerCore() {
+  {
+    std::lock_guard<std::mutex> lock(timer_mu_);
+    stopping_ = true;
+    timer_cv_.notify_all();
+  }
+  if (!timer_.joinable()) return;
+  if (timer_.get_id() == std::this_thread::get_id()) {
+    timer_.detach();  // (its last reference went on the timer thread itself)
+  } else {
+    timer_.join();
+  }
+}
+
+// A PullRanges: answered here only if no part waits (Python waits for it otherwise).
+std::optional<std::string> ServerCore::Pulls(const std::vector<std::string_view>& parts) {
+  std::vector<wire::PullRequest> requests(parts.size());
+  std::vector<std::shared_ptr<ShardCore>> shards(parts.size());
+  std::vector<std::vector<wire::RowSource>> sources(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    try {
+      requests[i] = wire::ParsePullRequest(parts[i]);
+    } catch (const InvalidArgument&) {
+      return std::nullopt;
+    }
+    shards[i] = Find(requests[i].range);
+    if (shards[i] == nullptr || !shards[i]->PreparePull(requests[i], &sources[i])) {
+      return std::nullopt;
+    }
+  }
+  std::vector<std::string> answers(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    auto answer = shards[i]->AnswerPull(requests[i], sources[i]);
+    if (!answer) return std::nullopt;  // it waits: Python answers the whole request
+    answers[i] = std::move(*answer);
+  }
+  return wire::JoinParts(std::vector<std::string_view>(answers.begin(), answers.end()));
+}
+
+std::optional<std::string> ServerCore::Pushes(const std::vector<std::string_view>& parts,
+                                              bool ranges, int64_t* pushes) {
+  std::vector<wire::PushRequest> requests(parts.size());
+  std::vector<std::shared_ptr<ShardCore>> shards(parts.size());
+  std::vector<std::vector<PlaneTable>> tables(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    try {
+      requests[i] = wire::ParsePushRequest(parts[i]);
+    } catch (const InvalidArgument&) {
+      return std::nullopt;
+    }
+    shards[i] = Find(requests[i].range);
+    if (shards[i] == nullptr || !shards[i]->PreparePush(requests[i], &tables[i])) {
+      return std::nullopt;
+    }
+  }
+  // Applied in order; a refusal answers the whole request (those before it applied, as
+  // in Python).
+  std::vector<std::string> answers(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    ++*pushes;
+    answers[i] = shards[i]->ApplyPush(requests[i], tables[i]);
+  }
+  if (!ranges) return std::move(answers[0]);
+  return wire::JoinParts(std::vector<std::string_view>(answers.begin(), answers.end()));
+}
+
+void ServerCore::Record(uint8_t method, double seconds, const std::string& code, size_t received,
+                        size_t sent, int64_t changes) {
+  const int bucket = static_cast<int>(std::lower_bound(std::begin(kLatencyBucketSeconds),
+                                                       std::end(kLatencyBucketSeconds), seconds) -
+                                      std::begin(kLatencyBucketSeconds));
+  std::lock_guard<std::mutex> lock(mu_);
+  MethodCounts& c = counts_[kMethodNames[method]];
+  ++c.calls;
+  c.request_bytes += static_cast<int64_t>(received);
+  c.response_bytes += static_cast<int64_t>(sent);
+  c.seconds += seconds;
+  c.max_seconds = std::max(c.max_seconds, seconds);
+  ++c.latency[static_cast<size_t>(bucket)];
+  if (!code.empty()) {
+    ++c.errors;
+    ++c.codes[code];
+  }
+  changes_ += changes;
+}
+
+std::map<std::string, MethodCounts> ServerCore::counts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return counts_;
+}
+
+std::pair<int64_t, double> ServerCore::waits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {waits_, wait_seconds_};
+}
+
+int64_t ServerCore::changes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return changes_;
+}
+
+}  // namespace elastic_emb

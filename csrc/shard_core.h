@@ -1,0 +1,147 @@
+// The data plane's side of a parameter server (decision 13: Python configures, C++ serves).
+//
+// A `ShardCore` is the part of one slot range's shard (elastic_emb.ps.server.shard.Shard)
+// that requests read and change: its step clock and, as Python last published them, its
+// tables. A `ServerCore` holds a server's ShardCores by range and answers Pull, Push and
+// their *Ranges form from the data plane's threads without Python, when it can: every
+// table a C++ table with a constant learning rate, gradients finite, a pull that need not
+// wait, a range without slot bounds. Anything else goes to Python (`Serve` returns false
+// before anything changed), which answers as it always did; a refusal of the step clock
+// (the same clock, the same messages) is answered here.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "data_plane.h"
+#include "step_clock.h"
+#include "wire.h"
+
+namespace elastic_emb {
+
+class Table;
+
+// A table as the data plane sees it.
+struct PlaneTable {
+  std::shared_ptr<Table> table;  // null: a table only Python pulls and pushes (tiered)
+  float learning_rate = 0.0f;
+  bool constant_rate = false;  // false: a schedule, computed by Python for each step
+
+  bool native() const { return table != nullptr && constant_rate; }
+};
+using PlaneTables = std::map<std::string, PlaneTable>;
+
+// Applies one table's parts of sync step `step` in Python (a table the plane does not
+// push itself, or parts whose sum is not finite: Python skips and logs it).
+using ApplyInPython = std::function<void(int64_t step, const std::string& table,
+                                         const std::vector<const StepPart*>&)>;
+
+class ShardCore {
+ public:
+  explicit ShardCore(ApplyInPython apply_in_python);
+
+  StepClock& clock() { return clock_; }
+  // The shard's tables now (replaced whole, atomically).
+  void SetTables(PlaneTables tables);
+  // Whether the range has slot bounds (keys are checked against them): Python's then.
+  void SetSlotted(bool slotted);
+
+  // A pull the plane answers: parsed, its tables found. False: Python answers it.
+  bool PreparePull(const wire::PullRequest& request, std::vector<wire::RowSource>* sources);
+  // Its answer, or nullopt when it must wait (Python waits). Throws Refusal.
+  std::optional<std::string> AnswerPull(const wire::PullRequest& request,
+                                        const std::vector<wire::RowSource>& sources);
+  // A push the plane applies: its tables found, gradients decoded and finite.
+  bool PreparePush(wire::PushRequest& request, std::vector<PlaneTable>* tables);
+  // Applies it (SYNC: queues it); the PushResponse. Throws Refusal.
+  std::string ApplyPush(wire::PushRequest& request, const std::vector<PlaneTable>& tables);
+
+ private:
+  std::shared_ptr<const PlaneTables> tables() const;
+  void ApplyStep(int64_t step, const std::vector<const StepPart*>& parts, const std::string& name);
+
+  const ApplyInPython apply_in_python_;
+  StepClock clock_;
+  mutable std::mutex mu_;  // guards the two below
+  std::shared_ptr<const PlaneTables> tables_;
+  bool slotted_ = false;
+};
+
+// One method's calls answered by the plane (Python's servicer._MethodStats).
+constexpr int kLatencyBounds = 13;  // servicer.LATENCY_BUCKETS
+struct MethodCounts {
+  int64_t calls = 0, errors = 0, request_bytes = 0, response_bytes = 0;
+  double seconds = 0.0, max_seconds = 0.0;
+  std::array<int64_t, kLatencyBounds + 1> latency{};
+  std::map<std::string, int64_t> codes;
+};
+
+// How the plane took a request.
+enum class Served { kAnswered, kParked, kPython };
+
+class ServerCore : public std::enable_shared_from_this<ServerCore> {
+ public:
+  ServerCore() = default;
+  ~ServerCore();
+  ServerCore(const ServerCore&) = delete;
+  ServerCore& operator=(const ServerCore&) = delete;
+
+  // The plane answers nothing until enabled (a server whose changes replicate, or whose
+  // load is metered, keeps them in Python).
+  void SetEnabled(bool enabled);
+  void PutRange(int32_t range, std::shared_ptr<ShardCore> shard);
+  void DropRange(int32_t range);
+
+  // Takes a data-plane request (data_plane::Method): kAnswered with `status` (a gRPC
+  // code) and `out` (the answer, or the refusal's message); kParked: a pull that waits for
+  // its step, answered through `park` when it may read (or is refused), holding no
+  // thread; kPython: Python answers it (nothing changed).
+  Served Serve(uint8_t method, const std::string& payload, const data_plane::Park& park,
+               uint8_t* status, std::string* out);
+
+  std::map<std::string, MethodCounts> counts() const;
+  int64_t changes() const;
+  // Pulls answered after waiting for other workers, and their seconds in all.
+  std::pair<int64_t, double> waits() const;
+
+ private:
+  using TimePoint = std::chrono::steady_clock::time_point;
+  std::shared_ptr<ShardCore> Find(int32_t range) const;
+  // A single Pull: answered now, or parked until its step may be read.
+  Served Pull(std::string_view payload, const data_plane::Park& park, TimePoint start,
+              uint8_t* status, std::string* out);
+  // The parked pulls' deadlines: `Watch` tells the timer thread of one.
+  void Watch(TimePoint deadline);
+  void WatchDeadlines();
+  std::optional<std::string> Pulls(const std::vector<std::string_view>& parts);
+  std::optional<std::string> Pushes(const std::vector<std::string_view>& parts, bool ranges,
+                                    int64_t* pushes);
+  void Record(uint8_t method, double seconds, const std::string& code, size_t received, size_t sent,
+              int64_t changes);
+
+  mutable std::mutex mu_;  // guards the fields below
+  bool enabled_ = false;
+  std::map<int32_t, std::shared_ptr<ShardCore>> ranges_;
+  std::map<std::string, MethodCounts> counts_;
+  int64_t changes_ = 0;
+  int64_t waits_ = 0;
+  double wait_seconds_ = 0.0;
+
+  std::mutex timer_mu_;  // guards the fields below
+  std::condition_variable timer_cv_;
+  std::thread timer_;              // started by the first parked pull
+  std::optional<TimePoint> next_;  // the earliest deadline not yet watched
+  bool stopping_ = false;
+};
+
+}  // namespace elastic_emb
