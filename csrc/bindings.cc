@@ -316,8 +316,13 @@ void BindPolicies(TableClass& cls) {
       .def("evict_now", &elastic_emb::Table::EvictNow, py::call_guard<py::gil_scoped_release>(),
            "An eviction pass now, as after a push that used no row.")
       .def(
-          "lock_step", [](elastic_emb::Table& t) { t.step_state().mu.lock(); },
-          py::call_guard<py::gil_scoped_release>(),
+          "lock_step",
+          [](elastic_emb::Table& t) {
+            std::mutex& mu = t.step_state().mu;
+            if (mu.try_lock()) return;  // (uncontended: keeps the GIL)
+            py::gil_scoped_release release;
+            mu.lock();
+          },
           "Takes the table's step lock (LocalTable: one push at a time, numbered in order).")
       .def(
           "unlock_step", [](elastic_emb::Table& t) { t.step_state().mu.unlock(); },

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "data_plane.h"
+#include "py_callables.h"
 #include "shard_core.h"
 
 namespace py = pybind11;
@@ -35,13 +36,6 @@ class HandlerGil {
   HandlerGil& operator=(const HandlerGil&) = delete;
 };
 
-std::shared_ptr<py::function> Shared(py::function f) {
-  return std::shared_ptr<py::function>(new py::function(std::move(f)), [](py::function* p) {
-    py::gil_scoped_acquire gil;
-    delete p;
-  });
-}
-
 // Owns a data_plane::Server for Python. A server whose handlers did not all return by
 // the end of `stop` is kept alive (their threads still use it): the process is exiting.
 class PyServer {
@@ -50,8 +44,8 @@ class PyServer {
            std::shared_ptr<ServerCore> core) {
     // The Python callables are called with the GIL taken on a handler thread; they are
     // shared without touching their reference counts (released with the GIL taken).
-    auto handle = Shared(std::move(handle_fn));
-    auto authenticate = Shared(std::move(authenticate_fn));
+    auto handle = SharedCallable(std::move(handle_fn));
+    auto authenticate = SharedCallable(std::move(authenticate_fn));
     PyInterpreterState* interpreter = PyInterpreterState_Get();
     auto handler = [handle, interpreter, core](
                        uint8_t method, std::string payload, uint32_t deadline_ms,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "py_arrays.h"
+#include "py_callables.h"
 #include "shard_core.h"
 #include "step_clock.h"
 #include "table.h"
@@ -21,14 +22,6 @@ namespace elastic_emb {
 namespace {
 
 using py_arrays::CheckArray;
-
-// A Python callable kept by C++ objects that may be dropped on a thread without the GIL.
-std::shared_ptr<py::function> Shared(py::function f) {
-  return std::shared_ptr<py::function>(new py::function(std::move(f)), [](py::function* p) {
-    py::gil_scoped_acquire gil;
-    delete p;
-  });
-}
 
 // Parts as Python has them: [(table name, keys (n,) int64, gradients (n, dim) float32)].
 StepParts PartsFromPython(const py::handle& parts) {
@@ -224,7 +217,7 @@ void BindShards(py::module_& m) {
   py::class_<ShardCore, std::shared_ptr<ShardCore>>(
       m, "ShardCore", "A shard's step clock and tables as the data plane serves them.")
       .def(py::init([](py::function apply_in_python) {
-             auto apply = Shared(std::move(apply_in_python));
+             auto apply = SharedCallable(std::move(apply_in_python));
              return std::make_shared<ShardCore>([apply](int64_t step, const std::string& table,
                                                         const std::vector<const StepPart*>& parts) {
                py::gil_scoped_acquire gil;

@@ -626,8 +626,9 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         "--threads",
         type=int,
         default=2048,
-        help="most request threads, started as requests come (a pull waiting for other "
-        "workers holds one: about 2 per worker are needed)",
+        help="most request threads of each plane, started as requests come (a pull waiting "
+        "for other workers holds one through gRPC or on a coordinated server: about 2 per "
+        "worker; none on the data plane without a coordinator)",
     )
     serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time for in-flight requests"

@@ -8,8 +8,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def serve_command() -> list[str]:
@@ -95,3 +99,25 @@ def shards(n: int, extra_args: list[str] | None = None) -> Iterator[list[Shard]]
     finally:
         for shard in started:
             shard.stop()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of `/metrics`: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metrics_url(shard) -> str:
+    """The metrics address a shard printed (the line comes before it serves)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for line in list(shard.output):
+            if line.startswith("elastic-emb serve: metrics on "):
+                return line.rsplit(" ", 1)[1].strip()
+        time.sleep(0.05)
+    raise AssertionError("no metrics address in:\n" + "".join(shard.output))

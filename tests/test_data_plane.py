@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 from _certs import make_pki
-from _cluster import shards
+from _cluster import metrics_url, scrape, shards
 
 import elastic_emb as ee
 from elastic_emb import _core
@@ -495,3 +495,57 @@ def test_sync_pulls_wait_on_the_plane_holding_no_thread():
             assert ps_pb2.PullResponse.FromString(answer).tables[0].values == expected
         stats = stub.Stats(ps_pb2.StatsRequest(), timeout=10)
         assert stats.pull_waits == workers - 1
+
+
+def test_what_the_plane_leaves_to_python_trains_as_in_process(tmp_path):
+    """On a native server, a tiered table's calls and a scheduled table's pushes are
+    served by the servicer's Python, the rest by C++ (the server's metrics count which);
+    gradients that are not finite are skipped either way. All three tables train as
+    in-process tables do, bit for bit."""
+    keras = pytest.importorskip("keras")
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)
+
+    def tables(where: str) -> list:
+        return [
+            ee.Table(4, ee.optimizers.Adagrad(0.1), name="plain", seed=1, nonfinite="skip"),
+            ee.Table(4, ee.optimizers.SGD(schedule), name="scheduled", seed=2),
+            ee.Table(
+                4, ee.optimizers.Adagrad(0.1), name="tiered", seed=3,
+                storage=ee.storage.Tiered(16, str(tmp_path / where)),
+            ),
+        ]  # fmt: skip
+
+    def train(chosen: list) -> list:
+        rng = np.random.default_rng(5)
+        for step in range(4):
+            keys = rng.integers(0, 60, 40)
+            for table in chosen:
+                table.pull(keys)
+                grads = rng.standard_normal((40, 4)).astype(np.float32)
+                if step == 2 and table.name == "plain":
+                    grads[3, 1] = np.nan
+                table.push(keys, grads)
+        return [table.export_state() for table in chosen]
+
+    want = train(tables("local"))
+    with shards(1, ["--metrics-port", "0"]) as (ps,):
+        ee.init(ps=[ps.address], mode="sync", data_plane="native")
+        try:
+            got = train(tables("remote"))
+        finally:
+            ee.shutdown()
+        metrics = scrape(metrics_url(ps))
+    for g, w in zip(got, want, strict=True):
+        order_g, order_w = np.argsort(g.keys), np.argsort(w.keys)
+        np.testing.assert_array_equal(g.keys[order_g], w.keys[order_w])
+        assert g.values[order_g].tobytes() == w.values[order_w].tobytes()
+        assert g.slots[order_g].tobytes() == w.slots[order_w].tobytes()
+
+    def calls(name: str, method: str) -> float:
+        return metrics.get((f"elastic_emb_{name}_total", (("method", method),)), 0.0)
+
+    # In C++: the plain and the scheduled table's pulls (a pull needs no learning rate),
+    # the plain table's pushes that reached the server finite.
+    assert calls("data_plane_native_calls", "Pull") == 8
+    assert calls("rpc_calls", "Pull") == 12
+    assert 3 <= calls("data_plane_native_calls", "Push") <= 4 < calls("rpc_calls", "Push")

@@ -9,45 +9,20 @@ from __future__ import annotations
 import json
 import re
 import socket
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _cluster import serve_once, shards
-from prometheus_client.parser import text_string_to_metric_families
+from _cluster import metrics_url, scrape, serve_once, shards
 
 import elastic_emb as ee
 
 DOCS = Path(__file__).parent.parent / "docs"
 
 
-def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of `/metrics`: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def _metrics_url(shard) -> str:
-    """The metrics address a shard printed (the line comes before it serves)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for line in list(shard.output):
-            if line.startswith("elastic-emb serve: metrics on "):
-                return line.rsplit(" ", 1)[1].strip()
-        time.sleep(0.05)
-    raise AssertionError("no metrics address in:\n" + "".join(shard.output))
-
-
 def test_a_server_exports_what_it_did():
     with shards(1, ["--metrics-port", "0"]) as (ps,):
-        url = _metrics_url(ps)
+        url = metrics_url(ps)
         cluster = ee.init(ps=[ps.address], mode="async")
         try:
             t = ee.Table(4, ee.optimizers.SGD(0.1), name="scraped", seed=0)
@@ -58,10 +33,10 @@ def test_a_server_exports_what_it_did():
             cluster.flush()
             sent = sum(s["bytes_sent"] for s in cluster.stats())
             received = sum(s["bytes_received"] for s in cluster.stats())
-            before_error = _scrape(url)
+            before_error = scrape(url)
             with pytest.raises(ValueError, match="Unknown table"):
                 cluster.pull([("no_such_table", 4, np.arange(3))], True)
-            m = _scrape(url)
+            m = scrape(url)
         finally:
             ee.shutdown()
 

@@ -66,6 +66,13 @@ class ServerCollector(Collector):
                 cumulative += n
                 buckets.append((_bound(bound), cumulative))
             seconds.add_metric([method], buckets, m.seconds)
+        native = CounterMetricFamily(
+            PREFIX + "data_plane_native_calls",
+            "Of rpc_calls, those the data plane answered in C++ (the rest went through Python)",
+            labels=["method"],
+        )
+        for method, counts in sorted(self._servicer.ranges.native.counts().items()):
+            native.add_metric([method], counts["calls"])
         changes = CounterMetricFamily(
             PREFIX + "changes_applied", "Requests that changed a slot range"
         )
@@ -79,7 +86,7 @@ class ServerCollector(Collector):
             PREFIX + "pull_wait_seconds", "Seconds pulls waited for other workers' pushes"
         )
         waited.add_metric([], pull_wait_seconds)
-        yield from (calls, errors, received, sent, seconds, changes, waits, waited)
+        yield from (calls, errors, received, sent, seconds, native, changes, waits, waited)
 
     def _tables(self) -> Iterator[Metric]:
         rows = GaugeMetricFamily(PREFIX + "table_rows", "Rows on this server", labels=["table"])
