@@ -123,27 +123,26 @@ void ShardCore::ApplyStep(int64_t step, const std::vector<const StepPart*>& part
   PushLocked(t, static_cast<int64_t>(keys.size()), keys.data(), grads.data());
 }
 
-bool ShardCore::PreparePull(const wire::PullRequest& request,
-                            std::vector<wire::RowSource>* sources) {
-  const auto all = tables();
-  if (all == nullptr) return false;
+bool ShardCore::PreparePull(const wire::PullRequest& request, PlanePull* pull) {
+  pull->tables = tables();
+  if (pull->tables == nullptr) return false;
   if (request.encoding < wire::kFloat32 || request.encoding > wire::kBfloat16) return false;
-  sources->assign(request.tables.size(), wire::RowSource{});
+  pull->sources.assign(request.tables.size(), wire::RowSource{});
   for (size_t i = 0; i < request.tables.size(); ++i) {
-    auto it = all->find(request.tables[i].name);
-    if (it == all->end() || it->second.table == nullptr) return false;
-    (*sources)[i].table = it->second.table.get();
-    (*sources)[i].dim = it->second.table->dim();
+    auto it = pull->tables->find(request.tables[i].name);
+    if (it == pull->tables->end() || it->second.table == nullptr) return false;
+    pull->sources[i].table = it->second.table.get();
+    pull->sources[i].dim = it->second.table->dim();
   }
   return true;
 }
 
 std::optional<std::string> ShardCore::AnswerPull(const wire::PullRequest& request,
-                                                 const std::vector<wire::RowSource>& sources) {
+                                                 const PlanePull& pull) {
   clock_.CheckWorker(request.worker, request.step);
   clock_.CheckPullStep(request.worker, request.step);
   if (!clock_.ReadyToPull(request.worker, request.step)) return std::nullopt;
-  return wire::AnswerPull(request, sources);
+  return wire::AnswerPull(request, pull.sources);
 }
 
 bool ShardCore::PreparePush(wire::PushRequest& request, std::vector<PlaneTable>* tables_out) {
@@ -282,19 +281,19 @@ Served ServerCore::Pull(std::string_view payload, const data_plane::Park& park, 
     return Served::kPython;
   }
   auto shard = Find(request->range);
-  auto sources = std::make_shared<std::vector<wire::RowSource>>();
-  if (shard == nullptr || !shard->PreparePull(*request, sources.get())) return Served::kPython;
+  auto pull = std::make_shared<PlanePull>();
+  if (shard == nullptr || !shard->PreparePull(*request, pull.get())) return Served::kPython;
   const size_t received = payload.size();
   // Answers it: with the rows, or the refusal (Refusal is caught by Serve before it parks).
-  auto finish = [request, sources, received, start](ServerCore* core, const Refusal* refusal,
-                                                    uint8_t* status, std::string* out) {
+  auto finish = [request, pull, received, start](ServerCore* core, const Refusal* refusal,
+                                                 uint8_t* status, std::string* out) {
     std::string code;
     if (refusal != nullptr) {
       code = refusal->code();
       *out = refusal->what();
     } else {
       try {
-        *out = wire::AnswerPull(*request, *sources);
+        *out = wire::AnswerPull(*request, pull->sources);
       } catch (const std::exception& e) {
         code = "INTERNAL";
         *out = e.what();
@@ -392,7 +391,7 @@ ServerCore::~ServerCore() {
 std::optional<std::string> ServerCore::Pulls(const std::vector<std::string_view>& parts) {
   std::vector<wire::PullRequest> requests(parts.size());
   std::vector<std::shared_ptr<ShardCore>> shards(parts.size());
-  std::vector<std::vector<wire::RowSource>> sources(parts.size());
+  std::vector<PlanePull> pulls(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
     try {
       requests[i] = wire::ParsePullRequest(parts[i]);
@@ -400,13 +399,13 @@ std::optional<std::string> ServerCore::Pulls(const std::vector<std::string_view>
       return std::nullopt;
     }
     shards[i] = Find(requests[i].range);
-    if (shards[i] == nullptr || !shards[i]->PreparePull(requests[i], &sources[i])) {
+    if (shards[i] == nullptr || !shards[i]->PreparePull(requests[i], &pulls[i])) {
       return std::nullopt;
     }
   }
   std::vector<std::string> answers(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
-    auto answer = shards[i]->AnswerPull(requests[i], sources[i]);
+    auto answer = shards[i]->AnswerPull(requests[i], pulls[i]);
     if (!answer) return std::nullopt;  // it waits: Python answers the whole request
     answers[i] = std::move(*answer);
   }

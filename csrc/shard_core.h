@@ -41,6 +41,12 @@ struct PlaneTable {
 };
 using PlaneTables = std::map<std::string, PlaneTable>;
 
+// What a pull reads: its tables (kept while it is answered, or waits) and their sources.
+struct PlanePull {
+  std::shared_ptr<const PlaneTables> tables;
+  std::vector<wire::RowSource> sources;
+};
+
 // Applies one table's parts of sync step `step` in Python (a table the plane does not
 // push itself, or parts whose sum is not finite: Python skips and logs it).
 using ApplyInPython = std::function<void(int64_t step, const std::string& table,
@@ -57,10 +63,9 @@ class ShardCore {
   void SetSlotted(bool slotted);
 
   // A pull the plane answers: parsed, its tables found. False: Python answers it.
-  bool PreparePull(const wire::PullRequest& request, std::vector<wire::RowSource>* sources);
+  bool PreparePull(const wire::PullRequest& request, PlanePull* pull);
   // Its answer, or nullopt when it must wait (Python waits). Throws Refusal.
-  std::optional<std::string> AnswerPull(const wire::PullRequest& request,
-                                        const std::vector<wire::RowSource>& sources);
+  std::optional<std::string> AnswerPull(const wire::PullRequest& request, const PlanePull& pull);
   // A push the plane applies: its tables found, gradients decoded and finite.
   bool PreparePush(wire::PushRequest& request, std::vector<PlaneTable>* tables);
   // Applies it (SYNC: queues it); the PushResponse. Throws Refusal.
