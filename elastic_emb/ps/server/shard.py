@@ -8,6 +8,7 @@ changes."""
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +55,9 @@ class Shard:
 
     def __init__(self, slots: tuple[int, int] | None = None) -> None:
         self._tables = TableSet()
-        self.native = _core.ShardCore(self._tables.apply_sync_table)
+        # (weakly: the C++ side holding the tables' method would keep a dropped shard's
+        # tables alive, in a cycle Python's collector does not see)
+        self.native = _core.ShardCore(_weak_call(self._tables.apply_sync_table))
         self._tables.publish_to(self.native)
         self.native.set_slotted(slots is not None)
         self._clock = self.native.clock
@@ -287,6 +290,18 @@ class Shard:
         return restore_owned_rows(
             self._tables, directories, names, num_shards, shard_index, num_slots, slots
         )
+
+
+def _weak_call(method: Callable[..., None]) -> Callable[..., None]:
+    """Calls `method` while its object lives (then nothing)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def _slot_filter(slots: tuple[int, int]) -> Any:
