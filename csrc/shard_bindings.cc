@@ -251,12 +251,46 @@ void BindShards(py::module_& m) {
           },
           py::arg("tables"),
           "[(name, _core.Table or None, constant learning rate or None)]: the shard's tables.")
-      .def("set_slotted", &ShardCore::SetSlotted, py::arg("slotted"));
+      .def(
+          "set_slots",
+          [](ShardCore& s, const py::object& slots, int64_t num_slots) {
+            std::optional<SlotBounds> bounds;
+            if (!slots.is_none()) {
+              auto t = slots.cast<std::pair<int64_t, int64_t>>();
+              bounds = SlotBounds{num_slots, t.first, t.second};
+            }
+            s.SetSlots(bounds);
+          },
+          py::arg("slots"), py::arg("num_slots"),
+          "(begin, end): the virtual slots whose keys the range takes; None: every key.");
 
   py::class_<ServerCore, std::shared_ptr<ServerCore>>(
       m, "ServerCore", "A server's shards by range, as the data plane serves them.")
       .def(py::init<>())
-      .def("set_enabled", &ServerCore::SetEnabled, py::arg("enabled"))
+      .def("set_enabled", &ServerCore::SetEnabled, py::arg("enabled"), py::arg("pushes"))
+      .def(
+          "set_serving",
+          [](ServerCore& s, const py::dict& serving) {
+            std::map<int32_t, RangeServing> out;
+            for (auto item : serving) {
+              auto t = item.second.cast<py::tuple>();
+              out[item.first.cast<int32_t>()] =
+                  RangeServing{t[0].cast<bool>(), t[1].cast<bool>(), t[2].cast<double>()};
+            }
+            s.SetServing(std::move(out));
+          },
+          py::arg("serving"),
+          "{range: (primary, member, until)}: where a coordinated server serves workers, "
+          "until `until` (time.monotonic() seconds).")
+      .def("meter_load", &ServerCore::MeterLoad, py::arg("num_slots"))
+      .def(
+          "load",
+          [](const ServerCore& s) {
+            std::vector<double> load = s.load();
+            const auto width = static_cast<py::ssize_t>(load.size() / 3);
+            return py_arrays::ToNumpy(std::move(load), {3, width});
+          },
+          "The load metered so far: (3, num_slots) totals of keys, bytes, CPU seconds.")
       .def("put_range", &ServerCore::PutRange, py::arg("range"), py::arg("shard"))
       .def("drop_range", &ServerCore::DropRange, py::arg("range"),
            py::call_guard<py::gil_scoped_release>())

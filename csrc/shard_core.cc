@@ -1,5 +1,7 @@
 #include "shard_core.h"
 
+#include <time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <utility>
@@ -54,6 +56,13 @@ std::string PushResponse(int64_t step) {
   return out;
 }
 
+// The calling thread's CPU seconds.
+double ThreadSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 // One optimizer step of `table` (its step lock held): numbered next, at its constant rate.
 void PushLocked(const PlaneTable& t, int64_t n, const int64_t* keys, const float* grads) {
   StepState& steps = t.table->step_state();
@@ -81,15 +90,37 @@ void ShardCore::SetTables(PlaneTables tables) {
   tables_ = std::move(shared);
 }
 
-void ShardCore::SetSlotted(bool slotted) {
+void ShardCore::SetSlots(std::optional<SlotBounds> slots) {
   std::lock_guard<std::mutex> lock(mu_);
-  slotted_ = slotted;
+  slots_ = slots;
+}
+
+std::optional<SlotBounds> ShardCore::slots() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return slots_;
 }
 
 std::shared_ptr<const PlaneTables> ShardCore::tables() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return slotted_ ? nullptr : tables_;
+  return tables_;
 }
+
+namespace {
+
+bool Outside(const wire::PullRequest& request, const std::optional<SlotBounds>& slots) {
+  if (!slots) return false;
+  return std::any_of(request.tables.begin(), request.tables.end(), [&](const auto& t) {
+    return wire::KeysOutside(t.keys, slots->num_slots, slots->begin, slots->end);
+  });
+}
+
+Refusal KeysMoved(const SlotBounds& slots) {
+  return Refusal("OUT_OF_RANGE", "keys outside this range's slots [" + std::to_string(slots.begin) +
+                                     ", " + std::to_string(slots.end) +
+                                     "): the range was split or moved; read the cluster map again");
+}
+
+}  // namespace
 
 // A sync step's parts of one table: summed by one push, as Python's
 // TableSet.apply_sync_step does (each part was checked finite; a sum of several that is
@@ -97,8 +128,8 @@ std::shared_ptr<const PlaneTables> ShardCore::tables() const {
 void ShardCore::ApplyStep(int64_t step, const std::vector<const StepPart*>& parts,
                           const std::string& name) {
   const auto all = tables();
-  auto it = all == nullptr ? PlaneTables::const_iterator() : all->find(name);
-  if (all == nullptr || it == all->end() || !it->second.native()) {
+  auto it = all->find(name);
+  if (it == all->end() || !it->second.native()) {
     apply_in_python_(step, name, parts);
     return;
   }
@@ -124,9 +155,9 @@ void ShardCore::ApplyStep(int64_t step, const std::vector<const StepPart*>& part
 }
 
 bool ShardCore::PreparePull(const wire::PullRequest& request, PlanePull* pull) {
-  pull->tables = tables();
-  if (pull->tables == nullptr) return false;
   if (request.encoding < wire::kFloat32 || request.encoding > wire::kBfloat16) return false;
+  if (Outside(request, slots())) return false;  // Python refuses it
+  pull->tables = tables();
   pull->sources.assign(request.tables.size(), wire::RowSource{});
   for (size_t i = 0; i < request.tables.size(); ++i) {
     auto it = pull->tables->find(request.tables[i].name);
@@ -142,12 +173,28 @@ std::optional<std::string> ShardCore::AnswerPull(const wire::PullRequest& reques
   clock_.CheckWorker(request.worker, request.step);
   clock_.CheckPullStep(request.worker, request.step);
   if (!clock_.ReadyToPull(request.worker, request.step)) return std::nullopt;
-  return wire::AnswerPull(request, pull.sources);
+  return Rows(request, pull);
+}
+
+std::string ShardCore::Rows(const wire::PullRequest& request, const PlanePull& pull) {
+  const std::optional<SlotBounds> before = slots();
+  if (before && Outside(request, before)) throw KeysMoved(*before);  // (moved while it waited)
+  std::string rows = wire::AnswerPull(request, pull.sources);
+  const std::optional<SlotBounds> after = slots();
+  if (before && after && !(*before == *after)) {
+    // They moved while it was answered: the rows it inserted there are not this range's
+    // (the move's own erase may have run before they were inserted).
+    for (const wire::RowSource& source : pull.sources) {
+      source.table->EraseSlots(after->num_slots, after->end, before->end);
+    }
+    if (Outside(request, after)) throw KeysMoved(*after);
+  }
+  return rows;
 }
 
 bool ShardCore::PreparePush(wire::PushRequest& request, std::vector<PlaneTable>* tables_out) {
+  if (slots()) return false;  // (a coordinated server's: its changes replicate, in Python)
   const auto all = tables();
-  if (all == nullptr) return false;
   std::vector<int> dims;
   for (const auto& part : request.tables) {
     auto it = all->find(part.name);
@@ -196,9 +243,57 @@ std::string ShardCore::ApplyPush(wire::PushRequest& request,
   return PushResponse(clock_.Push(request.worker, request.step, queue, apply));
 }
 
-void ServerCore::SetEnabled(bool enabled) {
+void ServerCore::SetEnabled(bool enabled, bool pushes) {
   std::lock_guard<std::mutex> lock(mu_);
   enabled_ = enabled;
+  pushes_ = pushes;
+}
+
+void ServerCore::SetServing(std::map<int32_t, RangeServing> serving) {
+  std::lock_guard<std::mutex> lock(mu_);
+  serving_ = std::move(serving);
+}
+
+void ServerCore::MeterLoad(int64_t num_slots) {
+  EE_CHECK(num_slots > 0, "`num_slots` must be positive, got " << num_slots);
+  std::lock_guard<std::mutex> lock(mu_);
+  load_slots_ = num_slots;
+  load_.assign(static_cast<size_t>(3 * num_slots), 0.0);
+}
+
+std::vector<double> ServerCore::load() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return load_;
+}
+
+bool ServerCore::Serves(int32_t range, bool train) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!serving_) return true;
+  auto it = serving_->find(range);
+  if (it == serving_->end()) return false;
+  const RangeServing& s = it->second;
+  const double now =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return (s.primary || (!train && s.member)) && now < s.until;
+}
+
+void ServerCore::CountLoad(const wire::PullRequest& request, size_t bytes, double cpu_seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (load_slots_ == 0) return;
+  size_t n = 0;
+  for (const auto& t : request.tables) n += t.keys.size();
+  if (n == 0) return;
+  const double byte_share = static_cast<double>(bytes) / static_cast<double>(n);
+  const double cpu_share = cpu_seconds / static_cast<double>(n);
+  const size_t width = static_cast<size_t>(load_slots_);
+  for (const auto& t : request.tables) {
+    for (int64_t key : t.keys) {
+      const auto slot = static_cast<size_t>(VirtualSlot(key, load_slots_));
+      load_[slot] += 1.0;
+      load_[width + slot] += byte_share;
+      load_[2 * width + slot] += cpu_share;
+    }
+  }
 }
 
 void ServerCore::PutRange(int32_t range, std::shared_ptr<ShardCore> shard) {
@@ -225,13 +320,13 @@ std::shared_ptr<ShardCore> ServerCore::Find(int32_t range) const {
 Served ServerCore::Serve(uint8_t method, const std::string& payload, const data_plane::Park& park,
                          uint8_t* status, std::string* out) {
   if (method < kPull || method > kPushRanges) return Served::kPython;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!enabled_) return Served::kPython;
-  }
-  const auto start = std::chrono::steady_clock::now();
   const bool ranges = method == kPullRanges || method == kPushRanges;
   const bool pull = method == kPull || method == kPullRanges;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!enabled_ || (!pull && !pushes_)) return Served::kPython;
+  }
+  const auto start = std::chrono::steady_clock::now();
   std::string code;
   std::optional<std::string> answer;
   int64_t pushes = 0;  // pushes taken (Python's `changes` counts the refused ones too)
@@ -282,18 +377,25 @@ Served ServerCore::Pull(std::string_view payload, const data_plane::Park& park, 
   }
   auto shard = Find(request->range);
   auto pull = std::make_shared<PlanePull>();
-  if (shard == nullptr || !shard->PreparePull(*request, pull.get())) return Served::kPython;
+  if (shard == nullptr || !Serves(request->range, request->train) ||
+      !shard->PreparePull(*request, pull.get())) {
+    return Served::kPython;
+  }
   const size_t received = payload.size();
   // Answers it: with the rows, or the refusal (Refusal is caught by Serve before it parks).
-  auto finish = [request, pull, received, start](ServerCore* core, const Refusal* refusal,
-                                                 uint8_t* status, std::string* out) {
+  auto finish = [request, pull, shard, received, start](ServerCore* core, const Refusal* refusal,
+                                                        uint8_t* status, std::string* out) {
+    const double cpu = ThreadSeconds();
     std::string code;
     if (refusal != nullptr) {
       code = refusal->code();
       *out = refusal->what();
     } else {
       try {
-        *out = wire::AnswerPull(*request, pull->sources);
+        *out = shard->Rows(*request, *pull);
+      } catch (const Refusal& e) {
+        code = e.code();
+        *out = e.what();
       } catch (const std::exception& e) {
         code = "INTERNAL";
         *out = e.what();
@@ -303,7 +405,9 @@ Served ServerCore::Pull(std::string_view payload, const data_plane::Park& park, 
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (core != nullptr) {
-      core->Record(kPull, seconds, code, received, code.empty() ? out->size() : 0, 0);
+      const size_t sent = code.empty() ? out->size() : 0;
+      if (code.empty()) core->CountLoad(*request, received + sent, ThreadSeconds() - cpu);
+      core->Record(kPull, seconds, code, received, sent, 0);
     }
   };
   StepClock& clock = shard->clock();
@@ -399,15 +503,18 @@ std::optional<std::string> ServerCore::Pulls(const std::vector<std::string_view>
       return std::nullopt;
     }
     shards[i] = Find(requests[i].range);
-    if (shards[i] == nullptr || !shards[i]->PreparePull(requests[i], &pulls[i])) {
+    if (shards[i] == nullptr || !Serves(requests[i].range, requests[i].train) ||
+        !shards[i]->PreparePull(requests[i], &pulls[i])) {
       return std::nullopt;
     }
   }
   std::vector<std::string> answers(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
+    const double cpu = ThreadSeconds();
     auto answer = shards[i]->AnswerPull(requests[i], pulls[i]);
     if (!answer) return std::nullopt;  // it waits: Python answers the whole request
     answers[i] = std::move(*answer);
+    CountLoad(requests[i], parts[i].size() + answers[i].size(), ThreadSeconds() - cpu);
   }
   return wire::JoinParts(std::vector<std::string_view>(answers.begin(), answers.end()));
 }

@@ -1,13 +1,15 @@
 // The data plane's side of a parameter server (decision 13: Python configures, C++ serves).
 //
 // A `ShardCore` is the part of one slot range's shard (elastic_emb.ps.server.shard.Shard)
-// that requests read and change: its step clock and, as Python last published them, its
-// tables. A `ServerCore` holds a server's ShardCores by range and answers Pull, Push and
-// their *Ranges form from the data plane's threads without Python, when it can: every
-// table a C++ table with a constant learning rate, gradients finite, a pull that need not
-// wait, a range without slot bounds. Anything else goes to Python (`Serve` returns false
-// before anything changed), which answers as it always did; a refusal of the step clock
-// (the same clock, the same messages) is answered here.
+// that requests read and change: its step clock, its slot bounds and, as Python last
+// published them, its tables. A `ServerCore` holds a server's ShardCores by range and
+// answers Pull, Push and their *Ranges form from the data plane's threads without Python,
+// when it can: every table a C++ table with a constant learning rate, gradients finite,
+// keys within the range's slots; on a coordinated server, pulls only (a change replicates
+// to the backups, in Python), while Python's last snapshot says this server serves the
+// range. Anything else goes to Python (`Serve` returns kPython before anything changed),
+// which answers as it always did; a refusal of the step clock (the same clock, the same
+// messages) is answered here. A pull that must wait is parked, holding no thread.
 #pragma once
 
 #include <array>
@@ -41,6 +43,23 @@ struct PlaneTable {
 };
 using PlaneTables = std::map<std::string, PlaneTable>;
 
+// A range's virtual slots: [begin, end) of num_slots.
+struct SlotBounds {
+  int64_t num_slots = 0, begin = 0, end = 0;
+  bool operator==(const SlotBounds& o) const {
+    return num_slots == o.num_slots && begin == o.begin && end == o.end;
+  }
+};
+
+// Where a coordinated server may serve a range's workers (Python's check_primary): as the
+// primary of its group, or (reads that insert nothing) as a member, until `until`
+// (steady-clock seconds: the lease renewed last, plus its TTL). Past it, Python decides.
+struct RangeServing {
+  bool primary = false;
+  bool member = false;
+  double until = 0.0;
+};
+
 // What a pull reads: its tables (kept while it is answered, or waits) and their sources.
 struct PlanePull {
   std::shared_ptr<const PlaneTables> tables;
@@ -59,13 +78,17 @@ class ShardCore {
   StepClock& clock() { return clock_; }
   // The shard's tables now (replaced whole, atomically).
   void SetTables(PlaneTables tables);
-  // Whether the range has slot bounds (keys are checked against them): Python's then.
-  void SetSlotted(bool slotted);
+  // The virtual slots [begin, end) (of num_slots) whose keys the range takes; none: all.
+  void SetSlots(std::optional<SlotBounds> slots);
+  std::optional<SlotBounds> slots() const;
 
   // A pull the plane answers: parsed, its tables found. False: Python answers it.
   bool PreparePull(const wire::PullRequest& request, PlanePull* pull);
   // Its answer, or nullopt when it must wait (Python waits). Throws Refusal.
   std::optional<std::string> AnswerPull(const wire::PullRequest& request, const PlanePull& pull);
+  // The rows, once the pull may read (throws OUT_OF_RANGE when its keys' slots moved away
+  // meanwhile: the rows it inserted there are erased, as Python's Shard.pull does).
+  std::string Rows(const wire::PullRequest& request, const PlanePull& pull);
   // A push the plane applies: its tables found, gradients decoded and finite.
   bool PreparePush(wire::PushRequest& request, std::vector<PlaneTable>* tables);
   // Applies it (SYNC: queues it); the PushResponse. Throws Refusal.
@@ -79,7 +102,7 @@ class ShardCore {
   StepClock clock_;
   mutable std::mutex mu_;  // guards the two below
   std::shared_ptr<const PlaneTables> tables_;
-  bool slotted_ = false;
+  std::optional<SlotBounds> slots_;
 };
 
 // One method's calls answered by the plane (Python's servicer._MethodStats).
@@ -101,9 +124,18 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   ServerCore(const ServerCore&) = delete;
   ServerCore& operator=(const ServerCore&) = delete;
 
-  // The plane answers nothing until enabled (a server whose changes replicate, or whose
-  // load is metered, keeps them in Python).
-  void SetEnabled(bool enabled);
+  // The plane answers nothing until enabled; `pushes`: changes too (not on a coordinated
+  // server, whose changes replicate to its backups in Python).
+  void SetEnabled(bool enabled, bool pushes);
+  // A coordinated server: where it serves now, by range (replaced whole). Before the
+  // first call, every range is served (a server without a coordinator).
+  void SetServing(std::map<int32_t, RangeServing> serving);
+  // Meters the load of the requests answered here, per virtual slot of `num_slots`
+  // (elastic_emb.ps.coord.balance.LoadMeter: keys, bytes, CPU seconds, each request's
+  // bytes and CPU shared among its slots in proportion to their keys).
+  void MeterLoad(int64_t num_slots);
+  // The load metered so far: (3, num_slots) totals, row-major.
+  std::vector<double> load() const;
   void PutRange(int32_t range, std::shared_ptr<ShardCore> shard);
   void DropRange(int32_t range);
 
@@ -122,6 +154,9 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
  private:
   using TimePoint = std::chrono::steady_clock::time_point;
   std::shared_ptr<ShardCore> Find(int32_t range) const;
+  // Whether this server serves `range`'s pulls now (`train`: only as the primary).
+  bool Serves(int32_t range, bool train) const;
+  void CountLoad(const wire::PullRequest& request, size_t bytes, double cpu_seconds);
   // A single Pull: answered now, or parked until its step may be read.
   Served Pull(std::string_view payload, const data_plane::Park& park, TimePoint start,
               uint8_t* status, std::string* out);
@@ -136,6 +171,10 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
 
   mutable std::mutex mu_;  // guards the fields below
   bool enabled_ = false;
+  bool pushes_ = false;
+  std::optional<std::map<int32_t, RangeServing>> serving_;
+  int64_t load_slots_ = 0;
+  std::vector<double> load_;  // (3, load_slots_)
   std::map<int32_t, std::shared_ptr<ShardCore>> ranges_;
   std::map<std::string, MethodCounts> counts_;
   int64_t changes_ = 0;

@@ -9,6 +9,7 @@ async with one worker).
 
 import gc
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import grpc
 import keras
 import numpy as np
 import pytest
+from _cluster import scrape
 from _replicas import (
     cluster_state,
     export,
@@ -595,3 +597,29 @@ def test_a_worker_joining_while_a_sync_step_is_applied_on_one_range_only_joins_a
     joiner.join(30)
     assert joined == {"step": 1}
     assert float(table.pull(np.array([key]), train=False)[0, 0]) == -1.0
+
+
+def test_a_primary_answers_pulls_on_its_data_plane_and_replicates_pushes_in_python(tmp_path):
+    """The data plane of a replicated group's primary answers pulls in C++ (its metrics
+    count them) and leaves pushes to Python, which replicates them: both replicas hold
+    the rows of the in-process reference trained on the same steps."""
+    reference = ee.Table(8, optimizer=ee.optimizers.Adam(0.01), name="ref", seed=3)
+    train(reference, range(1, 9))
+    with LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"]) as c:
+        ee.init(coordinator=c.coordinator, mode="sync")
+        try:
+            train(make_table("t"), range(1, 9))
+        finally:
+            ee.shutdown()
+        (group,) = c.map().groups
+        assert_same_state(export(group.primary, "t"), local_state(reference))
+        assert_same_state(export(group.members[0], "t"), local_state(reference))
+        log = (c.directory / f"server-{group.primary.rsplit(':', 1)[1]}.log").read_text()
+        (url,) = re.findall(r"^elastic-emb serve: metrics on (\S+)", log, re.MULTILINE)
+        metrics = scrape(url)
+
+    def calls(name: str, method: str) -> float:
+        return metrics.get((f"elastic_emb_{name}_total", (("method", method),)), 0.0)
+
+    assert calls("data_plane_native_calls", "Pull") == calls("rpc_calls", "Pull") == 8
+    assert calls("data_plane_native_calls", "Push") == 0 < calls("rpc_calls", "Push")

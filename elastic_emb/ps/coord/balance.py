@@ -108,8 +108,21 @@ class LoadMeter:
         self._clock = clock
         self._lock = threading.Lock()
         self._totals = np.zeros((len(MEASURES), NUM_SLOTS))  # guarded by _lock
+        # Another meter's running totals, added to ours (`count_also`).
+        self._also: Callable[[], np.ndarray] | None = None
         # (time, totals then), oldest first; the first is when counting began.
         self._marks: deque[tuple[float, np.ndarray]] = deque([(clock(), self._totals.copy())])
+
+    def count_also(self, totals: Callable[[], np.ndarray]) -> None:
+        """Adds the running totals (`(len(MEASURES), NUM_SLOTS)`, from 0 now) that
+        `totals()` reads, at each `tick` and `rates`: the data plane's meter
+        (`_core.ServerCore.load`)."""
+        with self._lock:
+            self._also = totals
+
+    def _all_totals(self) -> np.ndarray:
+        """Ours and the other meter's (call with `_lock` held)."""
+        return self._totals + self._also() if self._also is not None else self._totals.copy()
 
     def record(self, keys: Iterable[np.ndarray], nbytes: int, cpu_seconds: float) -> None:
         """One request: its keys (any number of arrays), and its bytes and CPU time, which
@@ -134,7 +147,7 @@ class LoadMeter:
         """Remembers the totals now; forgets marks older than the window needs."""
         now = self._clock()
         with self._lock:
-            self._marks.append((now, self._totals.copy()))
+            self._marks.append((now, self._all_totals()))
             while len(self._marks) > 2 and now - self._marks[1][0] >= self.window:
                 self._marks.popleft()
 
@@ -144,7 +157,7 @@ class LoadMeter:
         now = self._clock()
         with self._lock:
             since, then = self._marks[0]
-            totals = self._totals.copy()
+            totals = self._all_totals()
         seconds = now - since
         return seconds, (totals - then) / max(seconds, 1e-9)
 

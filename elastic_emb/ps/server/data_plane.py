@@ -3,9 +3,10 @@
 gRPC stays the control plane (joins, tables, health, admin, checkpoints, replication);
 these four methods also come on a port of their own, framed TCP whose connections,
 frames, limits and tokens C++ handles (`_core.DataPlaneServer`, csrc/data_plane.h), with
-no gRPC on the way. With `native`, C++ answers the requests it can itself
-(`_core.ServerCore`, csrc/shard_core.h: the shards' step clocks and tables, no Python and
-no GIL per request); the others, and every request without `native`, are decided by the
+no gRPC on the way. C++ answers the requests it can itself (`_core.ServerCore`,
+csrc/shard_core.h: the shards' step clocks, slots and tables, no Python and no GIL per
+request; on a coordinated server pulls only, where the replica's last snapshot says it
+serves the range, their load metered for the balancer); the others are decided by the
 `Servicer`'s own Python code, the same as their gRPC calls. Both ways give the same
 answers, statuses and metrics. A server with TLS has no data plane: its data goes through
 gRPC, encrypted (never a plaintext port beside TLS).
@@ -21,6 +22,7 @@ import grpc
 from elastic_emb import _core
 from elastic_emb.ps.wire.protocol import DATA_PLANE_METHODS
 from elastic_emb.ps.wire.security import MAX_MESSAGE_BYTES
+from elastic_emb.tables.sharding import NUM_SLOTS
 
 if TYPE_CHECKING:
     from elastic_emb.ps.server.servicer import Servicer
@@ -43,10 +45,9 @@ _STATUS = {code.name: code.value[0] for code in grpc.StatusCode}
 class DataPlane:
     """Serves `servicer`'s data methods on host:port (0: any free port) until `stop`.
 
-    `threads`: the most requests in progress at once (a sync pull waiting for the
-    other workers holds one, as on gRPC). `native`: C++ answers what it can (a server
-    without a coordinator: with one, every change replicates and load is metered in
-    Python).
+    `threads`: the most requests in progress at once (a pull parked at the sync barrier
+    holds none). `coordinated`: a server with a coordinator, whose changes replicate to
+    its backups (in Python: C++ answers its pulls only).
 
     Raises:
         RuntimeError: the port cannot be bound.
@@ -61,16 +62,18 @@ class DataPlane:
         idle_seconds: float = IDLE_SECONDS,
         max_connections: int = MAX_CONNECTIONS,
         max_frame_bytes: int = MAX_MESSAGE_BYTES,
-        native: bool = True,
+        coordinated: bool = False,
     ) -> None:
         options = _core.DataPlaneOptions()
         options.host, options.port, options.max_threads = host, port, threads
         options.idle_seconds, options.max_connections = idle_seconds, max_connections
         options.max_frame_bytes = max_frame_bytes
         self._servicer = servicer
-        core = servicer.ranges.native if native else None
-        if core is not None:
-            core.set_enabled(True)
+        core = servicer.ranges.native
+        if servicer.load is not None:
+            core.meter_load(NUM_SLOTS)
+            servicer.load.count_also(core.load)
+        core.set_enabled(True, pushes=not coordinated)
         self._server = _core.DataPlaneServer(options, self._handle, self._authenticate, core)
         self.port: int = self._server.port
 

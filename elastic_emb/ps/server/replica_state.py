@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from elastic_emb.ps.coord.membership import ClusterMap, Group
 from elastic_emb.ps.server.shard import RequestError
@@ -56,6 +56,8 @@ class ReplicaState:
         self.coordinator_lost_since: float | None = None
         # Guarded by cond: backup -> (epoch, when) of its last ping naming this primary.
         self.followed_by: dict[str, tuple[int, float]] = {}
+        # The data plane's `_core.ServerCore`, told where this server serves (set once).
+        self.native: Any = None
         # Guarded by cond: sequence of the last change applied; None: no snapshot yet.
         self.applied: int | None = 0
         self.applied_epoch = 0  # guarded by cond: the epoch of that change
@@ -78,6 +80,23 @@ class ReplicaState:
             group = self.map.group_of(self.address)
             if group is not None and group.id == group_id and group.primary == self.address:
                 self.followed_by[backup] = (epoch, time.monotonic())
+
+    def publish_serving(self) -> None:
+        """Tells the data plane where this server serves workers now: `check_primary`'s
+        lease path (as its group's primary, or a member for reads, until the lease's TTL
+        from its last renewal); past that, and for anything else, the plane leaves the
+        request to `check_primary`. Call with `cond` held, after the map or the lease
+        changed."""
+        if self.native is None:
+            return
+        group = self.map.group_of(self.address)
+        serving = {}
+        if group is not None and self.map.sealed:
+            primary, member = group.primary == self.address, self.address in group.members
+            until = self.last_keepalive + self.lease_seconds
+            ours = [r.id for r in self.map.ranges if r.group == group.id]
+            serving = {range_id: (primary, member, until) for range_id in ours}
+        self.native.set_serving(serving)
 
     def _may_serve(self, group: Group) -> bool:
         """Whether this primary's lease was renewed within its TTL; or, while etcd cannot be

@@ -97,6 +97,9 @@ class Replica:
         self._replicas = replicas
         self._prefix = prefix
         state = self._state = ReplicaState(address, lease_seconds)
+        # The data plane serves no range of this server until the map and lease say so.
+        state.native = ranges.native
+        ranges.native.set_serving({})
         channels = self._channels = PeerChannels(security)
         self._replicator = Replicator(state, apply, channels, self._drop)
         self._incoming = IncomingRanges(state, ranges, apply)
@@ -182,6 +185,7 @@ class Replica:
         )
         with state.cond:
             old, state.lease, state.last_keepalive = state.lease, lease.id, time.monotonic()
+            state.publish_serving()
         if old:
             try:
                 self._etcd.revoke(old)
@@ -334,6 +338,7 @@ class Replica:
                 return
             old_group = state.map.group_of(self.address)
             state.map = new
+            state.publish_serving()
             group = new.group_of(self.address)
             self._incoming.follow(new, group)
             state.rebalance_due = True
@@ -429,6 +434,7 @@ class Replica:
                 self._coordinator_reached()
                 with state.cond:
                     state.last_keepalive = max(state.last_keepalive, sent)  # at the latest
+                    state.publish_serving()
             except LeaseLost:
                 self._coordinator_reached()
                 with state.cond:
@@ -504,6 +510,7 @@ class Replica:
             return False
         with state.cond:
             state.lease, state.last_keepalive = lease.id, time.monotonic()
+            state.publish_serving()
         log.warning(
             "%s's lease lapsed; the map still names it the primary of group %d (epoch %d): it "
             "keeps its place and its rows under a new lease", self.address, group.id, group.epoch,

@@ -289,7 +289,7 @@ def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
     try:
         data = DataPlane(
             servicer, options.host, options.data_port, options.threads,
-            native=not options.coordinator,
+            coordinated=bool(options.coordinator),
         )  # fmt: skip
     except RuntimeError as e:
         log.error("%s. Use another --data-port, or 0 for a free one", e)

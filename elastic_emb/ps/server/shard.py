@@ -48,9 +48,8 @@ class Shard:
     the step clock's (`step_clock`), taken in that order (`install`); tables
     push a sync step and `shrink` erases rows under the clock's.
 
-    `native` (a `_core.ShardCore`) holds the clock and the tables as the data
-    plane sees them: the plane answers a range's pulls and pushes itself while
-    it has no slot bounds (a server without a coordinator).
+    `native` (a `_core.ShardCore`) holds the clock, the slots and the tables as
+    the data plane sees them (`elastic_emb.ps.server.data_plane`).
     """
 
     def __init__(self, slots: tuple[int, int] | None = None) -> None:
@@ -59,7 +58,7 @@ class Shard:
         # tables alive, in a cycle Python's collector does not see)
         self.native = _core.ShardCore(_weak_call(self._tables.apply_sync_table))
         self._tables.publish_to(self.native)
-        self.native.set_slotted(slots is not None)
+        self.native.set_slots(slots, sharding.NUM_SLOTS)
         self._clock = self.native.clock
         # The slots [begin, end) whose keys this shard takes (None: every key). Written
         # under the clock's lock (`shrink`); read without (a tuple, replaced whole).
@@ -233,6 +232,7 @@ class Shard:
 
         def erase_moved_rows() -> None:
             self.slots = (begin, at)
+            self.native.set_slots(self.slots, sharding.NUM_SLOTS)
             for table in self.tables():
                 table.erase_slots((at, end))
 
