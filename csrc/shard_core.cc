@@ -42,20 +42,6 @@ uint8_t StatusNumber(const std::string& code) {
   return it == numbers.end() ? 2 : it->second;
 }
 
-// A PushResponse: field 1 (step), omitted when 0 as protobuf omits it.
-std::string PushResponse(int64_t step) {
-  std::string out;
-  if (step == 0) return out;
-  out.push_back(0x08);
-  uint64_t v = static_cast<uint64_t>(step);
-  while (v >= 0x80) {
-    out.push_back(static_cast<char>((v & 0x7F) | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<char>(v));
-  return out;
-}
-
 // The calling thread's CPU seconds.
 double ThreadSeconds() {
   timespec t{};
@@ -240,7 +226,7 @@ std::string ShardCore::ApplyPush(wire::PushRequest& request,
                  part.gradients.data());
     }
   };
-  return PushResponse(clock_.Push(request.worker, request.step, queue, apply));
+  return wire::EncodePushResponse(clock_.Push(request.worker, request.step, queue, apply));
 }
 
 void ServerCore::SetEnabled(bool enabled, bool pushes) {

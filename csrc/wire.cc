@@ -789,4 +789,10 @@ void DecodePull(std::string_view response, const std::vector<OutgoingTable>& tab
   }
 }
 
+std::string EncodePushResponse(int64_t step) {
+  std::string out;
+  PutVarintField(1, step, out);
+  return out;
+}
+
 }  // namespace elastic_emb::wire

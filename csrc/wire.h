@@ -96,6 +96,9 @@ struct RowSource {
   int dim = 0;
 };
 
+// A PushResponse: the shard's step.
+std::string EncodePushResponse(int64_t step);
+
 // The PullResponse answering `request`, table i from sources[i].
 std::string AnswerPull(const PullRequest& request, const std::vector<RowSource>& sources);
 
