@@ -198,11 +198,6 @@ std::optional<std::chrono::steady_clock::time_point> StepClock::Expire() {
   return next;
 }
 
-size_t StepClock::parked() {
-  Lock lock(mu_);
-  return parked_.size();
-}
-
 int64_t StepClock::Push(int64_t worker, int64_t step, const std::function<StepParts()>& queue,
                         const std::function<void()>& apply) {
   Fired fired;

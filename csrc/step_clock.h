@@ -108,7 +108,6 @@ class StepClock {
   bool Park(int64_t worker, int64_t step, double timeout, Parked then);
   // Refuses the parked pulls whose deadline passed; the earliest deadline left, if any.
   std::optional<std::chrono::steady_clock::time_point> Expire();
-  size_t parked();
 
   // Takes `worker`'s push of `step` once; returns the shard's step. SYNC: `queue()`
   // (called under the lock) gives its parts, applied with the other workers' once every
