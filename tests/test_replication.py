@@ -621,5 +621,7 @@ def test_a_primary_answers_pulls_on_its_data_plane_and_replicates_pushes_in_pyth
     def calls(name: str, method: str) -> float:
         return metrics.get((f"elastic_emb_{name}_total", (("method", method),)), 0.0)
 
-    assert calls("data_plane_native_calls", "Pull") == calls("rpc_calls", "Pull") == 8
+    # (a pull that came before the server saw the sealed map is refused by Python and sent
+    # again: rpc_calls may count it too)
+    assert calls("data_plane_native_calls", "Pull") == 8 <= calls("rpc_calls", "Pull")
     assert calls("data_plane_native_calls", "Push") == 0 < calls("rpc_calls", "Push")
