@@ -734,14 +734,19 @@ Connection::~Connection() {
 }
 
 void Connection::Fail(const std::string& why) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (alive_.exchange(false)) failure_ = refusal_.empty() ? why : refusal_;
-  for (auto& entry : pending_) {
-    entry.second->done = true;
-    entry.second->answer = Answer{kUnavailable, failure_};
+  std::vector<std::shared_ptr<Pending>> failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (alive_.exchange(false)) failure_ = refusal_.empty() ? why : refusal_;
+    for (auto& entry : pending_) {
+      entry.second->done = true;
+      entry.second->answer = Answer{kUnavailable, failure_};
+      if (entry.second->on_done) failed.push_back(entry.second);
+    }
+    pending_.clear();
+    cv_.notify_all();
   }
-  pending_.clear();
-  cv_.notify_all();
+  for (const auto& p : failed) p->on_done(p->answer);
 }
 
 void Connection::ReadLoop() {
@@ -757,38 +762,51 @@ void Connection::ReadLoop() {
       Fail("data plane: the connection to " + where_ + " broke in an answer");
       return;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = pending_.find(header.request_id);
-    if (it == pending_.end()) {
-      // A refusal of the connection itself (request id 0), or a call given up.
-      if (header.request_id == 0 && header.status != kOk) refusal_ = std::move(payload);
-      continue;
+    std::shared_ptr<Pending> answered;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(header.request_id);
+      if (it == pending_.end()) {
+        // A refusal of the connection itself (request id 0), or a call given up.
+        if (header.request_id == 0 && header.status != kOk) refusal_ = std::move(payload);
+        continue;
+      }
+      it->second->done = true;
+      it->second->answer = Answer{header.status, std::move(payload)};
+      if (it->second->on_done) answered = it->second;
+      pending_.erase(it);
+      cv_.notify_all();
     }
-    it->second->done = true;
-    it->second->answer = Answer{header.status, std::move(payload)};
-    pending_.erase(it);
-    cv_.notify_all();
+    if (answered) answered->on_done(answered->answer);
   }
 }
 
 Connection::Ticket Connection::Send(const std::shared_ptr<Connection>& c, uint8_t method,
-                                    const std::string& payload, uint32_t deadline_ms) {
+                                    const std::string& payload, uint32_t deadline_ms,
+                                    OnDone on_done) {
   Ticket ticket;
   ticket.connection = c;
   ticket.pending = std::make_shared<Pending>();
+  ticket.pending->on_done = std::move(on_done);
   Header header;
   header.method = method;
   header.deadline_ms = deadline_ms;
   header.length = static_cast<uint32_t>(payload.size());
+  bool broken = false;
   {
     std::lock_guard<std::mutex> lock(c->mu_);
-    if (!c->alive_.load()) {
+    broken = !c->alive_.load();
+    if (broken) {
       ticket.pending->done = true;
       ticket.pending->answer = Answer{kUnavailable, c->failure_};
-      return ticket;
+    } else {
+      header.request_id = ticket.request_id = c->next_id_++;
+      c->pending_[header.request_id] = ticket.pending;
     }
-    header.request_id = ticket.request_id = c->next_id_++;
-    c->pending_[header.request_id] = ticket.pending;
+  }
+  if (broken) {
+    if (ticket.pending->on_done) ticket.pending->on_done(ticket.pending->answer);
+    return ticket;
   }
   char encoded[kHeaderBytes];
   EncodeHeader(header, encoded);

@@ -46,15 +46,17 @@ namespace data_plane {
 constexpr uint32_t kMagic = 0x50444545;  // "EEDP"
 constexpr size_t kHeaderBytes = 24;
 
-// Frame methods. 1-4 are the ParameterServer methods of the same names.
+// Frame methods. 1-5 are the ParameterServer methods of the same names (Replicate: a
+// primary's change, to its backups).
 enum Method : uint8_t {
   kHello = 0,
   kPull = 1,
   kPush = 2,
   kPullRanges = 3,
   kPushRanges = 4,
+  kReplicate = 5,
 };
-constexpr uint8_t kLastMethod = kPushRanges;
+constexpr uint8_t kLastMethod = kReplicate;
 
 // gRPC's status codes, the ones the plane itself answers with.
 enum Status : uint8_t {
@@ -208,9 +210,13 @@ class Connection {
   // Whether the connection still stands (false once the server closed it or it broke).
   bool alive() const { return alive_.load(); }
 
+  // Called once with a call's answer, on the connection's reader thread (or the sender's,
+  // when the connection is broken); it must not block.
+  using OnDone = std::function<void(const Answer&)>;
   struct Pending {
     bool done = false;  // guarded by its connection's mu_
     Answer answer;
+    OnDone on_done;  // (set before it is sent)
   };
   // A call sent: `sent` is false when none of its bytes left this process (it failed
   // before, with kUnavailable: safe to send again).
@@ -221,9 +227,9 @@ class Connection {
     bool sent = false;
   };
   // Sends one request; a broken connection answers it kUnavailable at once. Blocks only
-  // while the socket takes the bytes.
+  // while the socket takes the bytes. `on_done`: called with its answer.
   static Ticket Send(const std::shared_ptr<Connection>& c, uint8_t method,
-                     const std::string& payload, uint32_t deadline_ms);
+                     const std::string& payload, uint32_t deadline_ms, OnDone on_done = nullptr);
   // Waits until every ticket is answered or `deadline` passes; whether all were.
   static bool Wait(const std::vector<Ticket>& tickets,
                    std::chrono::steady_clock::time_point deadline);

@@ -53,7 +53,9 @@ class PyServer {
                        const data_plane::Park& park) -> std::optional<Answer> {
       if (core != nullptr) {
         Answer answer;
-        switch (core->Serve(method, payload, park, &answer.status, &answer.payload)) {
+        // (a worker's connection may not send changes: Python refuses its Replicate)
+        const bool from_peer = caller.rfind("worker ", 0) != 0;
+        switch (core->Serve(method, payload, park, from_peer, &answer.status, &answer.payload)) {
           case Served::kAnswered:
             return answer;
           case Served::kParked:

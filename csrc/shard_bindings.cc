@@ -264,9 +264,68 @@ void BindShards(py::module_& m) {
           py::arg("slots"), py::arg("num_slots"),
           "(begin, end): the virtual slots whose keys the range takes; None: every key.");
 
+  py::class_<Replication, std::shared_ptr<Replication>>(
+      m, "Replication", "A replica group's changes on the data plane (csrc/replication.h).")
+      .def(
+          "configure",
+          [](Replication& r, py::function drop_fn, const std::string& token) {
+            auto drop = SharedCallable(std::move(drop_fn));
+            r.Configure(
+                [drop](const std::string& backup, const std::string& why) {
+                  py::gil_scoped_acquire gil;
+                  try {
+                    (*drop)(backup, why);
+                  } catch (py::error_already_set& e) {
+                    e.discard_as_unraisable("elastic_emb: dropping a backup");
+                  }
+                },
+                token);
+          },
+          py::arg("drop"), py::arg("token"),
+          "drop(backup, why): removes a backup that did not apply a change; `token`: what "
+          "this server's connections to the others give.")
+      .def(
+          "lock_order", [](Replication& r) { r.order().lock(); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("unlock_order", [](Replication& r) { r.order().unlock(); })
+      .def(
+          "set_role",
+          [](Replication& r, const py::dict& d) {
+            ReplicaRole role;
+            role.address = d["address"].cast<std::string>();
+            role.group = d["group"].cast<int32_t>();
+            role.epoch = d["epoch"].cast<int64_t>();
+            role.primary = d["primary"].cast<std::string>();
+            role.holds = d["holds"].cast<std::vector<std::string>>();
+            role.changes = d["changes"].cast<bool>();
+            for (auto item : d["backups"].cast<py::list>()) {
+              auto t = item.cast<py::tuple>();
+              role.backups.push_back(
+                  Backup{t[0].cast<std::string>(), t[1].cast<std::string>(), t[2].cast<int>()});
+            }
+            py::gil_scoped_release release;
+            r.SetRole(std::move(role));
+          },
+          py::arg("role"),
+          "{address, group (-1: a spare), epoch, primary, holds: [address], changes: bool, "
+          "backups: [(address, host, data port)]}: this server's place in its group.")
+      .def_property_readonly("applied",
+                             py::cpp_function(&Replication::applied,
+                                              py::call_guard<py::gil_scoped_release>()))
+      .def_property_readonly("applied_epoch",
+                             py::cpp_function(&Replication::applied_epoch,
+                                              py::call_guard<py::gil_scoped_release>()))
+      .def("set_applied", &Replication::SetApplied, py::arg("sequence"), py::arg("epoch"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_applied", &Replication::WaitApplied, py::arg("seen"), py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Waits until `applied` differs from `seen`, notify() or `seconds` pass.")
+      .def("notify", &Replication::Notify, py::call_guard<py::gil_scoped_release>());
+
   py::class_<ServerCore, std::shared_ptr<ServerCore>>(
       m, "ServerCore", "A server's shards by range, as the data plane serves them.")
       .def(py::init<>())
+      .def_property_readonly("replication", &ServerCore::replication)
       .def("set_enabled", &ServerCore::SetEnabled, py::arg("enabled"), py::arg("pushes"))
       .def(
           "set_serving",

@@ -12,9 +12,9 @@
 namespace elastic_emb {
 namespace {
 
-// The Pull, Push, PullRanges and PushRanges methods (data_plane::Method).
-enum : uint8_t { kPull = 1, kPush = 2, kPullRanges = 3, kPushRanges = 4 };
-const char* const kMethodNames[] = {"", "Pull", "Push", "PullRanges", "PushRanges"};
+// The data plane's methods (data_plane::Method).
+enum : uint8_t { kPull = 1, kPush = 2, kPullRanges = 3, kPushRanges = 4, kReplicate = 5 };
+const char* const kMethodNames[] = {"", "Pull", "Push", "PullRanges", "PushRanges", "Replicate"};
 
 constexpr double kLatencyBucketSeconds[kLatencyBounds] = {
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0};
@@ -179,7 +179,12 @@ std::string ShardCore::Rows(const wire::PullRequest& request, const PlanePull& p
 }
 
 bool ShardCore::PreparePush(wire::PushRequest& request, std::vector<PlaneTable>* tables_out) {
-  if (slots()) return false;  // (a coordinated server's: its changes replicate, in Python)
+  const std::optional<SlotBounds> bounds = slots();
+  if (bounds && std::any_of(request.tables.begin(), request.tables.end(), [&](const auto& t) {
+        return wire::KeysOutside(t.keys, bounds->num_slots, bounds->begin, bounds->end);
+      })) {
+    return false;  // Python refuses it
+  }
   const auto all = tables();
   std::vector<int> dims;
   for (const auto& part : request.tables) {
@@ -263,7 +268,8 @@ bool ServerCore::Serves(int32_t range, bool train) const {
   return (s.primary || (!train && s.member)) && now < s.until;
 }
 
-void ServerCore::CountLoad(const wire::PullRequest& request, size_t bytes, double cpu_seconds) {
+template <class Request>
+void ServerCore::CountLoad(const Request& request, size_t bytes, double cpu_seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   if (load_slots_ == 0) return;
   size_t n = 0;
@@ -304,15 +310,29 @@ std::shared_ptr<ShardCore> ServerCore::Find(int32_t range) const {
 }
 
 Served ServerCore::Serve(uint8_t method, const std::string& payload, const data_plane::Park& park,
-                         uint8_t* status, std::string* out) {
-  if (method < kPull || method > kPushRanges) return Served::kPython;
+                         bool from_peer, uint8_t* status, std::string* out) {
+  if (method < kPull || method > kReplicate) return Served::kPython;
   const bool ranges = method == kPullRanges || method == kPushRanges;
   const bool pull = method == kPull || method == kPullRanges;
+  bool replicated = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!enabled_ || (!pull && !pushes_)) return Served::kPython;
+    if (!enabled_) return Served::kPython;
+    replicated = !pull && !pushes_;
   }
   const auto start = std::chrono::steady_clock::now();
+  if (method == kReplicate) {
+    return from_peer ? Change(payload, park, start, status, out) : Served::kPython;
+  }
+  if (replicated) {
+    try {
+      return ReplicatedPushes(method, payload, park, start, status, out);
+    } catch (const std::exception& e) {  // (before anything changed: memory)
+      *status = StatusNumber("INTERNAL");
+      *out = e.what();
+      return Served::kAnswered;
+    }
+  }
   std::string code;
   std::optional<std::string> answer;
   int64_t pushes = 0;  // pushes taken (Python's `changes` counts the refused ones too)
@@ -505,31 +525,226 @@ std::optional<std::string> ServerCore::Pulls(const std::vector<std::string_view>
   return wire::JoinParts(std::vector<std::string_view>(answers.begin(), answers.end()));
 }
 
-std::optional<std::string> ServerCore::Pushes(const std::vector<std::string_view>& parts,
-                                              bool ranges, int64_t* pushes) {
-  std::vector<wire::PushRequest> requests(parts.size());
-  std::vector<std::shared_ptr<ShardCore>> shards(parts.size());
-  std::vector<std::vector<PlaneTable>> tables(parts.size());
+// Pushes parsed, their shards found and their gradients decoded; false: Python answers them.
+struct ServerCore::PreparedPushes {
+  std::vector<wire::PushRequest> requests;
+  std::vector<std::shared_ptr<ShardCore>> shards;
+  std::vector<std::vector<PlaneTable>> tables;
+};
+
+bool ServerCore::Prepare(const std::vector<std::string_view>& parts, bool train,
+                         PreparedPushes* p) const {
+  p->requests.resize(parts.size());
+  p->shards.resize(parts.size());
+  p->tables.resize(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
     try {
-      requests[i] = wire::ParsePushRequest(parts[i]);
+      p->requests[i] = wire::ParsePushRequest(parts[i]);
     } catch (const InvalidArgument&) {
-      return std::nullopt;
+      return false;
     }
-    shards[i] = Find(requests[i].range);
-    if (shards[i] == nullptr || !shards[i]->PreparePush(requests[i], &tables[i])) {
-      return std::nullopt;
+    p->shards[i] = Find(p->requests[i].range);
+    if (p->shards[i] == nullptr || (train && !Serves(p->requests[i].range, true)) ||
+        !p->shards[i]->PreparePush(p->requests[i], &p->tables[i])) {
+      return false;
     }
   }
+  return true;
+}
+
+std::optional<std::string> ServerCore::Pushes(const std::vector<std::string_view>& parts,
+                                              bool ranges, int64_t* pushes) {
+  PreparedPushes p;
+  if (!Prepare(parts, false, &p)) return std::nullopt;
   // Applied in order; a refusal answers the whole request (those before it applied, as
   // in Python).
   std::vector<std::string> answers(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
     ++*pushes;
-    answers[i] = shards[i]->ApplyPush(requests[i], tables[i]);
+    answers[i] = p.shards[i]->ApplyPush(p.requests[i], p.tables[i]);
   }
   if (!ranges) return std::move(answers[0]);
   return wire::JoinParts(std::vector<std::string_view>(answers.begin(), answers.end()));
+}
+
+namespace {
+
+// What a request's answer will be: its parts' responses, or a refusal.
+struct Outcome {
+  std::vector<std::string> answers;
+  std::string code, message;  // code "": OK
+  int64_t pushes = 0;         // pushes taken
+};
+
+void Refuse(Outcome* outcome, const std::string& code, const std::string& message) {
+  outcome->code = code;
+  outcome->message = message;
+}
+
+}  // namespace
+
+Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
+                                    const data_plane::Park& park, TimePoint start,
+                                    uint8_t* status, std::string* out) {
+  const bool ranges = method == kPushRanges;
+  std::vector<std::string_view> parts;
+  if (ranges) {
+    try {
+      parts = wire::ParseParts(payload);
+    } catch (const InvalidArgument&) {
+      return Served::kPython;
+    }
+  } else {
+    parts.push_back(payload);
+  }
+  const double cpu = ThreadSeconds();
+  PreparedPushes p;
+  if (!Prepare(parts, true, &p)) return Served::kPython;
+  Replication& replication = *replication_;
+  const std::shared_ptr<const ReplicaRole> role = replication.role();
+  if (!role->changes) return Served::kPython;
+  const auto backups = replication.Connect(*role);
+  if (!backups) return Served::kPython;
+  std::unique_lock<std::mutex> order(replication.order());
+  if (replication.role() != role || !replication.applied()) return Served::kPython;
+
+  // From here the plane answers: once every backup applied the changes made.
+  auto outcome = std::make_shared<Outcome>();
+  outcome->answers.resize(parts.size());
+  const size_t received = payload.size();
+  std::weak_ptr<ServerCore> self = weak_from_this();
+  auto answer = [self, outcome, ranges, method, received, start](data_plane::Answer* a) {
+    if (outcome->code.empty()) {
+      a->status = 0;
+      a->payload = ranges ? wire::JoinParts(std::vector<std::string_view>(
+                                outcome->answers.begin(), outcome->answers.end()))
+                          : std::move(outcome->answers[0]);
+    } else {
+      a->status = StatusNumber(outcome->code);
+      a->payload = outcome->message;
+    }
+    if (auto core = self.lock()) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      core->Record(method, seconds, outcome->code, received,
+                   outcome->code.empty() ? a->payload.size() : 0, outcome->pushes);
+    }
+  };
+  data_plane::Respond respond;
+  if (!role->backups.empty()) respond = park();
+  auto waiter = std::make_shared<Replication::Waiter>([answer, respond] {
+    data_plane::Answer a;
+    answer(&a);
+    respond(std::move(a));
+  });
+  for (size_t i = 0; i < parts.size(); ++i) {
+    try {
+      ++outcome->pushes;
+      outcome->answers[i] = p.shards[i]->ApplyPush(p.requests[i], p.tables[i]);
+    } catch (const Refusal& e) {
+      Refuse(outcome.get(), e.code(), e.what());
+    } catch (const InvalidArgument& e) {  // (a table refused an argument: Python's ValueError)
+      Refuse(outcome.get(), "INVALID_ARGUMENT", e.what());
+    } catch (const std::exception& e) {
+      Refuse(outcome.get(), "INTERNAL", e.what());
+    }
+    if (!outcome->code.empty()) break;
+    wire::ReplicateRequest change;
+    change.group = role->group;
+    change.epoch = role->epoch;
+    change.sequence = replication.Number(role->epoch);
+    change.method = "Push";
+    change.request = parts[i];
+    change.primary = role->address;
+    replication.Forward(*role, *backups, wire::EncodeReplicateRequest(change), change.sequence,
+                        waiter);
+  }
+  order.unlock();
+  if (outcome->code.empty()) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      CountLoad(p.requests[i], parts[i].size() + outcome->answers[i].size(),
+                (ThreadSeconds() - cpu) / static_cast<double>(parts.size()));
+    }
+  }
+  if (role->backups.empty()) {
+    data_plane::Answer a;
+    answer(&a);
+    *status = a.status;
+    *out = std::move(a.payload);
+    return Served::kAnswered;
+  }
+  waiter->Release();
+  return Served::kParked;
+}
+
+Served ServerCore::Change(const std::string& payload, const data_plane::Park& park,
+                          TimePoint start, uint8_t* status, std::string* out) {
+  wire::ReplicateRequest change;
+  PreparedPushes p;
+  try {
+    change = wire::ParseReplicateRequest(payload);
+  } catch (const InvalidArgument&) {
+    return Served::kPython;
+  }
+  if (change.method != "Push" || !Prepare({change.request}, false, &p)) return Served::kPython;
+  auto prepared = std::make_shared<PreparedPushes>(std::move(p));
+  const int64_t sequence = change.sequence, epoch = change.epoch;
+  const size_t received = payload.size();
+  std::weak_ptr<ServerCore> self = weak_from_this();
+  const std::string address = replication_->role()->address;
+  // Applies it, in its turn; the answer.
+  auto apply = [self, prepared, sequence, epoch, received, start, address] {
+    data_plane::Answer a;
+    std::string code;
+    try {
+      prepared->shards[0]->ApplyPush(prepared->requests[0], prepared->tables[0]);
+      a.payload = wire::EncodeReplicateResponse(sequence);
+    } catch (const std::exception& e) {
+      code = "DATA_LOSS";
+      a.status = StatusNumber(code);
+      a.payload = address + " could not apply change " + std::to_string(sequence) + ": " + e.what();
+    }
+    if (auto core = self.lock()) {
+      core->replication_->Applied(sequence, epoch);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      core->Record(kReplicate, seconds, code, received, code.empty() ? a.payload.size() : 0, 1);
+    }
+    return a;
+  };
+  const data_plane::Respond respond = park();  // (used only if it waits)
+  std::string refusal;
+  const Turn turn = replication_->TakeTurn(
+      change,
+      [apply, respond](const Refusal* refused) {
+        respond(refused == nullptr ? apply()
+                                   : data_plane::Answer{StatusNumber(refused->code()),
+                                                        refused->what()});
+      },
+      &refusal);
+  data_plane::Answer a;
+  switch (turn) {
+    case Turn::kApply:
+      a = apply();
+      break;
+    case Turn::kDone:
+    case Turn::kRefuse: {
+      const std::string code = turn == Turn::kDone ? "" : "ABORTED";
+      a = code.empty() ? data_plane::Answer{0, wire::EncodeReplicateResponse(sequence)}
+                       : data_plane::Answer{StatusNumber(code), refusal};
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      Record(kReplicate, seconds, code, received, code.empty() ? a.payload.size() : 0, 0);
+      break;
+    }
+    case Turn::kWait:
+      return Served::kParked;
+    case Turn::kPython:
+      return Served::kPython;
+  }
+  *status = a.status;
+  *out = std::move(a.payload);
+  return Served::kAnswered;
 }
 
 void ServerCore::Record(uint8_t method, double seconds, const std::string& code, size_t received,

@@ -5,9 +5,9 @@
 // published them, its tables. A `ServerCore` holds a server's ShardCores by range and
 // answers Pull, Push and their *Ranges form from the data plane's threads without Python,
 // when it can: every table a C++ table with a constant learning rate, gradients finite,
-// keys within the range's slots; on a coordinated server, pulls only (a change replicates
-// to the backups, in Python), while Python's last snapshot says this server serves the
-// range. Anything else goes to Python (`Serve` returns kPython before anything changed),
+// keys within the range's slots; on a coordinated server while Python's last snapshot says
+// this server serves the range, its changes sent to the backups' data planes and applied
+// there in order (csrc/replication.h). Anything else goes to Python (`Serve` returns kPython before anything changed),
 // which answers as it always did; a refusal of the step clock (the same clock, the same
 // messages) is answered here. A pull that must wait is parked, holding no thread.
 #pragma once
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "data_plane.h"
+#include "replication.h"
 #include "step_clock.h"
 #include "wire.h"
 
@@ -124,8 +125,8 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   ServerCore(const ServerCore&) = delete;
   ServerCore& operator=(const ServerCore&) = delete;
 
-  // The plane answers nothing until enabled; `pushes`: changes too (not on a coordinated
-  // server, whose changes replicate to its backups in Python).
+  // The plane answers nothing until enabled. `pushes`: applied here alone (a server without
+  // a coordinator); false: a coordinated server's, replicated when its role allows.
   void SetEnabled(bool enabled, bool pushes);
   // A coordinated server: where it serves now, by range (replaced whole). Before the
   // first call, every range is served (a server without a coordinator).
@@ -140,11 +141,14 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   void DropRange(int32_t range);
 
   // Takes a data-plane request (data_plane::Method): kAnswered with `status` (a gRPC
-  // code) and `out` (the answer, or the refusal's message); kParked: a pull that waits for
-  // its step, answered through `park` when it may read (or is refused), holding no
-  // thread; kPython: Python answers it (nothing changed).
+  // code) and `out` (the answer, or the refusal's message); kParked: answered through
+  // `park` later, holding no thread (a pull that waits for its step, a change that waits
+  // for the backups, or on a backup for the change before it); kPython: Python answers it
+  // (nothing changed). `from_peer`: the caller may send changes (Replicate).
   Served Serve(uint8_t method, const std::string& payload, const data_plane::Park& park,
-               uint8_t* status, std::string* out);
+               bool from_peer, uint8_t* status, std::string* out);
+  // The group's changes: their order, sequence and forwarding (a coordinated server).
+  const std::shared_ptr<Replication>& replication() const { return replication_; }
 
   std::map<std::string, MethodCounts> counts() const;
   int64_t changes() const;
@@ -156,7 +160,8 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   std::shared_ptr<ShardCore> Find(int32_t range) const;
   // Whether this server serves `range`'s pulls now (`train`: only as the primary).
   bool Serves(int32_t range, bool train) const;
-  void CountLoad(const wire::PullRequest& request, size_t bytes, double cpu_seconds);
+  template <class Request>
+  void CountLoad(const Request& request, size_t bytes, double cpu_seconds);
   // A single Pull: answered now, or parked until its step may be read.
   Served Pull(std::string_view payload, const data_plane::Park& park, TimePoint start,
               uint8_t* status, std::string* out);
@@ -164,8 +169,19 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   void Watch(TimePoint deadline);
   void WatchDeadlines();
   std::optional<std::string> Pulls(const std::vector<std::string_view>& parts);
+  struct PreparedPushes;
+  // The pushes of `parts` parsed and checked; false: Python answers them. `train`: only
+  // where this server serves the range's workers now.
+  bool Prepare(const std::vector<std::string_view>& parts, bool train, PreparedPushes* p) const;
   std::optional<std::string> Pushes(const std::vector<std::string_view>& parts, bool ranges,
                                     int64_t* pushes);
+  // A coordinated primary's Push or PushRanges: applied, numbered, sent to the backups and
+  // answered once they applied it.
+  Served ReplicatedPushes(uint8_t method, const std::string& payload, const data_plane::Park& park,
+                          TimePoint start, uint8_t* status, std::string* out);
+  // A backup's Replicate: a change applied in its turn.
+  Served Change(const std::string& payload, const data_plane::Park& park, TimePoint start,
+                uint8_t* status, std::string* out);
   void Record(uint8_t method, double seconds, const std::string& code, size_t received, size_t sent,
               int64_t changes);
 
@@ -177,6 +193,7 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   std::vector<double> load_;  // (3, load_slots_)
   std::map<int32_t, std::shared_ptr<ShardCore>> ranges_;
   std::map<std::string, MethodCounts> counts_;
+  const std::shared_ptr<Replication> replication_ = std::make_shared<Replication>();
   int64_t changes_ = 0;
   int64_t waits_ = 0;
   double wait_seconds_ = 0.0;

@@ -795,4 +795,53 @@ std::string EncodePushResponse(int64_t step) {
   return out;
 }
 
+ReplicateRequest ParseReplicateRequest(std::string_view bytes) {
+  Reader r(bytes, "ReplicateRequest");
+  ReplicateRequest change;
+  int field, type;
+  while (r.Next(field, type)) {
+    switch (field) {
+      case 1:
+        change.group = Int32(r, field, type);
+        break;
+      case 2:
+        change.epoch = Int(r, field, type);
+        break;
+      case 3:
+        change.sequence = Int(r, field, type);
+        break;
+      case 4:
+        change.method = std::string(Bytes(r, field, type));
+        break;
+      case 5:
+        change.request = Bytes(r, field, type);
+        break;
+      case 6:
+        change.primary = std::string(Bytes(r, field, type));
+        break;
+      default:
+        r.Skip(type);
+    }
+  }
+  return change;
+}
+
+std::string EncodeReplicateRequest(const ReplicateRequest& change) {
+  std::string out;
+  out.reserve(change.request.size() + change.method.size() + change.primary.size() + 48);
+  PutVarintField(1, change.group, out);
+  PutVarintField(2, change.epoch, out);
+  PutVarintField(3, change.sequence, out);
+  PutBytesField(4, change.method.data(), change.method.size(), out);
+  PutBytesField(5, change.request.data(), change.request.size(), out);
+  PutBytesField(6, change.primary.data(), change.primary.size(), out);
+  return out;
+}
+
+std::string EncodeReplicateResponse(int64_t sequence) {
+  std::string out;
+  PutVarintField(1, sequence, out);
+  return out;
+}
+
 }  // namespace elastic_emb::wire

@@ -99,6 +99,21 @@ struct RowSource {
 // A PushResponse: the shard's step.
 std::string EncodePushResponse(int64_t step);
 
+// A change a primary sends its backups (ReplicateRequest): `request` is the serialized
+// request of `method` (into the parsed bytes, which must outlive it).
+struct ReplicateRequest {
+  int32_t group = 0;
+  int64_t epoch = 0;
+  int64_t sequence = 0;
+  std::string method;
+  std::string_view request;
+  std::string primary;
+};
+ReplicateRequest ParseReplicateRequest(std::string_view bytes);
+std::string EncodeReplicateRequest(const ReplicateRequest& change);
+// A ReplicateResponse: the sequence applied.
+std::string EncodeReplicateResponse(int64_t sequence);
+
 // The PullResponse answering `request`, table i from sources[i].
 std::string AnswerPull(const PullRequest& request, const std::vector<RowSource>& sources);
 

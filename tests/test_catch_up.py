@@ -14,7 +14,7 @@ def _change(sequence: int) -> ps_pb2.ReplicateRequest:
 def _catch_up(arrivals_per_send: int) -> tuple[list[int], int]:
     """Sequences sent to the receiver, in order, and the rounds sent before the cutover,
     while each send sees `arrivals_per_send` new changes made (by the workers)."""
-    buffers: ChangeBuffers[str] = ChangeBuffers(threading.Condition())
+    buffers: ChangeBuffers[str] = ChangeBuffers(threading.Condition(), lambda: None)
     buffers.open("r")
     made = iter(range(1, 10**6))
     for _ in range(100):  # made during the snapshot

@@ -243,10 +243,12 @@ def test_a_stopped_server_fails_the_calls_in_flight_at_once():
     echo.release.set()  # (its handler ends; the answer goes nowhere)
 
 
-def test_the_data_plane_carries_only_what_every_role_may_call():
-    # Tokens are checked once per connection: so every method on it must be a worker's.
-    assert set(protocol.DATA_PLANE_METHODS) <= WORKER_METHODS
-    assert set(protocol.DATA_PLANE_METHODS) == protocol.RAW_METHODS
+def test_the_data_plane_carries_what_workers_call_and_the_replicas_changes():
+    # Tokens are checked once per connection; the role per call only for Replicate (test
+    # below): every other method on it must be a worker's.
+    assert set(protocol.DATA_PLANE_METHODS) - {"Replicate"} <= WORKER_METHODS
+    assert "Replicate" not in WORKER_METHODS
+    assert set(protocol.DATA_PLANE_METHODS) - {"Replicate"} == protocol.RAW_METHODS
 
 
 # 2. A real server: both planes.
@@ -415,7 +417,7 @@ def test_tls_servers_have_no_plaintext_data_port(tmp_path):
 
 def test_tokens_are_checked_per_data_plane_connection(tmp_path):
     tokens = tmp_path / "tokens"
-    tokens.write_text("s3cret-admin admin ops\n")
+    tokens.write_text("s3cret-admin admin ops\ns3cret-worker worker trainer\n")
     log = tmp_path / "audit.jsonl"
     with shards(1, ["--auth-tokens", str(tokens), "--audit-log", str(log)]) as (ps,):
         admin = ClientSecurity.make(token="s3cret-admin")
@@ -432,6 +434,28 @@ def test_tokens_are_checked_per_data_plane_connection(tmp_path):
             np.testing.assert_array_equal(table.pull(np.arange(5)), np.full((5, 4), -0.5))
             cluster = ee.placement.registry.connection().cluster
             assert cluster.shards.data_plane_addresses() == [ps.address]
+            # A worker's connection may not send a replica's change: refused, audited, and
+            # nothing applied.
+            push = ps_pb2.PushRequest(
+                tables=[
+                    ps_pb2.TableGradients(
+                        table="x",
+                        keys=np.arange(5, dtype=np.int64).tobytes(),
+                        gradients=np.ones((5, 4), np.float32).tobytes(),
+                    )
+                ]
+            )
+            change = ps_pb2.ReplicateRequest(
+                group=0, epoch=1, sequence=1, method="Push", request=push.SerializeToString()
+            )
+            worker = _core.DataPlaneConnection("127.0.0.1", port, "s3cret-worker", 5.0)
+            status, message = _call(
+                worker, protocol.DATA_PLANE_METHODS["Replicate"], change.SerializeToString()
+            )
+            assert status == grpc.StatusCode.PERMISSION_DENIED.value[0]
+            assert b"Replicate needs the admin role; 'trainer' has the worker role" in message
+            assert '"Replicate"' in log.read_text()
+            np.testing.assert_array_equal(table.pull(np.arange(5)), np.full((5, 4), -0.5))
         finally:
             ee.shutdown()
 

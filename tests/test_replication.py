@@ -36,6 +36,7 @@ from _replicas import (
 from _states import assert_same_state
 
 import elastic_emb as ee
+from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps.coord import membership
 from elastic_emb.ps.coord.etcd import Etcd
@@ -599,10 +600,19 @@ def test_a_worker_joining_while_a_sync_step_is_applied_on_one_range_only_joins_a
     assert float(table.pull(np.array([key]), train=False)[0, 0]) == -1.0
 
 
-def test_a_primary_answers_pulls_on_its_data_plane_and_replicates_pushes_in_python(tmp_path):
-    """The data plane of a replicated group's primary answers pulls in C++ (its metrics
-    count them) and leaves pushes to Python, which replicates them: both replicas hold
-    the rows of the in-process reference trained on the same steps."""
+def server_metrics_url(cluster: LocalCluster, address: str) -> str:
+    """The metrics URL a cluster's server printed in its log."""
+    log = (cluster.directory / f"server-{address.rsplit(':', 1)[1]}.log").read_text()
+    (url,) = re.findall(r"^elastic-emb serve: metrics on (\S+)", log, re.MULTILINE)
+    return url
+
+
+def test_a_group_trains_and_replicates_on_its_data_plane(tmp_path):
+    """A replicated group's data plane answers pulls and pushes in C++, and the primary
+    sends each push to the backup's data plane, where C++ applies it in sequence (their
+    metrics count them): both replicas hold the rows of the in-process reference trained
+    on the same steps. The changes Python makes (tables, joins) go the gRPC way, in the
+    same sequence."""
     reference = ee.Table(8, optimizer=ee.optimizers.Adam(0.01), name="ref", seed=3)
     train(reference, range(1, 9))
     with LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"]) as c:
@@ -614,14 +624,79 @@ def test_a_primary_answers_pulls_on_its_data_plane_and_replicates_pushes_in_pyth
         (group,) = c.map().groups
         assert_same_state(export(group.primary, "t"), local_state(reference))
         assert_same_state(export(group.members[0], "t"), local_state(reference))
-        log = (c.directory / f"server-{group.primary.rsplit(':', 1)[1]}.log").read_text()
-        (url,) = re.findall(r"^elastic-emb serve: metrics on (\S+)", log, re.MULTILINE)
-        metrics = scrape(url)
+        primary, backup = (scrape(server_metrics_url(c, a)) for a in group.replicas)
 
-    def calls(name: str, method: str) -> float:
+    def calls(metrics: dict, name: str, method: str) -> float:
         return metrics.get((f"elastic_emb_{name}_total", (("method", method),)), 0.0)
 
     # (a pull that came before the server saw the sealed map is refused by Python and sent
     # again: rpc_calls may count it too)
-    assert calls("data_plane_native_calls", "Pull") == 8 <= calls("rpc_calls", "Pull")
-    assert calls("data_plane_native_calls", "Push") == 0 < calls("rpc_calls", "Push")
+    assert calls(primary, "data_plane_native_calls", "Pull") == 8
+    assert calls(primary, "rpc_calls", "Pull") >= 8
+    # (the primary learnt the backup's data port when the group formed, long before)
+    assert (
+        calls(primary, "data_plane_native_calls", "Push")
+        == 8
+        == calls(primary, "rpc_calls", "Push")
+    )
+    assert calls(backup, "data_plane_native_calls", "Replicate") == 8
+    assert calls(backup, "rpc_calls", "Replicate") > 8  # the tables and joins too
+
+
+def test_a_backup_applies_its_data_planes_changes_in_sequence(tmp_path):
+    """Changes that reach a backup's data plane before their turn wait there (answered
+    later, holding no thread) until the change before is applied; a change sent again
+    is answered without being applied twice; a sender that is not the group's primary
+    is refused (ABORTED). The rows are the SGD sums; C++ answered each (the backup's
+    metrics)."""
+    with LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"]) as c:
+        ee.init(coordinator=c.coordinator, worker_index=0, num_workers=1)
+        try:
+            table = ee.Table(2, optimizer=ee.optimizers.SGD(1.0), initializer="zeros", name="q")
+            table.pull(np.arange(4))
+            (group,) = c.map().groups
+            (range_id,) = [r.id for r in c.map().ranges]
+            backup = group.members[0]
+            with grpc.insecure_channel(backup) as channel:
+                health = ps_pb2_grpc.ParameterServerStub(channel).Health(
+                    ps_pb2.HealthRequest(), timeout=10
+                )
+            connection = _core.DataPlaneConnection("127.0.0.1", health.data_port, "", 5.0)
+
+            def send(n: int, gradient: float, primary: str = group.primary):
+                push = protocol.push_request(
+                    0, n, protocol.encoding("float32"),
+                    [("q", np.arange(4), np.full((4, 2), gradient, np.float32))],
+                )  # fmt: skip
+                push.range = range_id
+                change = ps_pb2.ReplicateRequest(
+                    group=group.id, epoch=group.epoch, sequence=health.sequence + n,
+                    method="Push", request=push.SerializeToString(), primary=primary,
+                )  # fmt: skip
+                method = protocol.DATA_PLANE_METHODS["Replicate"]
+                return _core.data_plane_send(
+                    [connection], [method], [change.SerializeToString()], 10.0
+                )
+
+            second = send(2, 10.0)  # before its turn: it waits
+            assert not _core.data_plane_wait(second, 0.5)
+            first = send(1, 1.0)
+            assert _core.data_plane_wait(first + second, 10.0)
+            for ticket, n in zip(first + second, (1, 2), strict=True):
+                status, answer = ticket.answer()
+                assert status == 0, answer
+                assert ps_pb2.ReplicateResponse.FromString(answer).sequence == health.sequence + n
+            again = send(1, 1.0)  # sent again: applied once
+            assert _core.data_plane_wait(again, 10.0) and again[0].answer()[0] == 0
+            impostor = send(3, 100.0, primary="127.0.0.1:1")
+            assert _core.data_plane_wait(impostor, 10.0)
+            status, message = impostor[0].answer()
+            assert status == grpc.StatusCode.ABORTED.value[0]
+            assert b"127.0.0.1:1 sent epoch" in message
+            rows = export(backup, "q")
+            np.testing.assert_array_equal(rows["values"][rows["keys"] < 4], np.full((4, 2), -11.0))
+            metrics = scrape(server_metrics_url(c, backup))
+            calls = (("method", "Replicate"),)
+            assert metrics[("elastic_emb_data_plane_native_calls_total", calls)] == 4
+        finally:
+            ee.shutdown()

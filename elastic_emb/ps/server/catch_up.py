@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, Generic, TypeVar
 
 from elastic_emb._proto import ps_pb2
 
@@ -25,21 +26,29 @@ class ChangeBuffers(Generic[K]):
     """Per receiver (`K`: its address, or a range id), the changes made since its snapshot.
 
     Thread-safe: guarded by `cond`, the replica's (`ReplicaState.cond`), so that
-    opening a buffer and reading the state it starts from are one step.
+    opening a buffer and reading the state it starts from are one step. `on_change` is
+    called (with `cond` held) when a buffer opens or closes.
     """
 
-    def __init__(self, cond: threading.Condition) -> None:
+    def __init__(self, cond: threading.Condition, on_change: Callable[[], None]) -> None:
         self._cond = cond
+        self._on_change = on_change
         self._buffers: dict[K, list[ps_pb2.ReplicateRequest]] = {}  # guarded by _cond
 
     def __contains__(self, key: K) -> bool:
         with self._cond:
             return key in self._buffers
 
+    def __bool__(self) -> bool:
+        """Whether any buffer is open."""
+        with self._cond:
+            return bool(self._buffers)
+
     def open(self, key: K) -> None:
         """Starts buffering for `key` (a snapshot for it was just taken)."""
         with self._cond:
             self._buffers[key] = []
+            self._on_change()
 
     def add(self, change: ps_pb2.ReplicateRequest, key: K) -> None:
         """Buffers `change` for `key`, if buffering for it."""
@@ -61,16 +70,19 @@ class ChangeBuffers(Generic[K]):
     def close(self, key: K) -> list[ps_pb2.ReplicateRequest]:
         """The last changes buffered for `key`; buffering stops."""
         with self._cond:
-            return self._buffers.pop(key)
+            changes = self._buffers.pop(key)
+            self._on_change()
+            return changes
 
     def discard(self, key: K) -> None:
         """Stops buffering for `key` (a copy or a move that failed)."""
         with self._cond:
-            self._buffers.pop(key, None)
+            if self._buffers.pop(key, None) is not None:
+                self._on_change()
 
 
 def drain_then_cutover(
-    order: threading.Lock,
+    order: AbstractContextManager[Any],
     buffers: ChangeBuffers[K],
     key: K,
     send: Callable[[list[ps_pb2.ReplicateRequest]], None],

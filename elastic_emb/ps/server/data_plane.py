@@ -81,7 +81,7 @@ class DataPlane:
         name = _NAMES.get(method)
         if name is None:  # (the C++ side refuses unknown methods before this)
             return _STATUS["INVALID_ARGUMENT"], f"unknown method {method}".encode()
-        code, response = self._servicer.serve_raw(name, payload)
+        code, response = self._servicer.serve_raw(name, payload, caller)
         return _STATUS[code], response
 
     def _authenticate(self, token: bytes, peer: str) -> tuple[bool, str]:

@@ -35,6 +35,20 @@ def aborted(message: str) -> RequestError:
     return RequestError("ABORTED", message)
 
 
+class _OrderLock:
+    """The lock ordering a primary's changes: the data plane's (`_core.Replication`), which
+    makes changes under it too. A context manager, taken with the GIL released."""
+
+    def __init__(self, replication: Any) -> None:
+        self._replication = replication
+
+    def __enter__(self) -> None:
+        self._replication.lock_order()
+
+    def __exit__(self, *exc: object) -> None:
+        self._replication.unlock_order()
+
+
 class ReplicaState:
     """The shared state of one server's `Replica` and its parts. Thread-safe.
 
@@ -42,12 +56,19 @@ class ReplicaState:
     of them while holding it); `cond` guards the fields below it and is
     notified when the map changes, a change is applied, or the replica stops.
     Lock order: `order` before `cond`. `cond` is reentrant.
+
+    `native` is the data plane's `_core.ServerCore`: it holds `order` and the
+    applied sequence (`applied`, `applied_epoch`), which it advances itself
+    for the changes it makes or applies, and is told where this server serves
+    (`publish_serving`).
     """
 
-    def __init__(self, address: str, lease_seconds: int) -> None:
+    def __init__(self, address: str, lease_seconds: int, native: Any) -> None:
         self.address = address  # "host:port" of this server (never changes)
         self.lease_seconds = lease_seconds  # (never changes)
-        self.order = threading.Lock()
+        self.native = native
+        self.replication = native.replication
+        self.order = _OrderLock(self.replication)
         self.cond = threading.Condition()
         self.map = ClusterMap()  # guarded by cond: the newest map this server knows
         self.lease = 0  # guarded by cond: the id of this server's lease
@@ -56,13 +77,37 @@ class ReplicaState:
         self.coordinator_lost_since: float | None = None
         # Guarded by cond: backup -> (epoch, when) of its last ping naming this primary.
         self.followed_by: dict[str, tuple[int, float]] = {}
-        # The data plane's `_core.ServerCore`, told where this server serves (set once).
-        self.native: Any = None
-        # Guarded by cond: sequence of the last change applied; None: no snapshot yet.
-        self.applied: int | None = 0
-        self.applied_epoch = 0  # guarded by cond: the epoch of that change
+        # Guarded by cond: backup -> its data plane's port (0: none), as its Health says.
+        self.data_ports: dict[str, int] = {}
+        # Whether a receiver is being caught up from a snapshot (its changes are buffered,
+        # by Python): the plane then leaves this primary's changes to Python.
+        self.catching_up: Callable[[], bool] = lambda: False
         self.stopped = False  # guarded by cond
         self.rebalance_due = False  # guarded by cond: the map changed since the mover looked
+
+    @property
+    def applied(self) -> int | None:
+        """The sequence of the last change applied; None: no snapshot yet."""
+        applied: int | None = self.replication.applied
+        return applied
+
+    @applied.setter
+    def applied(self, sequence: int | None) -> None:
+        self.replication.set_applied(sequence, self.replication.applied_epoch)
+
+    @property
+    def applied_epoch(self) -> int:
+        """The epoch of that change."""
+        epoch: int = self.replication.applied_epoch
+        return epoch
+
+    @applied_epoch.setter
+    def applied_epoch(self, epoch: int) -> None:
+        self.replication.set_applied(self.replication.applied, epoch)
+
+    def set_applied(self, sequence: int | None, epoch: int) -> None:
+        """Sets both (a change applied by Python, or a snapshot installed)."""
+        self.replication.set_applied(sequence, epoch)
 
     def group(self) -> Group | None:
         """This server's group in the newest map; None: a spare."""
@@ -85,10 +130,11 @@ class ReplicaState:
         """Tells the data plane where this server serves workers now: `check_primary`'s
         lease path (as its group's primary, or a member for reads, until the lease's TTL
         from its last renewal); past that, and for anything else, the plane leaves the
-        request to `check_primary`. Call with `cond` held, after the map or the lease
-        changed."""
-        if self.native is None:
-            return
+        request to `check_primary`. And its role: the group, epoch and primary a backup
+        takes changes from (`check_sender`), and, as a primary, whether the plane may make
+        changes itself: the map sealed, every backup's data port known, no receiver being
+        caught up. Call with `cond` held, after the map, the lease, a data port or a
+        catch-up changed."""
         group = self.map.group_of(self.address)
         serving = {}
         if group is not None and self.map.sealed:
@@ -97,6 +143,23 @@ class ReplicaState:
             ours = [r.id for r in self.map.ranges if r.group == group.id]
             serving = {range_id: (primary, member, until) for range_id in ours}
         self.native.set_serving(serving)
+        backups = []
+        changes = False
+        if group is not None and group.primary == self.address and self.map.sealed:
+            ports = {b: self.data_ports.get(b, 0) for b in group.members}
+            backups = [(b, b.rsplit(":", 1)[0].strip("[]"), port) for b, port in ports.items()]
+            changes = all(ports.values()) and not self.catching_up()
+        self.replication.set_role(
+            {
+                "address": self.address,
+                "group": -1 if group is None else group.id,
+                "epoch": 0 if group is None else group.epoch,
+                "primary": "" if group is None else group.primary,
+                "holds": [] if group is None else [*group.members, *group.joining],
+                "changes": changes,
+                "backups": backups if changes else [],
+            }
+        )
 
     def _may_serve(self, group: Group) -> bool:
         """Whether this primary's lease was renewed within its TTL; or, while etcd cannot be

@@ -42,6 +42,7 @@ log = logging.getLogger("elastic_emb.server")
 # A worker whose lease ended counts as gone only if it has not registered again this long
 # after (a lapse under load, not a death): no sync step goes on without it meanwhile.
 WORKER_GRACE_SECONDS = 3.0
+DATA_PORT_TIMEOUT = 2.0  # a backup that does not say its data port in time: asked again later
 
 _Snapshot = RangeSnapshot  # its name before the split (tests use it)
 
@@ -96,12 +97,14 @@ class Replica:
         self._etcd = etcd
         self._replicas = replicas
         self._prefix = prefix
-        state = self._state = ReplicaState(address, lease_seconds)
+        state = self._state = ReplicaState(address, lease_seconds, ranges.native)
         # The data plane serves no range of this server until the map and lease say so.
-        state.native = ranges.native
         ranges.native.set_serving({})
         channels = self._channels = PeerChannels(security)
         self._replicator = Replicator(state, apply, channels, self._drop)
+        # The data plane's changes: a backup that fails one is dropped as in Python.
+        token = security.token if security is not None and security.token else ""
+        state.replication.configure(self._drop_quietly, token)
         self._incoming = IncomingRanges(state, ranges, apply)
         self._copier = SnapshotCopy(
             state, ranges, self._replicator, channels, self._change_map, self._drop,
@@ -226,7 +229,7 @@ class Replica:
         group = placed.group_of(self.address)
         if group is not None and group.primary == self.address:
             with self._state.cond:  # a new group (or one that lost every replica): empty
-                self._state.applied, self._state.applied_epoch = 0, group.epoch
+                self._state.set_applied(0, group.epoch)
 
     def _fill_in(self) -> None:
         """A spare joins a group that lacks a replica (its state is empty: it was reset)."""
@@ -246,7 +249,7 @@ class Replica:
         with self._state.cond:
             self.ranges.replace({})
             self._incoming.forget()
-            self._state.applied, self._state.applied_epoch = None, 0
+            self._state.set_applied(None, 0)
 
     # The map.
 
@@ -338,8 +341,12 @@ class Replica:
                 return
             old_group = state.map.group_of(self.address)
             state.map = new
-            state.publish_serving()
             group = new.group_of(self.address)
+            members = set(group.members) if group is not None else set()
+            state.data_ports = {a: p for a, p in state.data_ports.items() if a in members}
+            state.publish_serving()
+            learn = group is not None and group.primary == self.address
+            learn = learn and any(b not in state.data_ports for b in members)
             self._incoming.follow(new, group)
             state.rebalance_due = True
             state.cond.notify_all()
@@ -347,6 +354,8 @@ class Replica:
             joining: list[str] = []
             if group is not None and group.primary == self.address:
                 joining = [a for a in group.joining if a not in self._replicator.copies]
+        if learn:
+            self._in_background(self._learn_data_ports)
         if old_group is not None and group is None:
             log.warning("%s was removed from group %d: rejoining", self.address, old_group.id)
             self._in_background(self._rejoin, lease)
@@ -365,6 +374,35 @@ class Replica:
             self._in_background(self._failover.take_over, address)
         elif group.primary == self.address and group.holds(address):
             self._in_background(self._drop, address, "its lease ended")
+
+    def _learn_data_ports(self) -> None:
+        """Asks this primary's backups for their data planes' ports (Health): the data plane
+        sends its changes there once it knows every backup's (`publish_serving`)."""
+        state = self._state
+        group = state.group()
+        if group is None or group.primary != self.address:
+            return
+        for backup in group.members:
+            with state.cond:
+                if backup in state.data_ports:
+                    continue
+            try:
+                health = self._channels.stub(backup).Health(
+                    ps_pb2.HealthRequest(), timeout=DATA_PORT_TIMEOUT
+                )
+            except grpc.RpcError as e:  # (asked again at the next map change)
+                log.info("%s did not say its data port: %s", backup, e.code().name)
+                continue
+            with state.cond:
+                state.data_ports[backup] = health.data_port
+                state.publish_serving()
+
+    def _drop_quietly(self, address: str, why: str) -> None:
+        """`_drop` for the data plane, on a thread of its own: a failure is logged."""
+        try:
+            self._drop(address, why)
+        except Exception as e:
+            log.warning("could not remove %s from the group: %s", address, e)
 
     def _in_background(self, target: Callable[..., None], *args: Any) -> None:
         def run() -> None:

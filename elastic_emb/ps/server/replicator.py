@@ -41,6 +41,7 @@ WORKER_CHANGES = REPLICATED_METHODS[:7]
 FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
 DROP_CHECK_SECONDS = 0.05  # how often a primary waiting for a backup looks if it was dropped
 GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
+MAP_CHECK_SECONDS = 0.05  # how often a backup waiting for a change looks at the map
 
 
 # A change's sequence, and its sending to each backup (what `wait_for_backups` waits for).
@@ -70,9 +71,11 @@ class Replicator:
         self._drop = drop
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="ee-replicate")
         # Joining servers being copied to -> the changes made since their snapshot.
-        self.copies: ChangeBuffers[str] = ChangeBuffers(state.cond)
+        self.copies: ChangeBuffers[str] = ChangeBuffers(state.cond, state.publish_serving)
         # Ranges being moved away -> their changes made since their snapshot.
-        self.moves: ChangeBuffers[int] = ChangeBuffers(state.cond)
+        self.moves: ChangeBuffers[int] = ChangeBuffers(state.cond, state.publish_serving)
+        # While either buffers, the data plane leaves this primary's changes to Python.
+        state.catching_up = lambda: bool(self.copies) or bool(self.moves)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)
@@ -103,12 +106,12 @@ class Replicator:
             if group is None or state.applied is None:
                 # Replaced meanwhile (it rejoins empty): the worker re-sends to the new primary.
                 raise aborted(f"{state.address} lost its group while applying {method}")
-            state.applied += 1
-            state.applied_epoch = group.epoch
+            sequence = state.applied + 1
+            state.set_applied(sequence, group.epoch)
             forward = ps_pb2.ReplicateRequest(
                 group=group.id,
                 epoch=group.epoch,
-                sequence=state.applied,
+                sequence=sequence,
                 method=method,
                 request=request.SerializeToString(),
                 primary=state.address,
@@ -169,10 +172,7 @@ class Replicator:
                 "DATA_LOSS", f"{state.address} could not apply change {request.sequence}: {e}"
             ) from e
         finally:
-            with state.cond:
-                state.applied = request.sequence
-                state.applied_epoch = request.epoch
-                state.cond.notify_all()
+            state.set_applied(request.sequence, request.epoch)
         return int(request.sequence)
 
     def _wait_for_turn(self, request: ps_pb2.ReplicateRequest) -> bool:
@@ -181,27 +181,30 @@ class Replicator:
         DATA_LOSS for a replica that diverged or an earlier change missing too long."""
         state = self._state
         deadline = time.monotonic() + GAP_TIMEOUT
-        with state.cond:
-            while True:
+        while True:
+            with state.cond:
                 state.check_sender(request.group, request.epoch, request.primary)
-                applied = state.applied
-                if applied is not None and request.epoch == state.map.group(request.group).epoch:
-                    if request.sequence == applied + 1:
-                        return False
-                    if request.sequence <= applied and request.epoch == state.applied_epoch:
-                        return True
-                    if request.sequence <= applied:
-                        raise RequestError(
-                            "DATA_LOSS",
-                            f"{state.address} applied change {applied} of epoch "
-                            f"{state.applied_epoch}; epoch {request.epoch} sends "
-                            f"{request.sequence}: this replica has diverged",
-                        )
-                left = deadline - time.monotonic()
-                if left <= 0:
+                applied, applied_epoch = state.applied, state.applied_epoch
+                epoch = state.map.group(request.group).epoch
+            if applied is not None and request.epoch == epoch:
+                if request.sequence == applied + 1:
+                    return False
+                if request.sequence <= applied and request.epoch == applied_epoch:
+                    return True
+                if request.sequence <= applied:
                     raise RequestError(
                         "DATA_LOSS",
-                        f"{state.address} waited {GAP_TIMEOUT:g} s for change "
-                        f"{(applied or 0) + 1} before {request.sequence}",
+                        f"{state.address} applied change {applied} of epoch "
+                        f"{applied_epoch}; epoch {request.epoch} sends "
+                        f"{request.sequence}: this replica has diverged",
                     )
-                state.cond.wait(left)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestError(
+                    "DATA_LOSS",
+                    f"{state.address} waited {GAP_TIMEOUT:g} s for change "
+                    f"{(applied or 0) + 1} before {request.sequence}",
+                )
+            # Woken when a change is applied (here or by the data plane) or the map changes
+            # (looked at again at least every MAP_CHECK_SECONDS).
+            state.replication.wait_applied(applied, min(left, MAP_CHECK_SECONDS))

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
@@ -133,6 +134,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         self._raw_methods: dict[str, Callable[[bytes], bytes]] = {
             "Pull": self._pull, "Push": self._push,
             "PullRanges": self._pull_ranges, "PushRanges": self._push_ranges,
+            "Replicate": self._replicate,
         }  # fmt: skip
 
     @property
@@ -253,13 +255,16 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
 
     # The data plane (`elastic_emb.ps.server.data_plane`): the same methods, without gRPC.
 
-    def serve_raw(self, method: str, raw: bytes) -> tuple[str, bytes]:
-        """Answers a Pull, Push, PullRanges or PushRanges that came on the data plane, as
-        its gRPC call would be answered: (status code name, response bytes or message).
-        Its connection's token was checked when it connected (`authenticate`); every
-        role may call these methods."""
+    def serve_raw(self, method: str, raw: bytes, caller: str = "anyone") -> tuple[str, bytes]:
+        """Answers a Pull, Push, PullRanges, PushRanges or Replicate that came on the data
+        plane, as its gRPC call would be answered: (status code name, response bytes or
+        message). Its connection's token was checked when it connected (`authenticate`,
+        which named the `caller`); every role may call the first four."""
         start = time.perf_counter()
         try:
+            if method not in protocol.RAW_METHODS and caller != "anyone":
+                role, _, name = caller.partition(" ")
+                self._authorize_data_plane(Caller(name, role), method)
             response = self._raw_methods[method](raw)
         except Exception as e:
             code, message = _refusal(method, e)
@@ -272,13 +277,22 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         """A data-plane connection's token: (True, the caller's name) or (False, why not);
         the refusal is audited like a gRPC call's."""
         if self.tokens is None:
-            return True, "anonymous"
+            return True, "anyone"
         caller = self.tokens.find(token)
         if caller is not None:
-            return True, caller.name
+            return True, f"{caller.role} {caller.name}"
         if self.audit is not None:
             self.audit.record("Connect", peer, "anonymous", {}, "UNAUTHENTICATED")
         return False, "data plane: no valid token; this server requires one (ee.init(token=...))"
+
+    def _authorize_data_plane(self, caller: Caller, method: str) -> None:
+        """`_authorize` for a data-plane call; a refusal is audited like a gRPC call's."""
+        try:
+            self._authorize(caller, method, None)
+        except RequestError as e:
+            if self.audit is not None:
+                self.audit.record(method, "data plane", caller.name, {}, e.code)
+            raise
 
     def _tables_response(self, tables: list[Any]) -> ps_pb2.TablesResponse:
         return ps_pb2.TablesResponse(tables=[protocol.table_info(t) for t in tables])
@@ -528,6 +542,16 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc
     def Replicate(self, request: ps_pb2.ReplicateRequest) -> ps_pb2.ReplicateResponse:
         return ps_pb2.ReplicateResponse(sequence=self._replica().on_replicate(request))
+
+    def _replicate(self, raw: bytes) -> bytes:
+        """A Replicate on the data plane that its C++ side left to Python."""
+        try:
+            request = ps_pb2.ReplicateRequest.FromString(raw)
+        except DecodeError as e:
+            raise invalid(f"a malformed ReplicateRequest: {e}") from None
+        return ps_pb2.ReplicateResponse(
+            sequence=self._replica().on_replicate(request)
+        ).SerializeToString()
 
     @_rpc
     def InstallSnapshot(self, request: Any) -> ps_pb2.InstallSnapshotResponse:

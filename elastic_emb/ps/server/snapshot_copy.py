@@ -120,6 +120,6 @@ class SnapshotCopy:
             state.check_sender(first.group, first.epoch, first.primary)
             self._ranges.replace(shards)
             self._follow_ranges(state.map, state.map.group_of(state.address))
-            state.applied, state.applied_epoch = first.sequence, first.epoch
+            state.set_applied(first.sequence, first.epoch)
             state.cond.notify_all()
         return sum(len(t) for shard in shards.values() for t in shard.tables())

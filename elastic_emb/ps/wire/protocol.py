@@ -53,8 +53,9 @@ __all__ = [
 # The calls whose requests and answers both sides read and write in C++ (`_core.PullMessage`,
 # `PushMessage`, `PullPlan`, `push_requests`): sent and received as bytes.
 RAW_METHODS = frozenset(("Pull", "Push", "PullRanges", "PushRanges"))
-# The data plane's method numbers in its frames (csrc/data_plane.h): the RAW_METHODS.
-DATA_PLANE_METHODS = {"Pull": 1, "Push": 2, "PullRanges": 3, "PushRanges": 4}
+# The data plane's method numbers in its frames (csrc/data_plane.h): the RAW_METHODS, and
+# Replicate (a primary's changes to its backups; the admin role's, as on gRPC).
+DATA_PLANE_METHODS = {"Pull": 1, "Push": 2, "PullRanges": 3, "PushRanges": 4, "Replicate": 5}
 # `serve --data-plane` and `ee.init(data_plane=)`: the data plane in C++, or gRPC only.
 DATA_PLANES = ("native", "grpc")
 

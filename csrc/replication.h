@@ -1,0 +1,182 @@
+// A replica group's changes on the data plane (elastic_emb.ps.server.replicator, the same
+// rules without Python per change).
+//
+// A `Replication` is one server's part: the lock that orders a primary's changes (Python's
+// `ReplicaState.order`), the sequence of the last change applied (`applied`), the role
+// Python last published, and
+//  - as a primary: connections to its backups' data planes, the changes sent on them and
+//    who still has to apply each. A change is answered to its worker once every backup
+//    applied it, or was removed from the group: a backup that fails to apply one (or
+//    takes longer than kForwardSeconds) is dropped through Python, which changes the map;
+//  - as a backup: the changes that came before their turn, parked (holding no thread)
+//    until the one before is applied, or refused after kGapSeconds.
+// Python makes the changes the plane does not (other methods, other tables) in the same
+// sequence, under the same lock, and sends them over gRPC; a backup applies each in turn
+// whichever way it came.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "data_plane.h"
+#include "step_clock.h"
+#include "wire.h"
+
+namespace elastic_emb {
+
+constexpr double kForwardSeconds = 30.0;  // replicator.FORWARD_TIMEOUT
+constexpr double kGapSeconds = 10.0;      // replicator.GAP_TIMEOUT
+
+// A backup's data plane.
+struct Backup {
+  std::string address;  // its gRPC address, as the cluster map names it
+  std::string host;
+  int port = 0;
+};
+
+// This server's place in its group, as Python last published it (ReplicaState).
+struct ReplicaRole {
+  std::string address;  // this server
+  int32_t group = -1;   // -1: a spare
+  int64_t epoch = 0;
+  std::string primary;             // the group's primary
+  std::vector<std::string> holds;  // the group's members and joining servers
+  // A primary whose changes the plane may make itself: its backups' data planes (every
+  // member's), none of them being caught up from a snapshot.
+  bool changes = false;
+  std::vector<Backup> backups;
+};
+
+// What to do with a change that came to a backup.
+enum class Turn {
+  kApply,   // it is next: apply it, then Applied()
+  kDone,    // applied already (sent again)
+  kWait,    // an earlier change is missing: parked until its turn
+  kRefuse,  // not from this backup's primary (ABORTED)
+  kPython,  // Python decides (it waits for a map it has not seen, or a diverged replica)
+};
+
+class Replication : public std::enable_shared_from_this<Replication> {
+ public:
+  // Removes a backup from this primary's group (Python: Replica._drop); may block.
+  using Drop = std::function<void(const std::string& backup, const std::string& why)>;
+  // A parked change at its turn (refusal null) or its deadline.
+  using Later = std::function<void(const Refusal* refusal)>;
+  using Clock = std::chrono::steady_clock;
+
+  Replication() = default;
+  ~Replication();
+  Replication(const Replication&) = delete;
+  Replication& operator=(const Replication&) = delete;
+
+  // How to drop a backup, and the token this server's connections to the others give.
+  void Configure(Drop drop, std::string token);
+  std::mutex& order() { return order_; }
+
+  std::shared_ptr<const ReplicaRole> role() const;
+  // Replaces the role; a primary stops waiting for the backups it no longer holds.
+  void SetRole(ReplicaRole role);
+
+  // The sequence of the last change applied (none: no snapshot yet), and its epoch.
+  std::optional<int64_t> applied() const;
+  int64_t applied_epoch() const;
+  // Sets them (Python applied a change, or installed a snapshot); runs the parked change
+  // that is next, if any.
+  void SetApplied(std::optional<int64_t> sequence, int64_t epoch);
+  // Waits until `applied` differs from `seen`, Notify() or `seconds` pass.
+  void WaitApplied(std::optional<int64_t> seen, double seconds);
+  void Notify();
+
+  // The primary's side. Connections to `role`'s backups (made now where none stands);
+  // nullopt when one cannot be made (Python replicates meanwhile).
+  std::optional<std::vector<std::shared_ptr<data_plane::Connection>>> Connect(
+      const ReplicaRole& role);
+  // The next change's sequence, numbered now (the caller holds order()).
+  int64_t Number(int64_t epoch);
+  // What waits for a change's backups: its `done` runs once each of them applied it (or
+  // was dropped) and Release() was called.
+  class Waiter;
+  // Sends a change to `role`'s backups (the caller holds order()).
+  void Forward(const ReplicaRole& role,
+               const std::vector<std::shared_ptr<data_plane::Connection>>& backups,
+               const std::string& change, int64_t sequence, const std::shared_ptr<Waiter>& waiter);
+
+  // The backup's side: whether `change` is applied now, later (`later` is kept) or not.
+  Turn TakeTurn(const wire::ReplicateRequest& change, Later later, std::string* refusal);
+  // A change applied by the plane (its turn was kApply or `later`).
+  void Applied(int64_t sequence, int64_t epoch);
+
+ private:
+  struct Sent {  // a change sent to one backup, not yet applied there
+    std::shared_ptr<Waiter> waiter;
+    Clock::time_point deadline;
+  };
+  struct Parked {
+    int64_t epoch;
+    Later later;
+    Clock::time_point deadline;
+  };
+  // Whether a change comes from this backup's primary (kApply), as check_sender: kRefuse
+  // (and why) when it does not, kPython for an epoch this server has not seen yet.
+  Turn Check(const wire::ReplicateRequest& change, std::string* refusal) const;  // mu_ held
+  void Acknowledged(int64_t sequence, const std::string& backup, const data_plane::Answer& answer);
+  void Finish(int64_t sequence, const std::string& backup);
+  void DropThenFinish(int64_t sequence, const std::string& backup, const std::string& why);
+  void RunParked();  // runs the parked changes that are next
+  void Watch(Clock::time_point deadline);  // with mu_ held
+  void WatchDeadlines();
+
+  std::mutex order_;  // orders a primary's changes (ReplicaState.order)
+
+  mutable std::mutex mu_;  // guards the fields below
+  std::condition_variable applied_cv_;
+  Drop drop_;
+  std::string token_;
+  std::shared_ptr<const ReplicaRole> role_ = std::make_shared<const ReplicaRole>();
+  std::optional<int64_t> applied_ = 0;
+  int64_t applied_epoch_ = 0;
+  uint64_t notified_ = 0;
+  std::map<std::string, std::shared_ptr<data_plane::Connection>> connections_;  // by address
+  std::map<std::pair<int64_t, std::string>, Sent> sent_;  // by (sequence, backup)
+  std::map<int64_t, Parked> parked_;                      // by sequence
+  std::map<std::string, std::vector<int64_t>> dropping_;  // backup -> changes it holds up
+  std::map<std::string, Clock::time_point> unreachable_;  // backup -> when to try again
+  bool running_parked_ = false;
+  bool stopping_ = false;
+  std::thread timer_;  // started by the first deadline
+  std::condition_variable timer_cv_;
+  std::optional<Clock::time_point> next_;  // the earliest deadline not yet watched
+};
+
+class Replication::Waiter {
+ public:
+  explicit Waiter(std::function<void()> done) : done_(std::move(done)) {}
+  // The caller sent every change it waits for: `done` may run.
+  void Release() { Put(-1); }
+
+ private:
+  friend class Replication;
+  void Put(int change) {
+    std::function<void()> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      left_ += change;
+      if (left_ == 0) done = std::move(done_);
+    }
+    if (done) done();
+  }
+  std::mutex mu_;
+  int left_ = 1;  // backups' applies awaited, +1 until Release()
+  std::function<void()> done_;
+};
+
+}  // namespace elastic_emb
