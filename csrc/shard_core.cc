@@ -338,6 +338,7 @@ Served ServerCore::Serve(uint8_t method, const std::string& payload, const data_
   int64_t pushes = 0;  // pushes taken (Python's `changes` counts the refused ones too)
   try {
     if (method == kPull) return Pull(payload, park, start, status, out);
+    if (method == kPullRanges) return PullRanges(payload, park, start, status, out);
     std::vector<std::string_view> parts;
     if (ranges) {
       try {
@@ -348,7 +349,7 @@ Served ServerCore::Serve(uint8_t method, const std::string& payload, const data_
     } else {
       parts.push_back(payload);
     }
-    answer = pull ? Pulls(parts) : Pushes(parts, ranges, &pushes);
+    answer = Pushes(parts, ranges, &pushes);
     if (!answer) return Served::kPython;
   } catch (const Refusal& e) {
     code = e.code();
@@ -497,32 +498,154 @@ ServerCore::~ServerCore() {
   }
 }
 
-// A PullRanges: answered here only if no part waits (Python waits for it otherwise).
-std::optional<std::string> ServerCore::Pulls(const std::vector<std::string_view>& parts) {
-  std::vector<wire::PullRequest> requests(parts.size());
-  std::vector<std::shared_ptr<ShardCore>> shards(parts.size());
-  std::vector<PlanePull> pulls(parts.size());
-  for (size_t i = 0; i < parts.size(); ++i) {
-    try {
-      requests[i] = wire::ParsePullRequest(parts[i]);
-    } catch (const InvalidArgument&) {
-      return std::nullopt;
-    }
-    shards[i] = Find(requests[i].range);
-    if (shards[i] == nullptr || !Serves(requests[i].range, requests[i].train) ||
-        !shards[i]->PreparePull(requests[i], &pulls[i])) {
-      return std::nullopt;
+// A PullRanges: the parts that may be read are read now, the others wait (parked, as a
+// Pull) and the whole is answered when the last may be read, or refused as soon as one is
+// (Python's answer: its parts read in turn).
+Served ServerCore::PullRanges(const std::string& payload, const data_plane::Park& park,
+                              TimePoint start, uint8_t* status, std::string* out) {
+  struct Part {
+    wire::PullRequest request;
+    std::shared_ptr<ShardCore> shard;
+    PlanePull pull;
+    size_t bytes = 0;
+  };
+  struct State {
+    std::mutex mu;  // guards the fields below
+    std::vector<Part> parts;
+    std::vector<std::string> answers;
+    size_t left = 1;  // parts waiting, +1 until all are parked
+    bool done = false;
+    std::string code, message;  // a refusal; code "": none
+  };
+  auto s = std::make_shared<State>();
+  std::vector<std::string_view> bytes;
+  try {
+    bytes = wire::ParseParts(payload);
+    s->parts.resize(bytes.size());
+    for (size_t i = 0; i < bytes.size(); ++i) s->parts[i].request = wire::ParsePullRequest(bytes[i]);
+  } catch (const InvalidArgument&) {
+    return Served::kPython;
+  }
+  s->answers.resize(bytes.size());
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    Part& p = s->parts[i];
+    p.bytes = bytes[i].size();
+    p.shard = Find(p.request.range);
+    if (p.shard == nullptr || !Serves(p.request.range, p.request.train) ||
+        !p.shard->PreparePull(p.request, &p.pull)) {
+      return Served::kPython;
     }
   }
-  std::vector<std::string> answers(parts.size());
-  for (size_t i = 0; i < parts.size(); ++i) {
+  const size_t received = payload.size();
+  std::weak_ptr<ServerCore> self = weak_from_this();
+  // Reads part i (with s->mu held); false: refused.
+  auto read = [self, s](size_t i) {
+    Part& p = s->parts[i];
     const double cpu = ThreadSeconds();
-    auto answer = shards[i]->AnswerPull(requests[i], pulls[i]);
-    if (!answer) return std::nullopt;  // it waits: Python answers the whole request
-    answers[i] = std::move(*answer);
-    CountLoad(requests[i], parts[i].size() + answers[i].size(), ThreadSeconds() - cpu);
+    try {
+      s->answers[i] = p.shard->Rows(p.request, p.pull);
+    } catch (const Refusal& e) {
+      s->code = e.code();
+      s->message = e.what();
+      return false;
+    } catch (const std::exception& e) {
+      s->code = "INTERNAL";
+      s->message = e.what();
+      return false;
+    }
+    if (auto core = self.lock()) {
+      core->CountLoad(p.request, p.bytes + s->answers[i].size(), ThreadSeconds() - cpu);
+    }
+    return true;
+  };
+  // The answer, once every part is read or one is refused (with s->mu held).
+  auto answer = [self, s, received, start]() {
+    data_plane::Answer a;
+    if (s->code.empty()) {
+      a.payload = wire::JoinParts(std::vector<std::string_view>(s->answers.begin(), s->answers.end()));
+    } else {
+      a.status = StatusNumber(s->code);
+      a.payload = s->message;
+    }
+    if (auto core = self.lock()) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      core->Record(kPullRanges, seconds, s->code, received, s->code.empty() ? a.payload.size() : 0,
+                   0);
+    }
+    return a;
+  };
+  std::vector<size_t> waiting;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    for (size_t i = 0; i < s->parts.size() && s->code.empty(); ++i) {
+      Part& p = s->parts[i];
+      StepClock& clock = p.shard->clock();
+      try {
+        clock.CheckWorker(p.request.worker, p.request.step);
+        clock.CheckPullStep(p.request.worker, p.request.step);
+        if (!clock.ReadyToPull(p.request.worker, p.request.step)) {
+          waiting.push_back(i);
+          continue;
+        }
+      } catch (const Refusal& e) {
+        s->code = e.code();
+        s->message = e.what();
+        break;
+      }
+      read(i);
+    }
+    if (waiting.empty() || !s->code.empty()) {
+      data_plane::Answer a = answer();
+      *status = a.status;
+      *out = std::move(a.payload);
+      return Served::kAnswered;
+    }
+    s->left = waiting.size() + 1;
   }
-  return wire::JoinParts(std::vector<std::string_view>(answers.begin(), answers.end()));
+  const data_plane::Respond respond = park();
+  // Part i may be read (refused: not); the request is answered with the last part, or the
+  // first refusal.
+  auto ready = [self, s, read, answer, respond](size_t i, const Refusal* refusal, double waited) {
+    std::optional<data_plane::Answer> a;
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      if (s->done) return;
+      if (i < s->parts.size()) {
+        if (refusal != nullptr) {
+          s->code = refusal->code();
+          s->message = refusal->what();
+        } else if (read(i) && waited > 0) {
+          if (auto core = self.lock()) {
+            std::lock_guard<std::mutex> core_lock(core->mu_);
+            ++core->waits_;
+            core->wait_seconds_ += waited;
+          }
+        }
+      }
+      if (!s->code.empty() || --s->left == 0) {
+        s->done = true;
+        a = answer();
+      }
+    }
+    if (a) respond(std::move(*a));
+  };
+  for (size_t i : waiting) {
+    const wire::PullRequest& request = s->parts[i].request;
+    const double timeout = request.timeout_ms > 0 ? request.timeout_ms / 1000.0 : 3600.0;
+    const bool parked = s->parts[i].shard->clock().Park(
+        request.worker, request.step, timeout,
+        [ready, i](const Refusal* refusal, double waited) { ready(i, refusal, waited); });
+    if (parked) {
+      Watch(std::chrono::steady_clock::now() +
+            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                std::chrono::duration<double>(std::min(timeout, 1e8))));
+    } else {
+      ready(i, nullptr, 0.0);  // (it may be read already)
+    }
+  }
+  ready(s->parts.size(), nullptr, 0.0);  // every waiting part parked
+  return Served::kParked;
 }
 
 // Pushes parsed, their shards found and their gradients decoded; false: Python answers them.

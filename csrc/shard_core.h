@@ -168,7 +168,9 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   // The parked pulls' deadlines: `Watch` tells the timer thread of one.
   void Watch(TimePoint deadline);
   void WatchDeadlines();
-  std::optional<std::string> Pulls(const std::vector<std::string_view>& parts);
+  // A PullRanges: answered now, or parked until each part may be read.
+  Served PullRanges(const std::string& payload, const data_plane::Park& park, TimePoint start,
+                    uint8_t* status, std::string* out);
   struct PreparedPushes;
   // The pushes of `parts` parsed and checked; false: Python answers them. `train`: only
   // where this server serves the range's workers now.

@@ -29,6 +29,7 @@ from elastic_emb.ps.wire import protocol, security
 from elastic_emb.ps.wire.security import WORKER_METHODS, ClientSecurity
 
 PULL, PUSH = protocol.DATA_PLANE_METHODS["Pull"], protocol.DATA_PLANE_METHODS["Push"]
+PULL_RANGES = protocol.DATA_PLANE_METHODS["PullRanges"]
 OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED = 0, 3, 8
 UNAVAILABLE, INTERNAL = 14, 13
 HEADER = struct.Struct("<IIQIBBH")  # magic, length, request id, deadline ms, method, status
@@ -465,7 +466,8 @@ def test_sync_pulls_wait_on_the_plane_holding_no_thread():
     server with 2 request threads: their pulls wait holding none, so the eighth's push
     is served, applies the step and answers the seven with the step's rows (an
     in-process table pushed the same gradients, in worker order, says which); a pull
-    that waits past its deadline is refused, naming the late worker."""
+    that waits past its deadline is refused, naming the late worker. A PullRanges
+    waits the same way, its parts answered together (or refused as soon as one is)."""
     workers, keys = 8, np.array([3, 1, 4, 1, 5, 9], np.int64)
     grads = np.random.default_rng(1).standard_normal((workers, len(keys), 4)).astype(np.float32)
 
@@ -475,13 +477,18 @@ def test_sync_pulls_wait_on_the_plane_holding_no_thread():
             worker=worker, step=step, train=True, timeout_ms=timeout_ms, tables=[entry]
         ).SerializeToString()
 
+    def pull_ranges(*parts: bytes) -> bytes:
+        return ps_pb2.PullRangesRequest(
+            parts=[ps_pb2.PullRequest.FromString(p) for p in parts]
+        ).SerializeToString()
+
     def push(worker: int) -> bytes:
         entry = ps_pb2.TableGradients(
             table="rows", keys=keys.astype("<i8").tobytes(), gradients=grads[worker].tobytes()
         )
         return ps_pb2.PushRequest(worker=worker, step=1, tables=[entry]).SerializeToString()
 
-    with shards(1, ["--threads", "2"]) as (ps,):
+    with shards(1, ["--threads", "2", "--metrics-port", "0"]) as (ps,):
         stub = _stub(ps.address)
         config = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="rows").config()
         stub.CreateTables(
@@ -502,14 +509,19 @@ def test_sync_pulls_wait_on_the_plane_holding_no_thread():
             assert _call(conns[w], PUSH, push(w))[0] == OK
         waiting = [
             _core.data_plane_send([conns[w]], [PULL], [pull(w, 2)], 30.0)[0]
-            for w in range(workers - 1)
+            for w in range(workers - 2)
         ]  # fmt: skip
+        (both,) = _core.data_plane_send(
+            [conns[6]], [PULL_RANGES], [pull_ranges(pull(6, 2), pull(6, 2))], 30.0
+        )
         status, message = _call(conns[0], PULL, pull(0, 2, timeout_ms=300))
         assert status == 4 and "workers [7] have not pushed it" in message.decode(), message
-        assert not any(t.done() for t in waiting)
+        status, message = _call(conns[1], PULL_RANGES, pull_ranges(pull(1, 2, timeout_ms=300)))
+        assert status == 4 and "workers [7] have not pushed it" in message.decode(), message
+        assert not any(t.done() for t in [*waiting, both])
 
         assert _call(conns[-1], PUSH, push(workers - 1))[0] == OK
-        assert _core.data_plane_wait(waiting, 30.0)
+        assert _core.data_plane_wait([*waiting, both], 30.0)
         reference = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="reference")
         reference.push(np.tile(keys, workers), grads.reshape(-1, 4))
         expected = reference.pull(keys).astype("<f4").tobytes()
@@ -517,8 +529,15 @@ def test_sync_pulls_wait_on_the_plane_holding_no_thread():
             status, answer = ticket.answer()
             assert status == OK
             assert ps_pb2.PullResponse.FromString(answer).tables[0].values == expected
+        status, answer = both.answer()
+        assert status == OK
+        parts = ps_pb2.PullRangesResponse.FromString(answer).parts
+        assert [p.tables[0].values for p in parts] == [expected, expected]
         stats = stub.Stats(ps_pb2.StatsRequest(), timeout=10)
-        assert stats.pull_waits == workers - 1
+        assert stats.pull_waits == workers  # (the PullRanges's two parts waited)
+        assert {m.method: m.calls for m in stats.methods}["PullRanges"] == 2
+        native = (("method", "PullRanges"),)
+        assert scrape(metrics_url(ps))[("elastic_emb_data_plane_native_calls_total", native)] == 2
 
 
 def test_what_the_plane_leaves_to_python_trains_as_in_process(tmp_path):
