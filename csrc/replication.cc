@@ -28,20 +28,6 @@ std::string Seconds(double s) {
 
 }  // namespace
 
-Replication::~Replication() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-    timer_cv_.notify_all();
-  }
-  if (!timer_.joinable()) return;
-  if (timer_.get_id() == std::this_thread::get_id()) {
-    timer_.detach();  // (its last reference went on the timer thread itself)
-  } else {
-    timer_.join();
-  }
-}
-
 void Replication::Configure(Drop drop, std::string token) {
   std::lock_guard<std::mutex> lock(mu_);
   drop_ = std::move(drop);
@@ -121,7 +107,7 @@ void Replication::WaitApplied(std::optional<int64_t> seen, double seconds) {
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t notified = notified_;
   applied_cv_.wait_until(lock, After(std::max(seconds, 0.0)),
-                         [&] { return applied_ != seen || notified_ != notified || stopping_; });
+                         [&] { return applied_ != seen || notified_ != notified; });
 }
 
 void Replication::Notify() {
@@ -190,12 +176,13 @@ void Replication::Forward(const ReplicaRole& role,
     {
       std::lock_guard<std::mutex> lock(mu_);
       sent_[{sequence, address}] = Sent{waiter, deadline};
-      Watch(deadline);
+      timer_.Watch(deadline);
     }
     waiter->Put(+1);
     data_plane::Connection::Send(backups[i], data_plane::kReplicate, change, deadline_ms,
                                  [self, sequence, address](const data_plane::Answer& answer) {
-                                   if (auto r = self.lock()) r->Acknowledged(sequence, address, answer);
+                                   if (auto r = self.lock())
+                                     r->Acknowledged(sequence, address, answer);
                                  });
   }
 }
@@ -279,7 +266,7 @@ Turn Replication::TakeTurn(const wire::ReplicateRequest& change, Later later,
   if (parked_.count(change.sequence) > 0) return Turn::kPython;
   const auto deadline = After(kGapSeconds);
   parked_[change.sequence] = Parked{change.epoch, std::move(later), deadline};
-  Watch(deadline);
+  timer_.Watch(deadline);
   return Turn::kWait;
 }
 
@@ -299,37 +286,18 @@ void Replication::RunParked() {
   running_parked_ = false;
 }
 
-void Replication::Watch(Clock::time_point deadline) {
-  if (stopping_) return;
-  if (!timer_.joinable()) timer_ = std::thread([this] { WatchDeadlines(); });
-  if (!next_ || deadline < *next_) {
-    next_ = deadline;
-    timer_cv_.notify_one();
-  }
-}
-
-// The timer thread: drops the backups that did not answer a change in kForwardSeconds, and
-// refuses the parked changes whose earlier change did not come in kGapSeconds.
-void Replication::WatchDeadlines() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stopping_) {
-    if (!next_) {
-      timer_cv_.wait(lock);
-      continue;
-    }
-    const auto now = Clock::now();
-    if (now < *next_) {
-      timer_cv_.wait_until(lock, *next_);
-      continue;
-    }
-    next_.reset();
-    std::vector<std::pair<int64_t, std::string>> late;
-    std::vector<std::pair<Later, std::string>> gaps;
+std::optional<Clock::time_point> Replication::Expire() {
+  const auto now = Clock::now();
+  std::optional<Clock::time_point> next;
+  std::vector<std::pair<int64_t, std::string>> late;
+  std::vector<std::pair<Later, std::string>> gaps;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [key, sent] : sent_) {
       if (sent.deadline <= now) {
         late.push_back(key);
-      } else if (!next_ || sent.deadline < *next_) {
-        next_ = sent.deadline;
+      } else if (!next || sent.deadline < *next) {
+        next = sent.deadline;
       }
     }
     for (auto it = parked_.begin(); it != parked_.end();) {
@@ -340,22 +308,21 @@ void Replication::WatchDeadlines() {
                               std::to_string(it->first));
         it = parked_.erase(it);
       } else {
-        if (!next_ || it->second.deadline < *next_) next_ = it->second.deadline;
+        if (!next || it->second.deadline < *next) next = it->second.deadline;
         ++it;
       }
     }
-    lock.unlock();
-    for (const auto& [sequence, backup] : late) {
-      DropThenFinish(sequence, backup,
-                     "it did not apply change " + std::to_string(sequence) + ": no answer in " +
-                         Seconds(kForwardSeconds) + " s");
-    }
-    for (const auto& [later, why] : gaps) {
-      const Refusal refusal("DATA_LOSS", why);
-      later(&refusal);
-    }
-    lock.lock();
   }
+  for (const auto& [sequence, backup] : late) {
+    DropThenFinish(sequence, backup,
+                   "it did not apply change " + std::to_string(sequence) + ": no answer in " +
+                       Seconds(kForwardSeconds) + " s");
+  }
+  for (const auto& [later, why] : gaps) {
+    const Refusal refusal("DATA_LOSS", why);
+    later(&refusal);
+  }
+  return next;
 }
 
 }  // namespace elastic_emb

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "data_plane.h"
+#include "deadline_timer.h"
 #include "step_clock.h"
 #include "wire.h"
 
@@ -74,7 +75,6 @@ class Replication : public std::enable_shared_from_this<Replication> {
   using Clock = std::chrono::steady_clock;
 
   Replication() = default;
-  ~Replication();
   Replication(const Replication&) = delete;
   Replication& operator=(const Replication&) = delete;
 
@@ -132,8 +132,9 @@ class Replication : public std::enable_shared_from_this<Replication> {
   void Finish(int64_t sequence, const std::string& backup);
   void DropThenFinish(int64_t sequence, const std::string& backup, const std::string& why);
   void RunParked();  // runs the parked changes that are next
-  void Watch(Clock::time_point deadline);  // with mu_ held
-  void WatchDeadlines();
+  // The timer thread's: drops the backups that did not answer a change in kForwardSeconds,
+  // and refuses the parked changes whose earlier change did not come in kGapSeconds.
+  std::optional<Clock::time_point> Expire();
 
   std::mutex order_;  // orders a primary's changes (ReplicaState.order)
 
@@ -151,10 +152,8 @@ class Replication : public std::enable_shared_from_this<Replication> {
   std::map<std::string, std::vector<int64_t>> dropping_;  // backup -> changes it holds up
   std::map<std::string, Clock::time_point> unreachable_;  // backup -> when to try again
   bool running_parked_ = false;
-  bool stopping_ = false;
-  std::thread timer_;  // started by the first deadline
-  std::condition_variable timer_cv_;
-  std::optional<Clock::time_point> next_;  // the earliest deadline not yet watched
+
+  DeadlineTimer timer_{[this] { return Expire(); }};  // (destroyed first)
 };
 
 class Replication::Waiter {

@@ -309,12 +309,29 @@ void BindShards(py::module_& m) {
           py::arg("role"),
           "{address, group (-1: a spare), epoch, primary, holds: [address], changes: bool, "
           "backups: [(address, host, data port)]}: this server's place in its group.")
-      .def_property_readonly("applied",
-                             py::cpp_function(&Replication::applied,
-                                              py::call_guard<py::gil_scoped_release>()))
-      .def_property_readonly("applied_epoch",
-                             py::cpp_function(&Replication::applied_epoch,
-                                              py::call_guard<py::gil_scoped_release>()))
+      .def(
+          "role",
+          [](const Replication& r) {
+            const auto role = r.role();
+            py::list backups;
+            for (const Backup& b : role->backups)
+              backups.append(py::make_tuple(b.address, b.host, b.port));
+            py::dict d;
+            d["address"] = role->address;
+            d["group"] = role->group;
+            d["epoch"] = role->epoch;
+            d["primary"] = role->primary;
+            d["holds"] = role->holds;
+            d["changes"] = role->changes;
+            d["backups"] = backups;
+            return d;
+          },
+          "What set_role last gave.")
+      .def_property_readonly("applied", py::cpp_function(&Replication::applied,
+                                                         py::call_guard<py::gil_scoped_release>()))
+      .def_property_readonly(
+          "applied_epoch",
+          py::cpp_function(&Replication::applied_epoch, py::call_guard<py::gil_scoped_release>()))
       .def("set_applied", &Replication::SetApplied, py::arg("sequence"), py::arg("epoch"),
            py::call_guard<py::gil_scoped_release>())
       .def("wait_applied", &Replication::WaitApplied, py::arg("seen"), py::arg("seconds"),
@@ -341,6 +358,18 @@ void BindShards(py::module_& m) {
           py::arg("serving"),
           "{range: (primary, member, until)}: where a coordinated server serves workers, "
           "until `until` (time.monotonic() seconds).")
+      .def(
+          "serving",
+          [](const ServerCore& s) -> py::object {
+            const auto serving = s.serving();
+            if (!serving) return py::none();
+            py::dict out;
+            for (const auto& [range, r] : *serving) {
+              out[py::int_(range)] = py::make_tuple(r.primary, r.member, r.until);
+            }
+            return std::move(out);
+          },
+          "What set_serving last gave (None: never called).")
       .def("meter_load", &ServerCore::MeterLoad, py::arg("num_slots"))
       .def(
           "load",

@@ -49,6 +49,20 @@ double ThreadSeconds() {
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
+// The parts of a *Ranges request, or the request alone; false: malformed (Python refuses it).
+bool Parts(bool ranges, std::string_view payload, std::vector<std::string_view>* parts) {
+  if (!ranges) {
+    parts->push_back(payload);
+    return true;
+  }
+  try {
+    *parts = wire::ParseParts(payload);
+  } catch (const InvalidArgument&) {
+    return false;
+  }
+  return true;
+}
+
 // One optimizer step of `table` (its step lock held): numbered next, at its constant rate.
 void PushLocked(const PlaneTable& t, int64_t n, const int64_t* keys, const float* grads) {
   StepState& steps = t.table->step_state();
@@ -245,6 +259,11 @@ void ServerCore::SetServing(std::map<int32_t, RangeServing> serving) {
   serving_ = std::move(serving);
 }
 
+std::optional<std::map<int32_t, RangeServing>> ServerCore::serving() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return serving_;
+}
+
 void ServerCore::MeterLoad(int64_t num_slots) {
   EE_CHECK(num_slots > 0, "`num_slots` must be positive, got " << num_slots);
   std::lock_guard<std::mutex> lock(mu_);
@@ -340,15 +359,7 @@ Served ServerCore::Serve(uint8_t method, const std::string& payload, const data_
     if (method == kPull) return Pull(payload, park, start, status, out);
     if (method == kPullRanges) return PullRanges(payload, park, start, status, out);
     std::vector<std::string_view> parts;
-    if (ranges) {
-      try {
-        parts = wire::ParseParts(payload);
-      } catch (const InvalidArgument&) {
-        return Served::kPython;
-      }
-    } else {
-      parts.push_back(payload);
-    }
+    if (!Parts(ranges, payload, &parts)) return Served::kPython;
     answer = Pushes(parts, ranges, &pushes);
     if (!answer) return Served::kPython;
   } catch (const Refusal& e) {
@@ -436,66 +447,28 @@ Served ServerCore::Pull(std::string_view payload, const data_plane::Park& park, 
                                    respond(std::move(answer));
                                  });
   if (parked) {
-    Watch(std::chrono::steady_clock::now() +
-          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-              std::chrono::duration<double>(std::min(timeout, 1e8))));
+    timer_.Watch(std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(std::min(timeout, 1e8))));
     return Served::kParked;
   }
   finish(this, nullptr, status, out);
   return Served::kAnswered;
 }
 
-void ServerCore::Watch(TimePoint deadline) {
-  std::lock_guard<std::mutex> lock(timer_mu_);
-  if (stopping_) return;
-  if (!timer_.joinable()) timer_ = std::thread([this] { WatchDeadlines(); });
-  if (!next_ || deadline < *next_) {
-    next_ = deadline;
-    timer_cv_.notify_one();
-  }
-}
-
-// The timer thread: refuses (DEADLINE_EXCEEDED) each parked pull once its deadline passes.
-void ServerCore::WatchDeadlines() {
-  std::unique_lock<std::mutex> lock(timer_mu_);
-  while (!stopping_) {
-    if (!next_) {
-      timer_cv_.wait(lock);
-      continue;
-    }
-    if (std::chrono::steady_clock::now() < *next_) {
-      timer_cv_.wait_until(lock, *next_);
-      continue;
-    }
-    next_.reset();
-    lock.unlock();
-    std::vector<std::shared_ptr<ShardCore>> shards;
-    {
-      std::lock_guard<std::mutex> ranges_lock(mu_);
-      for (const auto& [range, shard] : ranges_) shards.push_back(shard);
-    }
-    std::optional<TimePoint> next;
-    for (const auto& shard : shards) {
-      auto deadline = shard->clock().Expire();
-      if (deadline && (!next || *deadline < *next)) next = deadline;
-    }
-    lock.lock();
-    if (next && (!next_ || *next < *next_)) next_ = next;
-  }
-}
-
-ServerCore::~ServerCore() {
+// The timer thread's: refuses each parked pull whose deadline passed.
+std::optional<ServerCore::TimePoint> ServerCore::ExpirePulls() {
+  std::vector<std::shared_ptr<ShardCore>> shards;
   {
-    std::lock_guard<std::mutex> lock(timer_mu_);
-    stopping_ = true;
-    timer_cv_.notify_all();
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [range, shard] : ranges_) shards.push_back(shard);
   }
-  if (!timer_.joinable()) return;
-  if (timer_.get_id() == std::this_thread::get_id()) {
-    timer_.detach();  // (its last reference went on the timer thread itself)
-  } else {
-    timer_.join();
+  std::optional<TimePoint> next;
+  for (const auto& shard : shards) {
+    auto deadline = shard->clock().Expire();
+    if (deadline && (!next || *deadline < *next)) next = deadline;
   }
+  return next;
 }
 
 // A PullRanges: the parts that may be read are read now, the others wait (parked, as a
@@ -522,7 +495,8 @@ Served ServerCore::PullRanges(const std::string& payload, const data_plane::Park
   try {
     bytes = wire::ParseParts(payload);
     s->parts.resize(bytes.size());
-    for (size_t i = 0; i < bytes.size(); ++i) s->parts[i].request = wire::ParsePullRequest(bytes[i]);
+    for (size_t i = 0; i < bytes.size(); ++i)
+      s->parts[i].request = wire::ParsePullRequest(bytes[i]);
   } catch (const InvalidArgument&) {
     return Served::kPython;
   }
@@ -562,7 +536,8 @@ Served ServerCore::PullRanges(const std::string& payload, const data_plane::Park
   auto answer = [self, s, received, start]() {
     data_plane::Answer a;
     if (s->code.empty()) {
-      a.payload = wire::JoinParts(std::vector<std::string_view>(s->answers.begin(), s->answers.end()));
+      a.payload =
+          wire::JoinParts(std::vector<std::string_view>(s->answers.begin(), s->answers.end()));
     } else {
       a.status = StatusNumber(s->code);
       a.payload = s->message;
@@ -637,9 +612,9 @@ Served ServerCore::PullRanges(const std::string& payload, const data_plane::Park
         request.worker, request.step, timeout,
         [ready, i](const Refusal* refusal, double waited) { ready(i, refusal, waited); });
     if (parked) {
-      Watch(std::chrono::steady_clock::now() +
-            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                std::chrono::duration<double>(std::min(timeout, 1e8))));
+      timer_.Watch(std::chrono::steady_clock::now() +
+                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                       std::chrono::duration<double>(std::min(timeout, 1e8))));
     } else {
       ready(i, nullptr, 0.0);  // (it may be read already)
     }
@@ -707,19 +682,11 @@ void Refuse(Outcome* outcome, const std::string& code, const std::string& messag
 }  // namespace
 
 Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
-                                    const data_plane::Park& park, TimePoint start,
-                                    uint8_t* status, std::string* out) {
+                                    const data_plane::Park& park, TimePoint start, uint8_t* status,
+                                    std::string* out) {
   const bool ranges = method == kPushRanges;
   std::vector<std::string_view> parts;
-  if (ranges) {
-    try {
-      parts = wire::ParseParts(payload);
-    } catch (const InvalidArgument&) {
-      return Served::kPython;
-    }
-  } else {
-    parts.push_back(payload);
-  }
+  if (!Parts(ranges, payload, &parts)) return Served::kPython;
   const double cpu = ThreadSeconds();
   PreparedPushes p;
   if (!Prepare(parts, true, &p)) return Served::kPython;
@@ -739,8 +706,8 @@ Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
   auto answer = [self, outcome, ranges, method, received, start](data_plane::Answer* a) {
     if (outcome->code.empty()) {
       a->status = 0;
-      a->payload = ranges ? wire::JoinParts(std::vector<std::string_view>(
-                                outcome->answers.begin(), outcome->answers.end()))
+      a->payload = ranges ? wire::JoinParts(std::vector<std::string_view>(outcome->answers.begin(),
+                                                                          outcome->answers.end()))
                           : std::move(outcome->answers[0]);
     } else {
       a->status = StatusNumber(outcome->code);
@@ -800,8 +767,8 @@ Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
   return Served::kParked;
 }
 
-Served ServerCore::Change(const std::string& payload, const data_plane::Park& park,
-                          TimePoint start, uint8_t* status, std::string* out) {
+Served ServerCore::Change(const std::string& payload, const data_plane::Park& park, TimePoint start,
+                          uint8_t* status, std::string* out) {
   wire::ReplicateRequest change;
   PreparedPushes p;
   try {
@@ -840,9 +807,9 @@ Served ServerCore::Change(const std::string& payload, const data_plane::Park& pa
   const Turn turn = replication_->TakeTurn(
       change,
       [apply, respond](const Refusal* refused) {
-        respond(refused == nullptr ? apply()
-                                   : data_plane::Answer{StatusNumber(refused->code()),
-                                                        refused->what()});
+        respond(refused == nullptr
+                    ? apply()
+                    : data_plane::Answer{StatusNumber(refused->code()), refused->what()});
       },
       &refusal);
   data_plane::Answer a;

@@ -7,9 +7,9 @@
 // when it can: every table a C++ table with a constant learning rate, gradients finite,
 // keys within the range's slots; on a coordinated server while Python's last snapshot says
 // this server serves the range, its changes sent to the backups' data planes and applied
-// there in order (csrc/replication.h). Anything else goes to Python (`Serve` returns kPython before anything changed),
-// which answers as it always did; a refusal of the step clock (the same clock, the same
-// messages) is answered here. A pull that must wait is parked, holding no thread.
+// there in order (csrc/replication.h). Anything else goes to Python (`Serve` returns kPython before
+// anything changed), which answers as it always did; a refusal of the step clock (the same clock,
+// the same messages) is answered here. A pull that must wait is parked, holding no thread.
 #pragma once
 
 #include <array>
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "data_plane.h"
+#include "deadline_timer.h"
 #include "replication.h"
 #include "step_clock.h"
 #include "wire.h"
@@ -121,7 +122,6 @@ enum class Served { kAnswered, kParked, kPython };
 class ServerCore : public std::enable_shared_from_this<ServerCore> {
  public:
   ServerCore() = default;
-  ~ServerCore();
   ServerCore(const ServerCore&) = delete;
   ServerCore& operator=(const ServerCore&) = delete;
 
@@ -131,6 +131,7 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   // A coordinated server: where it serves now, by range (replaced whole). Before the
   // first call, every range is served (a server without a coordinator).
   void SetServing(std::map<int32_t, RangeServing> serving);
+  std::optional<std::map<int32_t, RangeServing>> serving() const;
   // Meters the load of the requests answered here, per virtual slot of `num_slots`
   // (elastic_emb.ps.coord.balance.LoadMeter: keys, bytes, CPU seconds, each request's
   // bytes and CPU shared among its slots in proportion to their keys).
@@ -165,9 +166,8 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   // A single Pull: answered now, or parked until its step may be read.
   Served Pull(std::string_view payload, const data_plane::Park& park, TimePoint start,
               uint8_t* status, std::string* out);
-  // The parked pulls' deadlines: `Watch` tells the timer thread of one.
-  void Watch(TimePoint deadline);
-  void WatchDeadlines();
+  // Refuses (DEADLINE_EXCEEDED) the parked pulls whose deadline passed; the next deadline.
+  std::optional<TimePoint> ExpirePulls();
   // A PullRanges: answered now, or parked until each part may be read.
   Served PullRanges(const std::string& payload, const data_plane::Park& park, TimePoint start,
                     uint8_t* status, std::string* out);
@@ -200,11 +200,7 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   int64_t waits_ = 0;
   double wait_seconds_ = 0.0;
 
-  std::mutex timer_mu_;  // guards the fields below
-  std::condition_variable timer_cv_;
-  std::thread timer_;              // started by the first parked pull
-  std::optional<TimePoint> next_;  // the earliest deadline not yet watched
-  bool stopping_ = false;
+  DeadlineTimer timer_{[this] { return ExpirePulls(); }};  // the parked pulls' deadlines
 };
 
 }  // namespace elastic_emb

@@ -42,6 +42,8 @@ from elastic_emb.ps.coord import membership
 from elastic_emb.ps.coord.etcd import Etcd
 from elastic_emb.ps.coord.local_cluster import LocalCluster, cli_command, cluster_status
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap, Group, Range
+from elastic_emb.ps.server.replica_state import ReplicaState
+from elastic_emb.ps.server.shard import RequestError
 from elastic_emb.ps.wire import protocol
 from elastic_emb.tables import sharding
 
@@ -57,6 +59,26 @@ def cluster(tmp_path):
 
 
 # The map, without servers.
+
+
+def test_a_server_that_lost_its_state_serves_no_worker_whatever_its_map_says():
+    """A server whose lease lapsed rejoins empty: from the moment its state is reset, the
+    map it still holds (naming it a primary) and a fresh lease let it serve no worker, on
+    either plane (before, it answered pushes from an empty shard: "Unknown table")."""
+    state = ReplicaState("a:1", 2, _core.ServerCore())
+    m = ClusterMap().place("a:1", replicas=1)
+    m.sealed = True
+    (range_id,) = [r.id for r in m.ranges]
+    with state.cond:
+        state.map, state.last_keepalive = m, time.monotonic()
+        state.publish_serving()
+    state.check_primary(range_id)
+    assert state.replication.role()["changes"]  # (the plane may push: R=1, no backup)
+    state.set_applied(None, 0)
+    with pytest.raises(RequestError, match="a:1 has no state of group 0 yet") as refused:
+        state.check_primary(range_id)
+    assert refused.value.code == "ABORTED"
+    assert state.native.serving() == {}  # the plane leaves every request to Python
 
 
 def test_placement_fills_groups_then_splits_slots_evenly():

@@ -91,23 +91,20 @@ class ReplicaState:
         applied: int | None = self.replication.applied
         return applied
 
-    @applied.setter
-    def applied(self, sequence: int | None) -> None:
-        self.replication.set_applied(sequence, self.replication.applied_epoch)
-
     @property
     def applied_epoch(self) -> int:
         """The epoch of that change."""
         epoch: int = self.replication.applied_epoch
         return epoch
 
-    @applied_epoch.setter
-    def applied_epoch(self, epoch: int) -> None:
-        self.replication.set_applied(self.replication.applied, epoch)
-
     def set_applied(self, sequence: int | None, epoch: int) -> None:
-        """Sets both (a change applied by Python, or a snapshot installed)."""
+        """Sets both (a change applied by Python, a snapshot installed, the state reset);
+        the data plane serves only a server with a state (`publish_serving`)."""
+        had = self.replication.applied is not None
         self.replication.set_applied(sequence, epoch)
+        if had != (sequence is not None):
+            with self.cond:
+                self.publish_serving()
 
     def group(self) -> Group | None:
         """This server's group in the newest map; None: a spare."""
@@ -137,7 +134,7 @@ class ReplicaState:
         catch-up changed."""
         group = self.map.group_of(self.address)
         serving = {}
-        if group is not None and self.map.sealed:
+        if group is not None and self.map.sealed and self.applied is not None:
             primary, member = group.primary == self.address, self.address in group.members
             until = self.last_keepalive + self.lease_seconds
             ours = [r.id for r in self.map.ranges if r.group == group.id]
@@ -197,6 +194,7 @@ class ReplicaState:
             alive = group is not None and self._may_serve(group)
             where = self.map.range(range_id) if range_id is not None else None
             sealed = self.map.sealed
+            stateless = self.applied is None
         if (
             range_id is not None
             and group is not None
@@ -214,6 +212,8 @@ class ReplicaState:
         if group is None or not serves:
             why = f"group {group.id}'s primary is {group.primary}" if group else "it is a spare"
             raise aborted(f"{self.address} is not a primary ({why})")
+        if stateless:
+            raise aborted(f"{self.address} has no state of group {group.id} yet (it is rejoining)")
         if not alive:
             raise aborted(
                 f"{self.address} cannot reach the coordinator to renew its lease"

@@ -186,6 +186,9 @@ class Replica:
         self._etcd.put(
             key, json.dumps({"address": self.address, "lease": lease.id}).encode(), lease.id
         )
+        # Emptied before the new lease counts: the map this server knows may still name it a
+        # primary, and its old state is not its group's any longer.
+        self._reset_state()
         with state.cond:
             old, state.lease, state.last_keepalive = state.lease, lease.id, time.monotonic()
             state.publish_serving()
@@ -194,7 +197,6 @@ class Replica:
                 self._etcd.revoke(old)
             except EtcdError:
                 pass
-        self._reset_state()
 
         others = self._live_spares()
 
@@ -246,7 +248,9 @@ class Replica:
             log.info("%s left the spares: %s", self.address, self.role)
 
     def _reset_state(self) -> None:
-        with self._state.cond:
+        """Forgets this server's state (between two changes): it serves no worker until it
+        has its group's again (a snapshot, or an empty new group)."""
+        with self._state.order, self._state.cond:
             self.ranges.replace({})
             self._incoming.forget()
             self._state.set_applied(None, 0)
