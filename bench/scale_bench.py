@@ -386,14 +386,18 @@ def failover_and_move(cluster, args, mode: str, workers: int) -> dict:
     run.stop()
     reports = run.wait(600)
     rows = check_rows(cluster.map().groups, table, reports, args.batch)
-    # Per kill and worker: its first step begun after the kill, until it completed.
+    # Per kill and worker: its first step begun after the kill, until it completed; and the
+    # step it was in when the kill came (what the kill added to it: its time over a step's).
     after: list[float] = []
+    spanning: list[float] = []
     for killed, _ in kills:
         for r in reports:
             begun = [e - d for e, d in zip(r["ends"], r["step"], strict=True)]
             first = next((e for e, b in zip(r["ends"], begun, strict=True) if b > killed), None)
             if first is not None:
                 after.append(first - killed)
+            spanning += [d for e, b, d in zip(r["ends"], begun, r["step"], strict=True)
+                         if b <= killed < e]  # fmt: skip
     normal = statistics.median(d for r in reports for d in r["step"])
     slowest = max(max(r["step"]) for r in reports)
     return {
@@ -406,6 +410,7 @@ def failover_and_move(cluster, args, mode: str, workers: int) -> dict:
         "kill -> a step begun after it done, median ms": 1e3 * statistics.median(after),
         "p90 ms": 1e3 * sorted(after)[int(0.9 * (len(after) - 1))],
         "max ms": 1e3 * max(after),
+        "step in flight at the kill, median ms": 1e3 * statistics.median(spanning),
         "slot move s (start -> cutover)": move_seconds,
         "slowest step s": slowest,
         "lease lapses": sum(r.get("lease lapses", 0) for r in reports),
