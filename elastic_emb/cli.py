@@ -628,7 +628,7 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         default=2048,
         help="most request threads of each plane, started as requests come (a pull waiting "
         "for other workers holds one through gRPC: about 2 per worker; none on the data "
-        "plane)",
+        "plane, nor a push waiting for the backups)",
     )
     serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time for in-flight requests"

@@ -1,12 +1,14 @@
-"""`DataPlane`: a server's Pull, Push, PullRanges and PushRanges on the C++ data plane.
+"""`DataPlane`: a server's Pull, Push, PullRanges, PushRanges and Replicate on the C++ data
+plane.
 
-gRPC stays the control plane (joins, tables, health, admin, checkpoints, replication);
-these four methods also come on a port of their own, framed TCP whose connections,
-frames, limits and tokens C++ handles (`_core.DataPlaneServer`, csrc/data_plane.h), with
-no gRPC on the way. C++ answers the requests it can itself (`_core.ServerCore`,
+gRPC stays the control plane (joins, tables, health, admin, checkpoints, snapshots);
+these methods also come on a port of their own, framed TCP whose connections, frames,
+limits and tokens C++ handles (`_core.DataPlaneServer`, csrc/data_plane.h), with no gRPC
+on the way. C++ answers the requests it can itself (`_core.ServerCore`,
 csrc/shard_core.h: the shards' step clocks, slots and tables, no Python and no GIL per
-request; on a coordinated server pulls only, where the replica's last snapshot says it
-serves the range, their load metered for the balancer); the others are decided by the
+request; on a coordinated server where the replica's last snapshot says it serves the
+range, its pushes sent to the backups' data planes and applied there in sequence,
+csrc/replication.h, the load metered for the balancer); the others are decided by the
 `Servicer`'s own Python code, the same as their gRPC calls. Both ways give the same
 answers, statuses and metrics. A server with TLS has no data plane: its data goes through
 gRPC, encrypted (never a plaintext port beside TLS).
@@ -45,9 +47,9 @@ _STATUS = {code.name: code.value[0] for code in grpc.StatusCode}
 class DataPlane:
     """Serves `servicer`'s data methods on host:port (0: any free port) until `stop`.
 
-    `threads`: the most requests in progress at once (a pull parked at the sync barrier
-    holds none). `coordinated`: a server with a coordinator, whose changes replicate to
-    its backups (in Python: C++ answers its pulls only).
+    `threads`: the most requests in progress at once (a pull parked at the sync barrier,
+    or a push waiting for the backups, holds none). `coordinated`: a server with a
+    coordinator, whose changes replicate to its backups.
 
     Raises:
         RuntimeError: the port cannot be bound.
