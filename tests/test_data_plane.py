@@ -365,14 +365,19 @@ def test_a_refused_request_gets_the_same_answer_on_both_planes(served, method, r
 
 
 def test_the_data_port_survives_mutated_requests(served):
-    """Bytes mutated from valid Pulls and Pushes (and frames with mutated headers) sent to
-    a live server: never INTERNAL, never a crash or a hang."""
+    """Bytes mutated from valid Pulls, Pushes and Replicates (and frames with mutated
+    headers) sent to a live server: never INTERNAL, never a crash or a hang."""
     ps, stub = served
     rng = random.Random(7)
     keys = np.arange(1, 9)
+    push = _push(keys, np.full((8, 4), 0.25), step=1).SerializeToString()
+    change = ps_pb2.ReplicateRequest(
+        group=0, epoch=1, sequence=1, method="Push", request=push, primary="127.0.0.1:1"
+    )  # (this server has no group: refused, whichever way it is read)
     valid = [
         (PULL, _pull(keys).SerializeToString()),
-        (PUSH, _push(keys, np.full((8, 4), 0.25), step=1).SerializeToString()),
+        (PUSH, push),
+        (protocol.DATA_PLANE_METHODS["Replicate"], change.SerializeToString()),
     ]
     connection = _data_connection(ps.address)
     statuses: dict[int, int] = {}
