@@ -223,15 +223,27 @@ void Replication::DropThenFinish(int64_t sequence, const std::string& backup,
     drop = drop_;
   }
   std::thread([self = shared_from_this(), backup, why, drop] {
+    bool dropped = false;
     try {
-      if (drop) drop(backup, why);
-    } catch (...) {  // (Python logs why it could not; the backup is waited for no longer)
+      dropped = drop && drop(backup, why);
+    } catch (...) {  // (Python logs why it could not)
     }
     std::vector<int64_t> held;
     {
       std::lock_guard<std::mutex> lock(self->mu_);
       held = std::move(self->dropping_[backup]);
       self->dropping_.erase(backup);
+      if (!dropped) {
+        // Not on every replica, and the group still lists the backup: not acknowledged
+        // (the worker sends it again, to the group's primary).
+        for (int64_t s : held) {
+          auto it = self->sent_.find({s, backup});
+          if (it == self->sent_.end()) continue;
+          it->second.waiter->Unacknowledged(self->role_->address + " could not remove " + backup +
+                                            ", which did not apply change " + std::to_string(s) +
+                                            ", from its group (it may no longer be its primary)");
+        }
+      }
     }
     for (int64_t s : held) self->Finish(s, backup);
   }).detach();

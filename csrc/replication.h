@@ -7,7 +7,8 @@
 //  - as a primary: connections to its backups' data planes, the changes sent on them and
 //    who still has to apply each. A change is answered to its worker once every backup
 //    applied it, or was removed from the group: a backup that fails to apply one (or
-//    takes longer than kForwardSeconds) is dropped through Python, which changes the map;
+//    takes longer than kForwardSeconds) is dropped through Python, which changes the map
+//    (if it cannot, no longer the primary, the change is not acknowledged: ABORTED);
 //  - as a backup: the changes that came before their turn, parked (holding no thread)
 //    until the one before is applied, or refused after kGapSeconds.
 // Python makes the changes the plane does not (other methods, other tables) in the same
@@ -68,8 +69,9 @@ enum class Turn {
 
 class Replication : public std::enable_shared_from_this<Replication> {
  public:
-  // Removes a backup from this primary's group (Python: Replica._drop); may block.
-  using Drop = std::function<void(const std::string& backup, const std::string& why)>;
+  // Removes a backup from this primary's group (Python: Replica._drop); may block. False:
+  // it could not (this server is no longer the primary, etcd cannot be reached).
+  using Drop = std::function<bool(const std::string& backup, const std::string& why)>;
   // A parked change at its turn (refusal null) or its deadline.
   using Later = std::function<void(const Refusal* refusal)>;
   using Clock = std::chrono::steady_clock;
@@ -103,7 +105,8 @@ class Replication : public std::enable_shared_from_this<Replication> {
   // The next change's sequence, numbered now (the caller holds order()).
   int64_t Number(int64_t epoch);
   // What waits for a change's backups: its `done` runs once each of them applied it (or
-  // was dropped) and Release() was called.
+  // was dropped) and Release() was called, with why it may not be acknowledged ("": it
+  // may).
   class Waiter;
   // Sends a change to `role`'s backups (the caller holds order()).
   void Forward(const ReplicaRole& role,
@@ -158,24 +161,34 @@ class Replication : public std::enable_shared_from_this<Replication> {
 
 class Replication::Waiter {
  public:
-  explicit Waiter(std::function<void()> done) : done_(std::move(done)) {}
+  using Done = std::function<void(const std::string& unacknowledged)>;
+  explicit Waiter(Done done) : done_(std::move(done)) {}
   // The caller sent every change it waits for: `done` may run.
   void Release() { Put(-1); }
 
  private:
   friend class Replication;
   void Put(int change) {
-    std::function<void()> done;
+    Done done;
+    std::string why;
     {
       std::lock_guard<std::mutex> lock(mu_);
       left_ += change;
-      if (left_ == 0) done = std::move(done_);
+      if (left_ == 0) {
+        done = std::move(done_);
+        why = unacknowledged_;
+      }
     }
-    if (done) done();
+    if (done) done(why);
+  }
+  void Unacknowledged(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (unacknowledged_.empty()) unacknowledged_ = why;
   }
   std::mutex mu_;
   int left_ = 1;  // backups' applies awaited, +1 until Release()
-  std::function<void()> done_;
+  std::string unacknowledged_;
+  Done done_;
 };
 
 }  // namespace elastic_emb

@@ -274,16 +274,17 @@ void BindShards(py::module_& m) {
                 [drop](const std::string& backup, const std::string& why) {
                   py::gil_scoped_acquire gil;
                   try {
-                    (*drop)(backup, why);
+                    return (*drop)(backup, why).cast<bool>();
                   } catch (py::error_already_set& e) {
                     e.discard_as_unraisable("elastic_emb: dropping a backup");
+                    return false;
                   }
                 },
                 token);
           },
           py::arg("drop"), py::arg("token"),
-          "drop(backup, why): removes a backup that did not apply a change; `token`: what "
-          "this server's connections to the others give.")
+          "drop(backup, why) -> bool: removes a backup that did not apply a change (False: "
+          "it could not); `token`: what this server's connections to the others give.")
       .def(
           "lock_order", [](Replication& r) { r.order().lock(); },
           py::call_guard<py::gil_scoped_release>())

@@ -722,11 +722,13 @@ Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
   };
   data_plane::Respond respond;
   if (!role->backups.empty()) respond = park();
-  auto waiter = std::make_shared<Replication::Waiter>([answer, respond] {
-    data_plane::Answer a;
-    answer(&a);
-    respond(std::move(a));
-  });
+  auto waiter = std::make_shared<Replication::Waiter>(
+      [answer, respond, outcome](const std::string& unacknowledged) {
+        if (!unacknowledged.empty()) Refuse(outcome.get(), "ABORTED", unacknowledged);
+        data_plane::Answer a;
+        answer(&a);
+        respond(std::move(a));
+      });
   for (size_t i = 0; i < parts.size(); ++i) {
     try {
       ++outcome->pushes;

@@ -597,3 +597,65 @@ def test_what_the_plane_leaves_to_python_trains_as_in_process(tmp_path):
     assert calls("data_plane_native_calls", "Pull") == 8
     assert calls("rpc_calls", "Pull") == 12
     assert 3 <= calls("data_plane_native_calls", "Push") <= 4 < calls("rpc_calls", "Push")
+
+
+@pytest.mark.parametrize("dropped", [True, False], ids=["dropped", "not-dropped"])
+def test_a_push_its_backup_refused_is_acknowledged_only_once_the_backup_is_dropped(dropped):
+    """A primary's data plane applies a push and sends it to its backup, which refuses it:
+    the backup is dropped (the callback is Python's `Replica._drop`) and then the worker
+    answered OK; when it cannot be dropped (this server is no longer the primary), the
+    push is not acknowledged: ABORTED, and the worker sends it again to the group's
+    primary. The primary's row took the push either way (an in-process table says)."""
+    from elastic_emb.ps.server.step_clock import ASYNC
+
+    refused: list[bytes] = []
+
+    def refuse(method: int, payload: bytes, deadline_ms: int, caller: str):
+        refused.append(payload)
+        return grpc.StatusCode.DATA_LOSS.value[0], b"cannot apply it"
+
+    backup = _core.DataPlaneServer(_core.DataPlaneOptions(), refuse, lambda t, p: (True, "anyone"))
+    drops: list[tuple[str, str]] = []
+
+    def drop(address: str, why: str) -> bool:
+        drops.append((address, why))
+        return dropped
+
+    table = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="rows")
+    shard = _core.ShardCore(lambda step, name, parts: None)
+    shard.set_tables([("rows", table.core_table(), 0.5)])
+    shard.clock.join(0, 1, ASYNC, -1)
+    core = _core.ServerCore()
+    core.put_range(0, shard)
+    core.set_serving({0: (True, False, time.monotonic() + 600)})
+    core.replication.configure(drop, "")
+    core.replication.set_role(
+        {"address": "127.0.0.1:1", "group": 0, "epoch": 1, "primary": "127.0.0.1:1",
+         "holds": ["127.0.0.1:2"], "changes": True,
+         "backups": [("127.0.0.1:2", "127.0.0.1", backup.port)]}
+    )  # fmt: skip
+    core.set_enabled(True, pushes=False)
+    primary = _core.DataPlaneServer(
+        _core.DataPlaneOptions(), lambda *a: (INTERNAL, b"not for Python"),
+        lambda t, p: (True, "anyone"), core,
+    )  # fmt: skip
+    try:
+        worker = _core.DataPlaneConnection("127.0.0.1", primary.port, "", 5.0)
+        status, answer = _call(
+            worker, PUSH, _push([7], np.ones((1, 4)), step=1).SerializeToString()
+        )
+        assert len(refused) == 1
+        change = ps_pb2.ReplicateRequest.FromString(refused[0])
+        assert (change.group, change.epoch, change.sequence, change.method) == (0, 1, 1, "Push")
+        assert drops == [("127.0.0.1:2", "it did not apply change 1: cannot apply it")]
+        if dropped:
+            assert status == OK and ps_pb2.PushResponse.FromString(answer).step == 1
+        else:
+            assert status == grpc.StatusCode.ABORTED.value[0]
+            assert b"could not remove 127.0.0.1:2, which did not apply change 1" in answer
+        reference = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="reference")
+        reference.push(np.array([7]), np.ones((1, 4), np.float32))
+        np.testing.assert_array_equal(table.pull(np.array([7])), reference.pull(np.array([7])))
+    finally:
+        primary.stop(1.0)
+        backup.stop(1.0)

@@ -401,12 +401,15 @@ class Replica:
                 state.data_ports[backup] = health.data_port
                 state.publish_serving()
 
-    def _drop_quietly(self, address: str, why: str) -> None:
-        """`_drop` for the data plane, on a thread of its own: a failure is logged."""
+    def _drop_quietly(self, address: str, why: str) -> bool:
+        """`_drop` for the data plane, on a thread of its own: whether it removed the backup
+        (or it was gone already); a failure is logged (the change is not acknowledged)."""
         try:
             self._drop(address, why)
         except Exception as e:
             log.warning("could not remove %s from the group: %s", address, e)
+            return False
+        return True
 
     def _in_background(self, target: Callable[..., None], *args: Any) -> None:
         def run() -> None:
