@@ -101,19 +101,11 @@ void Replication::SetApplied(std::optional<int64_t> sequence, int64_t epoch) {
   RunParked();
 }
 
-void Replication::Applied(int64_t sequence, int64_t epoch) { SetApplied(sequence, epoch); }
-
 void Replication::WaitApplied(std::optional<int64_t> seen, double seconds) {
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t notified = notified_;
   applied_cv_.wait_until(lock, After(std::max(seconds, 0.0)),
                          [&] { return applied_ != seen || notified_ != notified; });
-}
-
-void Replication::Notify() {
-  std::lock_guard<std::mutex> lock(mu_);
-  ++notified_;
-  applied_cv_.notify_all();
 }
 
 std::optional<std::vector<std::shared_ptr<data_plane::Connection>>> Replication::Connect(
@@ -292,7 +284,7 @@ void Replication::RunParked() {
     Later later = std::move(it->second.later);
     parked_.erase(it);
     lock.unlock();
-    later(nullptr);  // applies it and calls Applied()
+    later(nullptr);  // applies it and calls SetApplied()
     lock.lock();
   }
   running_parked_ = false;

@@ -60,7 +60,7 @@ struct ReplicaRole {
 
 // What to do with a change that came to a backup.
 enum class Turn {
-  kApply,   // it is next: apply it, then Applied()
+  kApply,   // it is next: apply it, then SetApplied()
   kDone,    // applied already (sent again)
   kWait,    // an earlier change is missing: parked until its turn
   kRefuse,  // not from this backup's primary (ABORTED)
@@ -91,12 +91,11 @@ class Replication : public std::enable_shared_from_this<Replication> {
   // The sequence of the last change applied (none: no snapshot yet), and its epoch.
   std::optional<int64_t> applied() const;
   int64_t applied_epoch() const;
-  // Sets them (Python applied a change, or installed a snapshot); runs the parked change
-  // that is next, if any.
+  // Sets them (a change applied, here or by Python, or a snapshot installed); runs the
+  // parked change that is next, if any.
   void SetApplied(std::optional<int64_t> sequence, int64_t epoch);
-  // Waits until `applied` differs from `seen`, Notify() or `seconds` pass.
+  // Waits until `applied` differs from `seen`, the role changes or `seconds` pass.
   void WaitApplied(std::optional<int64_t> seen, double seconds);
-  void Notify();
 
   // The primary's side. Connections to `role`'s backups (made now where none stands);
   // nullopt when one cannot be made (Python replicates meanwhile).
@@ -115,8 +114,6 @@ class Replication : public std::enable_shared_from_this<Replication> {
 
   // The backup's side: whether `change` is applied now, later (`later` is kept) or not.
   Turn TakeTurn(const wire::ReplicateRequest& change, Later later, std::string* refusal);
-  // A change applied by the plane (its turn was kApply or `later`).
-  void Applied(int64_t sequence, int64_t epoch);
 
  private:
   struct Sent {  // a change sent to one backup, not yet applied there

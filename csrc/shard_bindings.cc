@@ -337,8 +337,7 @@ void BindShards(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("wait_applied", &Replication::WaitApplied, py::arg("seen"), py::arg("seconds"),
            py::call_guard<py::gil_scoped_release>(),
-           "Waits until `applied` differs from `seen`, notify() or `seconds` pass.")
-      .def("notify", &Replication::Notify, py::call_guard<py::gil_scoped_release>());
+           "Waits until `applied` differs from `seen`, the role changes or `seconds` pass.");
 
   py::class_<ServerCore, std::shared_ptr<ServerCore>>(
       m, "ServerCore", "A server's shards by range, as the data plane serves them.")

@@ -797,7 +797,7 @@ Served ServerCore::Change(const std::string& payload, const data_plane::Park& pa
       a.payload = address + " could not apply change " + std::to_string(sequence) + ": " + e.what();
     }
     if (auto core = self.lock()) {
-      core->replication_->Applied(sequence, epoch);
+      core->replication_->SetApplied(sequence, epoch);
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       core->Record(kReplicate, seconds, code, received, code.empty() ? a.payload.size() : 0, 1);
