@@ -115,6 +115,44 @@ std::string_view Bytes(Reader& r, int field, int type) {
   return r.Bytes();
 }
 
+// Whether `s` is UTF-8 as Python's strict decoder reads it: no overlong forms, no
+// surrogates, nothing above U+10FFFF.
+bool IsUtf8(std::string_view s) {
+  static constexpr uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    int n = 0;  // the sequence's length, from its first byte (0: no first byte)
+    if (c < 0x80) {
+      n = 1;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 2;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 3;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 4;
+    }
+    if (n == 0 || i + n > s.size()) return false;
+    uint32_t point = n == 1 ? c : c & (0x7F >> n);
+    for (int k = 1; k < n; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if ((b & 0xC0) != 0x80) return false;
+      point = (point << 6) | (b & 0x3F);
+    }
+    if (n > 1 && (point < kLeast[n] || point > 0x10FFFF || (point >= 0xD800 && point <= 0xDFFF))) {
+      return false;
+    }
+    i += n;
+  }
+  return true;
+}
+
+// A table's name: checked as UTF-8 when parsed, before anything reads the request.
+std::string Name(Reader& r, int field, int type) {
+  const std::string_view name = Bytes(r, field, type);
+  if (!IsUtf8(name)) Malformed("a table name is not UTF-8");
+  return std::string(name);
+}
+
 std::vector<int64_t> DecodeKeys(std::string_view raw, int32_t encoding, const std::string& table) {
   const std::string what = "`keys of " + table + "`";
   std::vector<int64_t> keys;
@@ -146,7 +184,7 @@ PulledTable ParsePulledTable(std::string_view bytes) {
   while (r.Next(field, type)) {
     switch (field) {
       case 1:
-        t.name = std::string(Bytes(r, field, type));
+        t.name = Name(r, field, type);
         break;
       case 2:
         keys = Bytes(r, field, type);
@@ -183,7 +221,7 @@ PushedTable ParsePushedTable(std::string_view bytes) {
   while (r.Next(field, type)) {
     switch (field) {
       case 1:
-        t.name = std::string(Bytes(r, field, type));
+        t.name = Name(r, field, type);
         break;
       case 2:
         keys = Bytes(r, field, type);

@@ -669,8 +669,8 @@ def test_a_backup_applies_its_data_planes_changes_in_sequence(tmp_path):
     """Changes that reach a backup's data plane before their turn wait there (answered
     later, holding no thread) until the change before is applied; a change sent again
     is answered without being applied twice; a sender that is not the group's primary
-    is refused (ABORTED). The rows are the SGD sums; C++ answered each (the backup's
-    metrics)."""
+    is refused (ABORTED), and a snapshot that does not parse is INVALID_ARGUMENT. The rows
+    are the SGD sums; C++ answered each (the backup's metrics)."""
     with LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"]) as c:
         ee.init(coordinator=c.coordinator, worker_index=0, num_workers=1)
         try:
@@ -715,6 +715,14 @@ def test_a_backup_applies_its_data_planes_changes_in_sequence(tmp_path):
             status, message = impostor[0].answer()
             assert status == grpc.StatusCode.ABORTED.value[0]
             assert b"127.0.0.1:1 sent epoch" in message
+            # A snapshot whose chunk does not parse: refused, naming the field.
+            chunk = ps_pb2.SnapshotChunk(primary="MARK").SerializeToString()
+            chunk = chunk.replace(b"MARK", b"\xff" * 4)
+            install = "/elastic_emb.ps.v1.ParameterServer/InstallSnapshot"
+            with grpc.insecure_channel(backup) as channel, pytest.raises(grpc.RpcError) as bad:
+                channel.stream_unary(install)(iter([chunk]), timeout=10)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "a malformed SnapshotChunk: primary: not UTF-8" in bad.value.details()
             rows = export(backup, "q")
             np.testing.assert_array_equal(rows["values"][rows["keys"] < 4], np.full((4, 2), -11.0))
             metrics = scrape(server_metrics_url(c, backup))

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from elastic_emb._proto.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
@@ -70,7 +71,9 @@ class HealthServicer:
             self._stopping = True
             self._changed.notify_all()
 
-    def Check(self, request: HealthCheckRequest, context: Any) -> HealthCheckResponse:
+    def Check(self, request: Any, context: Any) -> HealthCheckResponse:
+        if not isinstance(request, HealthCheckRequest):  # (`_parse`'s bytes: it did not parse)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
         with self._changed:
             status = self._statuses.get(request.service)
         if status is None:
@@ -79,7 +82,10 @@ class HealthServicer:
             return HealthCheckResponse()
         return HealthCheckResponse(status=status)
 
-    def Watch(self, request: HealthCheckRequest, context: Any) -> Iterator[HealthCheckResponse]:
+    def Watch(self, request: Any, context: Any) -> Iterator[HealthCheckResponse]:
+        if not isinstance(request, HealthCheckRequest):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+
         def wake() -> None:  # the call ended: cancelled, past its deadline, or the server stopped
             with self._changed:
                 self._changed.notify_all()
@@ -105,18 +111,30 @@ class HealthServicer:
         handlers = {
             "Check": grpc.unary_unary_rpc_method_handler(
                 self.Check,
-                request_deserializer=HealthCheckRequest.FromString,
+                request_deserializer=_parse,
                 response_serializer=HealthCheckResponse.SerializeToString,
             ),
             "Watch": grpc.unary_stream_rpc_method_handler(
                 self.Watch,
-                request_deserializer=HealthCheckRequest.FromString,
+                request_deserializer=_parse,
                 response_serializer=HealthCheckResponse.SerializeToString,
             ),
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
         )
+
+
+_MALFORMED = "a malformed HealthCheckRequest (service: a UTF-8 string)"
+
+
+def _parse(raw: bytes) -> HealthCheckRequest | bytes:
+    """The request, or its bytes if they do not parse (the method answers INVALID_ARGUMENT;
+    a deserializer that fails would make gRPC answer INTERNAL)."""
+    try:
+        return HealthCheckRequest.FromString(raw)
+    except DecodeError:
+        return raw
 
 
 def check(channel: grpc.Channel, service: str = "", timeout: float = 5.0) -> HealthCheckResponse:

@@ -17,7 +17,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -88,6 +88,9 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             if self.tokens is not None:
                 caller = self._caller(name, context)
+            if isinstance(request, MalformedRequest):
+                raise invalid(request.problem)
+            if caller is not None:
                 self._authorize(caller, name, request)
             response = method(self, request)
             return response
@@ -223,6 +226,8 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             if isinstance(request, bytes):  # protocol.RAW_METHODS
                 args: dict[str, Any] = {"bytes": len(request)}
+            elif isinstance(request, MalformedRequest):
+                args = {"malformed": request.problem}
             else:
                 args = summary(request) if hasattr(request, "ListFields") else {"stream": True}
             if self.audit is not None:
@@ -548,14 +553,17 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             request = ps_pb2.ReplicateRequest.FromString(raw)
         except DecodeError as e:
-            raise invalid(f"a malformed ReplicateRequest: {e}") from None
+            problem = protocol.malformed(raw, ps_pb2.ReplicateRequest.DESCRIPTOR) or str(e)
+            raise invalid(f"a malformed ReplicateRequest: {problem}") from None
         return ps_pb2.ReplicateResponse(
             sequence=self._replica().on_replicate(request)
         ).SerializeToString()
 
     @_rpc
     def InstallSnapshot(self, request: Any) -> ps_pb2.InstallSnapshotResponse:
-        return ps_pb2.InstallSnapshotResponse(rows=self._replica().install_snapshot(request))
+        return ps_pb2.InstallSnapshotResponse(
+            rows=self._replica().install_snapshot(_parsed_chunks(request))
+        )
 
     # Moving slot ranges between groups (`elastic_emb.ps.server.replication`).
 
@@ -618,10 +626,16 @@ class _ByteCounter(grpc.GenericRpcHandler):
         if method in protocol.RAW_METHODS:
             parse = serialize = _as_is
         count = self._servicer.count_bytes
+        service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+        request_type = service.methods_by_name[method].input_type
 
         def counted_parse(raw: bytes) -> Any:
             count(method, received=len(raw))
-            return parse(raw)
+            try:
+                return parse(raw)
+            except DecodeError as e:  # answered INVALID_ARGUMENT by the method (`_rpc`)
+                problem = protocol.malformed(raw, request_type) or str(e)
+                return MalformedRequest(f"a malformed {request_type.name}: {problem}")
 
         def counted_serialize(message: Any) -> bytes:
             raw = serialize(message)
@@ -635,3 +649,18 @@ class _ByteCounter(grpc.GenericRpcHandler):
 
 def _as_is(raw: bytes) -> bytes:
     return raw
+
+
+class MalformedRequest:
+    """A request that did not parse: what its method answers instead (INVALID_ARGUMENT)."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _parsed_chunks(chunks: Iterable[Any]) -> Iterator[Any]:
+    """A stream's messages; INVALID_ARGUMENT at the first that did not parse."""
+    for chunk in chunks:
+        if isinstance(chunk, MalformedRequest):
+            raise invalid(chunk.problem)
+        yield chunk

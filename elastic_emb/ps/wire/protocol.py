@@ -41,6 +41,7 @@ __all__ = [
     "encoding",
     "gradient_exponent",
     "has_range",
+    "malformed",
     "pull_message",
     "push_message",
     "pushed_gradients",
@@ -81,6 +82,75 @@ _WIRE_DTYPES: dict[int, np.dtype] = {
 
 class WireError(ValueError):
     """A message does not hold what it claims (truncated bytes, bad encoding...)."""
+
+
+def malformed(raw: bytes, descriptor: Any) -> str:
+    """What makes `raw` no valid message of `descriptor` (a protobuf Descriptor), naming
+    the field: a name that is not UTF-8, a truncated field, a bad tag. "" if none of these
+    is found (the parser's own error is then all there is to say)."""
+    problem, _ = _wire_problem(memoryview(raw), descriptor, "")
+    return problem
+
+
+def _varint(raw: memoryview, pos: int) -> tuple[int, int]:
+    """The varint at `pos` and the position after it; ValueError if it does not end."""
+    value = 0
+    for shift in range(0, 70, 7):
+        if pos >= len(raw):
+            raise ValueError("truncated")
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+    raise ValueError("a varint longer than 10 bytes")
+
+
+def _repeated(field: Any) -> bool:
+    if hasattr(field, "is_repeated"):  # (protobuf >= 5; `label` is gone in 7)
+        return bool(field.is_repeated)
+    return bool(field.label == field.LABEL_REPEATED)
+
+
+def _wire_problem(raw: memoryview, descriptor: Any, path: str) -> tuple[str, int]:
+    fixed = {1: 8, 5: 4}  # wire types of fixed width
+    counts: dict[int, int] = {}
+    pos = 0
+    while pos < len(raw):
+        try:
+            key, pos = _varint(raw, pos)
+        except ValueError as e:
+            return f"{path or 'the message'}: a field's tag is {e} (byte {pos})", pos
+        number, wire = key >> 3, key & 7
+        field = descriptor.fields_by_number.get(number)
+        name = path + (field.name if field is not None else f"field {number}")
+        if field is not None and _repeated(field):
+            name += f"[{counts.get(number, 0)}]"
+            counts[number] = counts.get(number, 0) + 1
+        if number == 0 or wire in (3, 4, 6, 7):
+            return f"{name}: invalid tag (field {number}, wire type {wire})", pos
+        try:
+            if wire == 0:
+                _, pos = _varint(raw, pos)
+                continue
+            size, pos = (fixed[wire], pos) if wire in fixed else _varint(raw, pos)
+        except ValueError as e:
+            return f"{name}: {e}", pos
+        if pos + size > len(raw):
+            return f"{name}: truncated ({size} bytes announced, {len(raw) - pos} left)", pos
+        value, pos = raw[pos : pos + size], pos + size
+        if field is None or wire != 2:
+            continue
+        if field.type == field.TYPE_STRING:
+            try:
+                str(value, "utf-8")
+            except UnicodeDecodeError:
+                return f"{name}: not UTF-8", pos
+        elif field.type == field.TYPE_MESSAGE:
+            problem, _ = _wire_problem(value, field.message_type, name + ".")
+            if problem:
+                return problem, pos
+    return "", pos
 
 
 def encoding(name: str) -> Any:
