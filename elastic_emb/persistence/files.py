@@ -10,6 +10,7 @@ tables, a cluster's shards) is `elastic_emb.persistence.checkpoint`'s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -18,6 +19,7 @@ import secrets
 import shutil
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +50,40 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, truncated, corrupted or does not fit the tables."""
 
 
-def _fsync_write(path: Path, chunks: list[memoryview]) -> None:
-    """Writes `chunks` to `path` and syncs it to disk."""
-    with open(path, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
+def _write_atomically(path: Path, chunks: list[memoryview]) -> None:
+    """Writes `chunks` to `path` through a synced temporary file renamed over it. If the
+    write fails (a full disk), the temporary file is removed and `path` is untouched."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # (a full disk fails the write, which names no file)
+        raise
+
+
+@contextlib.contextmanager
+def _saving(root: Path, token: str) -> Iterator[None]:
+    """A save into `root` whose files are named with `token`: if it fails, its files go
+    (the checkpoint there before stays whole), and an OSError says where and why."""
+    try:
+        yield
+    except BaseException as e:
+        for written in root.glob(f"table-*-{token}*"):
+            written.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+            raise OSError(
+                e.errno,
+                f"cannot save the checkpoint in {root}: {e.strerror or e} writing "
+                f"{e.filename}; what was saved there before is unchanged",
+            ) from e
+        raise
 
 
 def fsync_directory(path: Path) -> None:
@@ -128,24 +157,24 @@ def save_part(root: Path, tables: dict[str, Table]) -> None:
     root.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(4)
     entries: dict[str, Any] = {}
-    for i, (name, table) in enumerate(sorted(tables.items())):
-        state = table.export_state()
-        arrays = _state_arrays(state, table.dim, table.num_slots)
-        file_name = f"table-{i:04d}-{token}.bin"
-        tmp = root / (file_name + ".tmp")
-        _fsync_write(tmp, [a.reshape(-1).view(np.uint8).data for a in arrays])
-        os.replace(tmp, root / file_name)
-        entries[name] = {
-            **table.config(),
-            "num_slots": table.num_slots,
-            "iterations": state.iterations,
-            "num_rows": len(state.keys),
-            "num_counts": _num_counts(state),
-            "file": file_name,
-            "bytes": sum(a.nbytes for a in arrays),
-            "sha256": file_sha256(root / file_name),
-        }
-    write_manifest(root, {"format": FORMAT, "version": VERSION, "tables": entries})
+    with _saving(root, token):
+        for i, (name, table) in enumerate(sorted(tables.items())):
+            state = table.export_state()
+            file_name = f"table-{i:04d}-{token}.bin"
+            nbytes, digest = _write_data(
+                root, file_name, _state_arrays(state, table.dim, table.num_slots)
+            )
+            entries[name] = {
+                **table.config(),
+                "num_slots": table.num_slots,
+                "iterations": state.iterations,
+                "num_rows": len(state.keys),
+                "num_counts": _num_counts(state),
+                "file": file_name,
+                "bytes": nbytes,
+                "sha256": digest,
+            }
+        write_manifest(root, {"format": FORMAT, "version": VERSION, "tables": entries})
     # The new manifest is in place: files of older checkpoints (and leftovers
     # of a crashed save) can go.
     _remove_data_files(root, keep={e["file"] for e in entries.values()})
@@ -213,9 +242,7 @@ def _current_chains(root: Path) -> dict[str, dict[str, Any]]:
 
 def _write_data(root: Path, file_name: str, arrays: list[np.ndarray]) -> tuple[int, str]:
     """Writes a data file atomically; returns its size and SHA-256."""
-    tmp = root / (file_name + ".tmp")
-    _fsync_write(tmp, [a.reshape(-1).view(np.uint8).data for a in arrays])
-    os.replace(tmp, root / file_name)
+    _write_atomically(root / file_name, [a.reshape(-1).view(np.uint8).data for a in arrays])
     return sum(a.nbytes for a in arrays), file_sha256(root / file_name)
 
 
@@ -319,12 +346,14 @@ def save_chains(root: Path, tables: dict[str, Table], max_deltas: int) -> None:
         entries: dict[str, Any] = {}
         marks: dict[str, _Mark] = {}
         try:
-            for i, (name, table) in enumerate(sorted(tables.items())):
-                stem = f"table-{i:04d}-{token}"
-                entries[name], marks[name] = _save_link(
-                    root, stem, table, heads.get(name), max_deltas
-                )
-            write_manifest(root, {"format": FORMAT, "version": CHAIN_VERSION, "tables": entries})
+            with _saving(root, token):
+                for i, (name, table) in enumerate(sorted(tables.items())):
+                    stem = f"table-{i:04d}-{token}"
+                    entries[name], marks[name] = _save_link(
+                        root, stem, table, heads.get(name), max_deltas
+                    )
+                manifest = {"format": FORMAT, "version": CHAIN_VERSION, "tables": entries}
+                write_manifest(root, manifest)
         except BaseException:
             # The change sets taken are in no committed chain: the next
             # incremental save of these tables writes bases.
@@ -439,16 +468,14 @@ def clone(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -
             os.link(src / name, dst / name)
         except OSError:
             shutil.copyfile(src / name, dst / name)
-    _fsync_write(dst / (MANIFEST + ".tmp"), [memoryview((src / MANIFEST).read_bytes())])
-    os.replace(dst / (MANIFEST + ".tmp"), dst / MANIFEST)
+    _write_atomically(dst / MANIFEST, [memoryview((src / MANIFEST).read_bytes())])
     fsync_directory(dst)
     return dst
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
-    tmp = root / (MANIFEST + ".tmp")
-    _fsync_write(tmp, [memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode())])
-    os.replace(tmp, root / MANIFEST)
+    raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    _write_atomically(root / MANIFEST, [memoryview(raw)])
     fsync_directory(root)
 
 

@@ -1,10 +1,12 @@
 """A shard's checkpoint files: its tables written into a checkpoint directory, and the rows it
 owns (shard i of n, or a slot range) read back from checkpoints, everything read and verified
 before any table changes. A file the shard cannot write or read is refused as
-FAILED_PRECONDITION (the directory's fault, not the shard's)."""
+FAILED_PRECONDITION (the directory's fault, not the shard's), or RESOURCE_EXHAUSTED when the
+disk is full."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 from elastic_emb.persistence import checkpoint
@@ -24,7 +26,11 @@ def write_tables(
     try:
         checkpoint.save(directory, tables, incremental=incremental, max_deltas=max_deltas)
     except OSError as e:  # the directory, not the shard: the caller can act on it
-        raise RequestError("FAILED_PRECONDITION", f"cannot write {directory}: {e}") from e
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # (a disk that filled)
+        code = "RESOURCE_EXHAUSTED" if full else "FAILED_PRECONDITION"
+        why = str(e) if e.filename else e.strerror or str(e)  # (a failed save's names it)
+        message = why if directory in why else f"cannot write {directory}: {why}"
+        raise RequestError(code, message) from e
     except checkpoint.CheckpointError as e:
         raise RequestError("FAILED_PRECONDITION", str(e)) from e
     return sum(len(t) for t in tables)
