@@ -648,6 +648,13 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         "server; give one where a firewall or a Kubernetes Service must name it)",
     )
     serve.add_argument(
+        "--advertise-data-port",
+        type=_port,
+        metavar="PORT",
+        help="the data plane's port others reach it at, on --advertise's host (default: "
+        "--data-port's; for a proxy or a port mapping in front of it)",
+    )
+    serve.add_argument(
         "--checkpoint-dir",
         help="save the tables here on SIGTERM, and every --checkpoint-every seconds (with "
         "--coordinator: one directory all servers share, for cluster checkpoints)",

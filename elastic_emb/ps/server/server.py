@@ -72,6 +72,7 @@ class ServerOptions:
     grace_seconds: float = 30.0
     data_plane: str = "native"  # or "grpc" (`elastic_emb.ps.server.data_plane`)
     data_port: int = 0
+    advertise_data_port: int | None = None  # what Health tells others (default: data_port's)
     checkpoint_dir: str | None = None
     checkpoint_every: float | None = None
     max_deltas: int = 10
@@ -294,7 +295,9 @@ def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
     except RuntimeError as e:
         log.error("%s. Use another --data-port, or 0 for a free one", e)
         return False
-    servicer.data_port = data.port
+    servicer.data_port = data.port if options.advertise_data_port is None else (
+        options.advertise_data_port
+    )
     log.info("data plane (Pull, Push) on %s:%d", options.host, data.port)
     return data
 
