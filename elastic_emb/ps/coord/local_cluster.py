@@ -103,13 +103,16 @@ class LocalCluster:
             raise RuntimeError("the local cluster is not started")
         return self.etcd.url
 
-    def start(self, timeout: float = 60.0) -> LocalCluster:
+    def start(self, timeout: float = 60.0, servers: bool = True) -> LocalCluster:
         """Starts etcd (unless joining one) and the servers; returns once every group has
-        all its replicas."""
+        all its replicas. `servers=False`: etcd only (the caller starts each server with
+        its own flags, `start_server`, and waits for `complete`)."""
         self.directory.mkdir(parents=True, exist_ok=True)  # (etcd's start makes it otherwise)
         if not self._joined:
             self.etcd = start_etcd(self.directory / "etcd")
             self._used_ports |= {self.etcd.port, self.etcd.peer_port}
+        if not servers:
+            return self
         for _ in range(self.shards * self.replicas):
             self.start_server()
         self.wait_until(self.complete, timeout, "every group has all its replicas")

@@ -1,0 +1,107 @@
+"""Links that fail while every process stays alive (tests/_link_proxy.py), checked by the
+history checker (tests/_history.py): no split brain, nothing acknowledged lost.
+
+Real `elastic-emb serve` processes and a real etcd on 127.0.0.1; the links under test go
+through proxies the servers advertise (`--advertise`, `--advertise-data-port`, or a
+`--coordinator` URL naming the proxy of etcd).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from _cluster import scrape
+from _history import RecordingWorker, check, history_table
+from _link_proxy import LinkProxy
+from _replicas import export
+from _states import assert_same_state
+
+import elastic_emb as ee
+from elastic_emb.ps.coord.local_cluster import LocalCluster, free_port
+
+
+def _metrics(cluster: LocalCluster, port: int) -> dict:
+    log = (cluster.directory / f"server-{port}.log").read_text()
+    (url,) = re.findall(r"^elastic-emb serve: metrics on (\S+)", log, re.MULTILINE)
+    return scrape(url)
+
+
+def _pushes_acknowledged(cluster: LocalCluster, port: int) -> float:
+    """The Pushes a server answered OK (calls less errors), from its metrics."""
+    m = _metrics(cluster, port)
+    calls = m.get(("elastic_emb_rpc_calls_total", (("method", "Push"),)), 0.0)
+    errors = sum(
+        v
+        for (name, labels), v in m.items()
+        if name == "elastic_emb_rpc_errors_total" and ("method", "Push") in labels
+    )
+    return calls - errors
+
+
+def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replaced(tmp_path):
+    """The split-brain case: the primary A loses etcd and its backup B, and workers still
+    reach it. A acknowledges nothing from then on (it cannot replicate, nor drop B without
+    etcd), B is promoted when A's lease lapses, the worker moves to B once it can reach it,
+    A's late changes are refused by B, and when A reaches etcd again it rejoins as B's
+    backup. Every push the worker saw acknowledged is in the rows exactly once."""
+    cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"])
+    proxies: list[LinkProxy] = []
+    try:
+        cluster.start(servers=False)
+        assert cluster.etcd is not None
+        # A reaches etcd through a link of its own.
+        a_etcd = LinkProxy(cluster.etcd.port, "A -> etcd")
+        proxies.append(a_etcd)
+        a = cluster.start_server(extra_args=["--coordinator", f"etcd://{a_etcd.address}"])
+        cluster.wait_until(lambda: cluster.primaries() == [a], 60, "A is the primary")
+        # Whoever reaches B (A's replication, later the worker) goes through B's links.
+        b_port, b_data = free_port(), free_port()
+        b_in, b_data_in = LinkProxy(b_port, "-> B"), LinkProxy(b_data, "-> B's data plane")
+        proxies += [b_in, b_data_in]
+        cluster.start_server(
+            port=b_port,
+            extra_args=["--advertise", b_in.address, "--data-port", str(b_data),
+                        "--advertise-data-port", str(b_data_in.port)],
+        )  # fmt: skip
+        cluster.wait_until(cluster.complete, 60, "B is A's backup")
+        a_port = int(a.rsplit(":", 1)[1])
+
+        ee.init(coordinator=cluster.coordinator, mode="async")
+        table = history_table("h")
+        worker = RecordingWorker(table)
+        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+
+        cut_at = time.monotonic()
+        for link in (a_etcd, b_in, b_data_in):
+            link.cut()
+        cluster.wait_until(lambda: cluster.primaries() == [b_in.address], 60, "B promoted")
+        promoted_at = time.monotonic()
+        a_acknowledged = _pushes_acknowledged(cluster, a_port)
+        acknowledged_before = len(worker.history.acknowledged)
+        b_in.heal()  # the worker (and A's replication) reach B again; A still lacks etcd
+        b_data_in.heal()
+        cluster.wait_until(
+            lambda: len(worker.history.acknowledged) >= acknowledged_before + 20,
+            60,
+            "20 pushes acknowledged by B",
+        )
+        assert _pushes_acknowledged(cluster, a_port) == a_acknowledged  # nothing more from A
+        a_etcd.heal()
+        cluster.wait_until(cluster.complete, 60, "A rejoined as B's backup")
+        history = worker.stop()
+
+        rows = export(b_in.address, "h")
+        assert check(history, rows["keys"], rows["values"]) == []
+        assert_same_state(export(b_in.address, "h"), export(a, "h"))
+        stalled = [t for _, t in history.acknowledged if cut_at < t < promoted_at]
+        print(
+            f"promoted {promoted_at - cut_at:.2f} s after the cut; "
+            f"{len(history.acknowledged)} acknowledged, {len(history.failed)} failed, "
+            f"{len(stalled)} acknowledged between the cut and the promotion"
+        )
+    finally:
+        ee.shutdown()
+        cluster.stop()
+        for p in proxies:
+            p.close()
