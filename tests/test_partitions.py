@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 import time
 
+import numpy as np
+import pytest
 from _cluster import scrape
 from _history import RecordingWorker, check, history_table
 from _link_proxy import LinkProxy
@@ -100,6 +102,59 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
             f"{len(history.acknowledged)} acknowledged, {len(history.failed)} failed, "
             f"{len(stalled)} acknowledged between the cut and the promotion"
         )
+    finally:
+        ee.shutdown()
+        cluster.stop()
+        for p in proxies:
+            p.close()
+
+
+@pytest.mark.parametrize("direction", ["both", "in", "out"])
+def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(tmp_path, direction):
+    """The links into the primary A (gRPC and data plane, from the worker and from its
+    backup B alike) are cut for 3 s, both ways or one ("in": what reaches A is held; "out":
+    what A answers). A still reaches etcd and B. B's pings go unanswered for a lease, so B
+    takes over (as it must: it cannot tell a dead primary from an unreachable one); the
+    worker moves to B; A rejoins as B's backup once healed. Every acknowledged push is in
+    the rows exactly once, on both replicas. (A cut of the worker's links alone needs the
+    worker to reach A at an address B does not use: not built.)"""
+    cluster = LocalCluster(1, 2, tmp_path / "cluster")
+    proxies: list[LinkProxy] = []
+    try:
+        cluster.start(servers=False)
+        a_port, a_data = free_port(), free_port()
+        a_in, a_data_in = LinkProxy(a_port, "-> A"), LinkProxy(a_data, "-> A's data plane")
+        proxies += [a_in, a_data_in]
+        cluster.start_server(
+            port=a_port,
+            extra_args=["--advertise", a_in.address, "--data-port", str(a_data),
+                        "--advertise-data-port", str(a_data_in.port)],
+        )  # fmt: skip
+        cluster.wait_until(lambda: cluster.primaries() == [a_in.address], 60, "A primary")
+        b = cluster.start_server()
+        cluster.wait_until(cluster.complete, 60, "B is A's backup")
+
+        ee.init(coordinator=cluster.coordinator, mode="async")
+        worker = RecordingWorker(history_table("h"))
+        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+        for link in (a_in, a_data_in):
+            link.cut(direction)
+        time.sleep(3)
+        for link in (a_in, a_data_in):
+            link.heal()
+        healed = len(worker.history.acknowledged)
+        cluster.wait_until(
+            lambda: len(worker.history.acknowledged) >= healed + 20, 60, "20 more pushes"
+        )
+        cluster.wait_until(cluster.complete, 60, "A rejoined as B's backup")
+        history = worker.stop()
+        assert cluster.primaries() == [b]  # B took over
+
+        rows = export(b, "h")
+        assert check(history, rows["keys"], rows["values"]) == []
+        assert_same_state(rows, export(f"127.0.0.1:{a_port}", "h"))
+        times = [t for _, t in history.acknowledged]
+        print(f"{direction}: longest wait between acknowledgements {max(np.diff(times)):.2f} s")
     finally:
         ee.shutdown()
         cluster.stop()
