@@ -12,12 +12,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).parent))
 
 # `pytest -m quick`: what a contributor runs before pushing (about 2 minutes on 2 cores):
-# the table, optimizers, layer, checkpoints, one server and its data plane, the CLI, upgrades
-# and user errors.
+# the table, optimizers, layer, checkpoints, one server and its data plane, bad requests, the
+# fault harness's link, the CLI, upgrades and user errors.
 # Their tests marked slow stay out. CI runs everything.
 QUICK_MODULES = {
-    "test_architecture", "test_checkpoint", "test_cli", "test_data", "test_data_plane",
-    "test_incremental_checkpoint",
+    "test_architecture", "test_bad_requests", "test_checkpoint", "test_cli", "test_data",
+    "test_data_plane", "test_incremental_checkpoint", "test_link_proxy",
     "test_layer", "test_nonfinite", "test_optimizers", "test_ps_server", "test_row_dtype",
     "test_rows", "test_table", "test_table_policies", "test_upgrades", "test_user_errors",
 }  # fmt: skip
