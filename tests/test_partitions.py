@@ -41,6 +41,32 @@ def _pushes_acknowledged(cluster: LocalCluster, port: int) -> float:
     return calls - errors
 
 
+class LinksIn:
+    """A server's ways in (gRPC and data plane), each through a `LinkProxy` it advertises."""
+
+    def __init__(self, cluster: LocalCluster, name: str) -> None:
+        self.port, data = free_port(), free_port()
+        self.links = [LinkProxy(self.port, f"-> {name}"), LinkProxy(data, f"-> {name} data")]
+        self.address = self.links[0].address  # (what the map names it)
+        cluster.start_server(
+            port=self.port,
+            extra_args=["--advertise", self.address, "--data-port", str(data),
+                        "--advertise-data-port", str(self.links[1].port)],
+        )  # fmt: skip
+
+    def cut(self, direction: str = "both") -> None:
+        for link in self.links:
+            link.cut(direction)
+
+    def heal(self) -> None:
+        for link in self.links:
+            link.heal()
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+
+
 def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replaced(tmp_path):
     """The split-brain case: the primary A loses etcd and its backup B, and workers still
     reach it. A acknowledges nothing from then on (it cannot replicate, nor drop B without
@@ -48,24 +74,18 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
     A's late changes are refused by B, and when A reaches etcd again it rejoins as B's
     backup. Every push the worker saw acknowledged is in the rows exactly once."""
     cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"])
-    proxies: list[LinkProxy] = []
+    links: list[LinkProxy | LinksIn] = []
     try:
         cluster.start(servers=False)
         assert cluster.etcd is not None
         # A reaches etcd through a link of its own.
         a_etcd = LinkProxy(cluster.etcd.port, "A -> etcd")
-        proxies.append(a_etcd)
+        links.append(a_etcd)
         a = cluster.start_server(extra_args=["--coordinator", f"etcd://{a_etcd.address}"])
         cluster.wait_until(lambda: cluster.primaries() == [a], 60, "A is the primary")
         # Whoever reaches B (A's replication, later the worker) goes through B's links.
-        b_port, b_data = free_port(), free_port()
-        b_in, b_data_in = LinkProxy(b_port, "-> B"), LinkProxy(b_data, "-> B's data plane")
-        proxies += [b_in, b_data_in]
-        cluster.start_server(
-            port=b_port,
-            extra_args=["--advertise", b_in.address, "--data-port", str(b_data),
-                        "--advertise-data-port", str(b_data_in.port)],
-        )  # fmt: skip
+        b = LinksIn(cluster, "B")
+        links.append(b)
         cluster.wait_until(cluster.complete, 60, "B is A's backup")
         a_port = int(a.rsplit(":", 1)[1])
 
@@ -75,14 +95,13 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
         cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
 
         cut_at = time.monotonic()
-        for link in (a_etcd, b_in, b_data_in):
-            link.cut()
-        cluster.wait_until(lambda: cluster.primaries() == [b_in.address], 60, "B promoted")
+        a_etcd.cut()
+        b.cut()
+        cluster.wait_until(lambda: cluster.primaries() == [b.address], 60, "B promoted")
         promoted_at = time.monotonic()
         a_acknowledged = _pushes_acknowledged(cluster, a_port)
         acknowledged_before = len(worker.history.acknowledged)
-        b_in.heal()  # the worker (and A's replication) reach B again; A still lacks etcd
-        b_data_in.heal()
+        b.heal()  # the worker (and A's replication) reach B again; A still lacks etcd
         cluster.wait_until(
             lambda: len(worker.history.acknowledged) >= acknowledged_before + 20,
             60,
@@ -93,9 +112,9 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
         cluster.wait_until(cluster.complete, 60, "A rejoined as B's backup")
         history = worker.stop()
 
-        rows = export(b_in.address, "h")
+        rows = export(b.address, "h")
         assert check(history, rows["keys"], rows["values"]) == []
-        assert_same_state(export(b_in.address, "h"), export(a, "h"))
+        assert_same_state(rows, export(a, "h"))
         stalled = [t for _, t in history.acknowledged if cut_at < t < promoted_at]
         print(
             f"promoted {promoted_at - cut_at:.2f} s after the cut; "
@@ -105,8 +124,8 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
     finally:
         ee.shutdown()
         cluster.stop()
-        for p in proxies:
-            p.close()
+        for link in links:
+            link.close()
 
 
 @pytest.mark.parametrize("direction", ["both", "in", "out"])
@@ -119,29 +138,21 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(tmp_pa
     the rows exactly once, on both replicas. (A cut of the worker's links alone needs the
     worker to reach A at an address B does not use: not built.)"""
     cluster = LocalCluster(1, 2, tmp_path / "cluster")
-    proxies: list[LinkProxy] = []
+    links: list[LinksIn] = []
     try:
         cluster.start(servers=False)
-        a_port, a_data = free_port(), free_port()
-        a_in, a_data_in = LinkProxy(a_port, "-> A"), LinkProxy(a_data, "-> A's data plane")
-        proxies += [a_in, a_data_in]
-        cluster.start_server(
-            port=a_port,
-            extra_args=["--advertise", a_in.address, "--data-port", str(a_data),
-                        "--advertise-data-port", str(a_data_in.port)],
-        )  # fmt: skip
-        cluster.wait_until(lambda: cluster.primaries() == [a_in.address], 60, "A primary")
+        a = LinksIn(cluster, "A")
+        links.append(a)
+        cluster.wait_until(lambda: cluster.primaries() == [a.address], 60, "A primary")
         b = cluster.start_server()
         cluster.wait_until(cluster.complete, 60, "B is A's backup")
 
         ee.init(coordinator=cluster.coordinator, mode="async")
         worker = RecordingWorker(history_table("h"))
         cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
-        for link in (a_in, a_data_in):
-            link.cut(direction)
+        a.cut(direction)
         time.sleep(3)
-        for link in (a_in, a_data_in):
-            link.heal()
+        a.heal()
         healed = len(worker.history.acknowledged)
         cluster.wait_until(
             lambda: len(worker.history.acknowledged) >= healed + 20, 60, "20 more pushes"
@@ -152,11 +163,11 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(tmp_pa
 
         rows = export(b, "h")
         assert check(history, rows["keys"], rows["values"]) == []
-        assert_same_state(rows, export(f"127.0.0.1:{a_port}", "h"))
+        assert_same_state(rows, export(f"127.0.0.1:{a.port}", "h"))
         times = [t for _, t in history.acknowledged]
         print(f"{direction}: longest wait between acknowledgements {max(np.diff(times)):.2f} s")
     finally:
         ee.shutdown()
         cluster.stop()
-        for p in proxies:
-            p.close()
+        for link in links:
+            link.close()
