@@ -67,6 +67,21 @@ class LinksIn:
             link.close()
 
 
+def _group_with_links_to_the_backup(cluster: LocalCluster, links: list) -> tuple[str, LinksIn]:
+    """Server A, its link to etcd through a proxy (put first in `links`), and then its
+    backup B, which whoever reaches it (A's replication, a worker after a failover) reaches
+    through its `LinksIn` (put in `links` too)."""
+    assert cluster.etcd is not None
+    a_etcd = LinkProxy(cluster.etcd.port, "A -> etcd")
+    links.append(a_etcd)
+    a = cluster.start_server(extra_args=["--coordinator", f"etcd://{a_etcd.address}"])
+    cluster.wait_until(lambda: cluster.primaries() == [a], 60, "A is the primary")
+    b = LinksIn(cluster, "B")
+    links.append(b)
+    cluster.wait_until(cluster.complete, 60, "B is A's backup")
+    return a, b
+
+
 def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replaced(tmp_path):
     """The split-brain case: the primary A loses etcd and its backup B, and workers still
     reach it. A acknowledges nothing from then on (it cannot replicate, nor drop B without
@@ -74,19 +89,11 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
     A's late changes are refused by B, and when A reaches etcd again it rejoins as B's
     backup. Every push the worker saw acknowledged is in the rows exactly once."""
     cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"])
-    links: list[LinkProxy | LinksIn] = []
+    links: list = []
     try:
         cluster.start(servers=False)
-        assert cluster.etcd is not None
-        # A reaches etcd through a link of its own.
-        a_etcd = LinkProxy(cluster.etcd.port, "A -> etcd")
-        links.append(a_etcd)
-        a = cluster.start_server(extra_args=["--coordinator", f"etcd://{a_etcd.address}"])
-        cluster.wait_until(lambda: cluster.primaries() == [a], 60, "A is the primary")
-        # Whoever reaches B (A's replication, later the worker) goes through B's links.
-        b = LinksIn(cluster, "B")
-        links.append(b)
-        cluster.wait_until(cluster.complete, 60, "B is A's backup")
+        a, b = _group_with_links_to_the_backup(cluster, links)
+        a_etcd = links[0]
         a_port = int(a.rsplit(":", 1)[1])
 
         ee.init(coordinator=cluster.coordinator, mode="async")
@@ -166,6 +173,80 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(tmp_pa
         assert_same_state(rows, export(f"127.0.0.1:{a.port}", "h"))
         times = [t for _, t in history.acknowledged]
         print(f"{direction}: longest wait between acknowledgements {max(np.diff(times)):.2f} s")
+    finally:
+        ee.shutdown()
+        cluster.stop()
+        for link in links:
+            link.close()
+
+
+def _rate(worker: RecordingWorker, seconds: float) -> float:
+    """Acknowledged pushes per second over the next `seconds`."""
+    before = len(worker.history.acknowledged)
+    time.sleep(seconds)
+    return (len(worker.history.acknowledged) - before) / seconds
+
+
+def test_a_slow_link_to_the_backup_slows_pushes_without_a_failover(tmp_path):
+    """The link into the backup B (A's replication) delays every byte 200 ms each way for
+    4 s: A waits for B on each push, so pushes slow down; no failover (B's pings reach A);
+    once healed the rate comes back; every acknowledged push is in the rows once."""
+    cluster = LocalCluster(1, 2, tmp_path / "cluster")
+    links: list = []
+    try:
+        cluster.start(servers=False)
+        a, b = _group_with_links_to_the_backup(cluster, links)
+        ee.init(coordinator=cluster.coordinator, mode="async")
+        worker = RecordingWorker(history_table("h"))
+        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+        fast = _rate(worker, 2)
+        for link in b.links:
+            link.slow(0.2)
+        slow = _rate(worker, 4)
+        b.heal()
+        time.sleep(0.5)
+        again = _rate(worker, 2)
+        history = worker.stop()
+        assert cluster.primaries() == [a]  # no failover
+        rows = export(a, "h")
+        assert check(history, rows["keys"], rows["values"]) == []
+        assert_same_state(rows, export(b.address, "h"))
+        print(f"pushes/s: {fast:.1f} before, {slow:.1f} slowed, {again:.1f} healed")
+        assert slow < fast / 2 and again > 2 * slow, (fast, slow, again)
+    finally:
+        ee.shutdown()
+        cluster.stop()
+        for link in links:
+            link.close()
+
+
+@pytest.mark.parametrize("which", ["A -> etcd", "-> B"])
+def test_a_flapping_link_makes_no_failover_and_loses_nothing(tmp_path, which):
+    """A link cut 1 s in every 3 s for 9 s (seeded): the primary's link to etcd (its
+    lease, 2 s, outlives each cut), or the link into the backup (A's replication waits
+    for each heal). No failover; every acknowledged push is in the rows once."""
+    cluster = LocalCluster(1, 2, tmp_path / "cluster")
+    links: list = []
+    try:
+        cluster.start(servers=False)
+        a, b = _group_with_links_to_the_backup(cluster, links)
+        ee.init(coordinator=cluster.coordinator, mode="async")
+        worker = RecordingWorker(history_table("h"))
+        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+        for link in [links[0]] if which == "A -> etcd" else b.links:
+            link.flap(seed=40, seconds=9, every=3.0, cut_for=1.0)  # (B's two links together)
+        time.sleep(9.5)
+        acknowledged = len(worker.history.acknowledged)
+        cluster.wait_until(
+            lambda: len(worker.history.acknowledged) >= acknowledged + 10, 60, "10 more pushes"
+        )
+        history = worker.stop()
+        assert cluster.primaries() == [a]  # no failover
+        rows = export(a, "h")
+        assert check(history, rows["keys"], rows["values"]) == []
+        assert_same_state(rows, export(b.address, "h"))
+        times = [t for _, t in history.acknowledged]
+        print(f"{which}: longest wait between acknowledgements {max(np.diff(times)):.2f} s")
     finally:
         ee.shutdown()
         cluster.stop()
