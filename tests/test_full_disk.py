@@ -92,3 +92,27 @@ def test_a_server_whose_disk_fills_refuses_the_save_and_keeps_serving(small_disk
     np.testing.assert_array_equal(
         restored.pull(np.arange(FITS)), np.full((FITS, DIM), 0.25, np.float32)
     )
+
+
+def test_a_save_that_fails_after_its_manifest_is_in_place_keeps_its_files(tmp_path, monkeypatch):
+    """The manifest is the commit point: a failure after its rename (the directory's
+    sync) leaves the new checkpoint whole, its files kept, rather than half removed."""
+    from elastic_emb.persistence import files
+
+    directory = tmp_path / "ckpt"
+    table = ee.Table(DIM, ee.optimizers.Adagrad(0.1), name="full_disk_commit")
+    table.pull(np.arange(10), train=True)
+    ee.save(directory, tables=[table])
+    table.push(np.arange(10), np.full((10, DIM), 0.5, np.float32))
+    pushed = table.pull(np.arange(10))
+
+    def fails(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(files, "fsync_directory", fails)
+    with pytest.raises(OSError, match="Input/output error"):
+        ee.save(directory, tables=[table])
+    monkeypatch.undo()
+    restored = ee.Table(DIM, ee.optimizers.Adagrad(0.1), name="full_disk_commit")
+    ee.restore(directory, tables=[restored])
+    np.testing.assert_array_equal(restored.pull(np.arange(10)), pushed)

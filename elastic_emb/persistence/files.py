@@ -75,6 +75,8 @@ def _saving(root: Path, token: str) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
+        if _names(root / MANIFEST, token):  # committed (the failure came after the rename)
+            raise
         for written in root.glob(f"table-*-{token}*"):
             written.unlink(missing_ok=True)
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
@@ -84,6 +86,14 @@ def _saving(root: Path, token: str) -> Iterator[None]:
                 f"{e.filename}; what was saved there before is unchanged",
             ) from e
         raise
+
+
+def _names(manifest: Path, token: str) -> bool:
+    """Whether the manifest at `manifest` names files of the save `token`."""
+    try:
+        return token in manifest.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def fsync_directory(path: Path) -> None:
