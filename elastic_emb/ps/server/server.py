@@ -295,8 +295,8 @@ def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
     except RuntimeError as e:
         log.error("%s. Use another --data-port, or 0 for a free one", e)
         return False
-    servicer.data_port = data.port if options.advertise_data_port is None else (
-        options.advertise_data_port
+    servicer.data_port = (
+        data.port if options.advertise_data_port is None else (options.advertise_data_port)
     )
     log.info("data plane (Pull, Push) on %s:%d", options.host, data.port)
     return data

@@ -553,8 +553,7 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             request = ps_pb2.ReplicateRequest.FromString(raw)
         except DecodeError as e:
-            problem = protocol.malformed(raw, ps_pb2.ReplicateRequest.DESCRIPTOR) or str(e)
-            raise invalid(f"a malformed ReplicateRequest: {problem}") from None
+            raise invalid(protocol.malformed(raw, ps_pb2.ReplicateRequest.DESCRIPTOR, e)) from None
         return ps_pb2.ReplicateResponse(
             sequence=self._replica().on_replicate(request)
         ).SerializeToString()
@@ -634,8 +633,7 @@ class _ByteCounter(grpc.GenericRpcHandler):
             try:
                 return parse(raw)
             except DecodeError as e:  # answered INVALID_ARGUMENT by the method (`_rpc`)
-                problem = protocol.malformed(raw, request_type) or str(e)
-                return MalformedRequest(f"a malformed {request_type.name}: {problem}")
+                return MalformedRequest(protocol.malformed(raw, request_type, e))
 
         def counted_serialize(message: Any) -> bytes:
             raw = serialize(message)

@@ -84,12 +84,15 @@ class WireError(ValueError):
     """A message does not hold what it claims (truncated bytes, bad encoding...)."""
 
 
-def malformed(raw: bytes, descriptor: Any) -> str:
-    """What makes `raw` no valid message of `descriptor` (a protobuf Descriptor), naming
-    the field: a name that is not UTF-8, a truncated field, a bad tag. "" if none of these
-    is found (the parser's own error is then all there is to say)."""
-    problem, _ = _wire_problem(memoryview(raw), descriptor, "")
-    return problem
+def malformed(raw: bytes, descriptor: Any, error: Exception) -> str:
+    """The refusal of `raw`, which the parser of `descriptor`'s messages (a protobuf
+    Descriptor) refused with `error`: what is wrong, naming the field (a string that is
+    not UTF-8, a truncated field, a bad tag), or the parser's own words if none of these."""
+    try:
+        problem = _wire_problem(memoryview(raw), descriptor, "")
+    except RecursionError:  # (no message of ours nests this deep)
+        problem = ""
+    return f"a malformed {descriptor.name}: {problem or error}"
 
 
 def _varint(raw: memoryview, pos: int) -> tuple[int, int]:
@@ -112,7 +115,7 @@ def _repeated(field: Any) -> bool:
     return bool(field.label == field.LABEL_REPEATED)
 
 
-def _wire_problem(raw: memoryview, descriptor: Any, path: str) -> tuple[str, int]:
+def _wire_problem(raw: memoryview, descriptor: Any, path: str) -> str:
     fixed = {1: 8, 5: 4}  # wire types of fixed width
     counts: dict[int, int] = {}
     pos = 0
@@ -120,7 +123,7 @@ def _wire_problem(raw: memoryview, descriptor: Any, path: str) -> tuple[str, int
         try:
             key, pos = _varint(raw, pos)
         except ValueError as e:
-            return f"{path or 'the message'}: a field's tag is {e} (byte {pos})", pos
+            return f"{path or 'the message'}: a field's tag is {e} (byte {pos})"
         number, wire = key >> 3, key & 7
         field = descriptor.fields_by_number.get(number)
         name = path + (field.name if field is not None else f"field {number}")
@@ -128,16 +131,16 @@ def _wire_problem(raw: memoryview, descriptor: Any, path: str) -> tuple[str, int
             name += f"[{counts.get(number, 0)}]"
             counts[number] = counts.get(number, 0) + 1
         if number == 0 or wire in (3, 4, 6, 7):
-            return f"{name}: invalid tag (field {number}, wire type {wire})", pos
+            return f"{name}: invalid tag (field {number}, wire type {wire})"
         try:
             if wire == 0:
                 _, pos = _varint(raw, pos)
                 continue
             size, pos = (fixed[wire], pos) if wire in fixed else _varint(raw, pos)
         except ValueError as e:
-            return f"{name}: {e}", pos
+            return f"{name}: {e}"
         if pos + size > len(raw):
-            return f"{name}: truncated ({size} bytes announced, {len(raw) - pos} left)", pos
+            return f"{name}: truncated ({size} bytes announced, {len(raw) - pos} left)"
         value, pos = raw[pos : pos + size], pos + size
         if field is None or wire != 2:
             continue
@@ -145,12 +148,12 @@ def _wire_problem(raw: memoryview, descriptor: Any, path: str) -> tuple[str, int
             try:
                 str(value, "utf-8")
             except UnicodeDecodeError:
-                return f"{name}: not UTF-8", pos
+                return f"{name}: not UTF-8"
         elif field.type == field.TYPE_MESSAGE:
-            problem, _ = _wire_problem(value, field.message_type, name + ".")
+            problem = _wire_problem(value, field.message_type, name + ".")
             if problem:
-                return problem, pos
-    return "", pos
+                return problem
+    return ""
 
 
 def encoding(name: str) -> Any:
