@@ -8,13 +8,15 @@ through proxies the servers advertise (`--advertise`, `--advertise-data-port`, o
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from _cluster import scrape
-from _history import RecordingWorker, check, history_table
+from _history import History, RecordingWorker, check, history_table
 from _link_proxy import LinkProxy
 from _replicas import export
 from _states import assert_same_state
@@ -67,19 +69,42 @@ class LinksIn:
             link.close()
 
 
-def _group_with_links_to_the_backup(cluster: LocalCluster, links: list) -> tuple[str, LinksIn]:
-    """Server A, its link to etcd through a proxy (put first in `links`), and then its
-    backup B, which whoever reaches it (A's replication, a worker after a failover) reaches
-    through its `LinksIn` (put in `links` too)."""
-    assert cluster.etcd is not None
-    a_etcd = LinkProxy(cluster.etcd.port, "A -> etcd")
-    links.append(a_etcd)
-    a = cluster.start_server(extra_args=["--coordinator", f"etcd://{a_etcd.address}"])
-    cluster.wait_until(lambda: cluster.primaries() == [a], 60, "A is the primary")
-    b = LinksIn(cluster, "B")
-    links.append(b)
-    cluster.wait_until(cluster.complete, 60, "B is A's backup")
-    return a, b
+@contextlib.contextmanager
+def _group_with_links_to_the_backup(
+    tmp_path, server_args: list[str] | None = None
+) -> Iterator[tuple[LocalCluster, str, LinkProxy, LinksIn, RecordingWorker]]:
+    """Server A, its link to etcd through a proxy, then its backup B, which whoever reaches
+    it (A's replication, a worker after a failover) reaches through its `LinksIn`; and an
+    async worker recording its pushes, 20 of them acknowledged. Everything is stopped on
+    exit. Yields (cluster, A's address, A's etcd link, B's links, the worker)."""
+    cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=server_args)
+    links: list[LinkProxy | LinksIn] = []
+    try:
+        cluster.start(servers=False)
+        assert cluster.etcd is not None
+        a_etcd = LinkProxy(cluster.etcd.port, "A -> etcd")
+        links.append(a_etcd)
+        a = cluster.start_server(extra_args=["--coordinator", f"etcd://{a_etcd.address}"])
+        cluster.wait_until(lambda: cluster.primaries() == [a], 60, "A is the primary")
+        b = LinksIn(cluster, "B")
+        links.append(b)
+        cluster.wait_until(cluster.complete, 60, "B is A's backup")
+        ee.init(coordinator=cluster.coordinator, mode="async")
+        worker = RecordingWorker(history_table("h"))
+        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+        yield cluster, a, a_etcd, b, worker
+    finally:
+        ee.shutdown()
+        cluster.stop()
+        for link in links:
+            link.close()
+
+
+def _exact_on_both(history: History, primary: str, backup: str) -> None:
+    """The checker holds on the primary's rows, and the backup's are the same bit for bit."""
+    rows = export(primary, "h")
+    assert check(history, rows["keys"], rows["values"]) == []
+    assert_same_state(rows, export(backup, "h"))
 
 
 def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replaced(tmp_path):
@@ -88,19 +113,10 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
     etcd), B is promoted when A's lease lapses, the worker moves to B once it can reach it,
     A's late changes are refused by B, and when A reaches etcd again it rejoins as B's
     backup. Every push the worker saw acknowledged is in the rows exactly once."""
-    cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"])
-    links: list = []
-    try:
-        cluster.start(servers=False)
-        a, b = _group_with_links_to_the_backup(cluster, links)
-        a_etcd = links[0]
+    with _group_with_links_to_the_backup(tmp_path, ["--metrics-port", "0"]) as (
+        cluster, a, a_etcd, b, worker,
+    ):  # fmt: skip
         a_port = int(a.rsplit(":", 1)[1])
-
-        ee.init(coordinator=cluster.coordinator, mode="async")
-        table = history_table("h")
-        worker = RecordingWorker(table)
-        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
-
         cut_at = time.monotonic()
         a_etcd.cut()
         b.cut()
@@ -119,20 +135,13 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
         cluster.wait_until(cluster.complete, 60, "A rejoined as B's backup")
         history = worker.stop()
 
-        rows = export(b.address, "h")
-        assert check(history, rows["keys"], rows["values"]) == []
-        assert_same_state(rows, export(a, "h"))
+        _exact_on_both(history, b.address, a)
         stalled = [t for _, t in history.acknowledged if cut_at < t < promoted_at]
         print(
             f"promoted {promoted_at - cut_at:.2f} s after the cut; "
             f"{len(history.acknowledged)} acknowledged, {len(history.failed)} failed, "
             f"{len(stalled)} acknowledged between the cut and the promotion"
         )
-    finally:
-        ee.shutdown()
-        cluster.stop()
-        for link in links:
-            link.close()
 
 
 @pytest.mark.parametrize("direction", ["both", "in", "out"])
@@ -168,9 +177,7 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(tmp_pa
         history = worker.stop()
         assert cluster.primaries() == [b]  # B took over
 
-        rows = export(b, "h")
-        assert check(history, rows["keys"], rows["values"]) == []
-        assert_same_state(rows, export(f"127.0.0.1:{a.port}", "h"))
+        _exact_on_both(history, b, f"127.0.0.1:{a.port}")
         times = [t for _, t in history.acknowledged]
         print(f"{direction}: longest wait between acknowledgements {max(np.diff(times)):.2f} s")
     finally:
@@ -191,14 +198,7 @@ def test_a_slow_link_to_the_backup_slows_pushes_without_a_failover(tmp_path):
     """The link into the backup B (A's replication) delays every byte 200 ms each way for
     4 s: A waits for B on each push, so pushes slow down; no failover (B's pings reach A);
     once healed the rate comes back; every acknowledged push is in the rows once."""
-    cluster = LocalCluster(1, 2, tmp_path / "cluster")
-    links: list = []
-    try:
-        cluster.start(servers=False)
-        a, b = _group_with_links_to_the_backup(cluster, links)
-        ee.init(coordinator=cluster.coordinator, mode="async")
-        worker = RecordingWorker(history_table("h"))
-        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+    with _group_with_links_to_the_backup(tmp_path) as (cluster, a, _, b, worker):
         fast = _rate(worker, 2)
         for link in b.links:
             link.slow(0.2)
@@ -208,16 +208,9 @@ def test_a_slow_link_to_the_backup_slows_pushes_without_a_failover(tmp_path):
         again = _rate(worker, 2)
         history = worker.stop()
         assert cluster.primaries() == [a]  # no failover
-        rows = export(a, "h")
-        assert check(history, rows["keys"], rows["values"]) == []
-        assert_same_state(rows, export(b.address, "h"))
+        _exact_on_both(history, a, b.address)
         print(f"pushes/s: {fast:.1f} before, {slow:.1f} slowed, {again:.1f} healed")
         assert slow < fast / 2 and again > 2 * slow, (fast, slow, again)
-    finally:
-        ee.shutdown()
-        cluster.stop()
-        for link in links:
-            link.close()
 
 
 @pytest.mark.parametrize("which", ["A -> etcd", "-> B"])
@@ -225,15 +218,8 @@ def test_a_flapping_link_makes_no_failover_and_loses_nothing(tmp_path, which):
     """A link cut 1 s in every 3 s for 9 s (seeded): the primary's link to etcd (its
     lease, 2 s, outlives each cut), or the link into the backup (A's replication waits
     for each heal). No failover; every acknowledged push is in the rows once."""
-    cluster = LocalCluster(1, 2, tmp_path / "cluster")
-    links: list = []
-    try:
-        cluster.start(servers=False)
-        a, b = _group_with_links_to_the_backup(cluster, links)
-        ee.init(coordinator=cluster.coordinator, mode="async")
-        worker = RecordingWorker(history_table("h"))
-        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
-        for link in [links[0]] if which == "A -> etcd" else b.links:
+    with _group_with_links_to_the_backup(tmp_path) as (cluster, a, a_etcd, b, worker):
+        for link in [a_etcd] if which == "A -> etcd" else b.links:
             link.flap(seed=40, seconds=9, every=3.0, cut_for=1.0)  # (B's two links together)
         time.sleep(9.5)
         acknowledged = len(worker.history.acknowledged)
@@ -242,13 +228,6 @@ def test_a_flapping_link_makes_no_failover_and_loses_nothing(tmp_path, which):
         )
         history = worker.stop()
         assert cluster.primaries() == [a]  # no failover
-        rows = export(a, "h")
-        assert check(history, rows["keys"], rows["values"]) == []
-        assert_same_state(rows, export(b.address, "h"))
+        _exact_on_both(history, a, b.address)
         times = [t for _, t in history.acknowledged]
         print(f"{which}: longest wait between acknowledgements {max(np.diff(times)):.2f} s")
-    finally:
-        ee.shutdown()
-        cluster.stop()
-        for link in links:
-            link.close()
