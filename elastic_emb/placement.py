@@ -182,8 +182,9 @@ def init(
             `TF_CONFIG` (task index, number of "worker"/"chief" tasks), else 0 of 1.
             With a coordinator, workers are elastic: any index >= 0 joins
             (and leaves when its process ends; docs/fault-tolerance.md), and
-            without an index or `TF_CONFIG` a worker takes the lowest index no
-            live worker holds (`cluster.worker_index`), so identical worker
+            without an index or `TF_CONFIG` a worker takes an index no live
+            worker holds, the lowest free one unless others register at the
+            same moment (`cluster.worker_index`), so identical worker
             processes (a Kubernetes Deployment) need no configuration.
         timeout: seconds a call may wait for other workers (sync, bounded
             staleness) before failing with `TimeoutError`.
@@ -326,7 +327,7 @@ def _connect_cluster(options: InitOptions) -> Cluster:
         if auto_index:
             options.cluster_options(0, 1).check(elastic=True)  # before registering
         routing = Routing(coordinator, options.wait_to_connect())
-        if auto_index:  # elastic workers without an index take the lowest free one
+        if auto_index:  # elastic workers without an index take a free one
             try:
                 worker_index = routing.register_worker(None, options.worker_lease_seconds)
             except BaseException:

@@ -50,8 +50,9 @@ def test_a_killed_worker_s_shard_is_finished_by_another_and_no_batch_is_lost_or_
     for e, s, _, name, index in lines:
         by[(int(e), int(s))].add(name)
         indices[name] = int(index)
-    # Four workers alive at once took the four lowest indices.
-    assert sorted(indices.values()) == [0, 1, 2, 3]
+    # Four workers alive at once held four indices. (Registering together, each tries one
+    # of the lowest free ones at random, wider after a collision: not always 0-3.)
+    assert len(set(indices.values())) == 4, indices
     assert any("victim" in names and len(names) == 2 for names in by.values()), dict(by)
     assert sum(line[3] == "victim" for line in lines) == 5
     assert any(line[3] == "late" for line in lines)
