@@ -12,6 +12,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -97,7 +98,7 @@ void EncodeHeader(const Header& header, char* out) {
   Put<uint32_t>(out, header.deadline_ms);
   Put<uint8_t>(out, header.method);
   Put<uint8_t>(out, header.status);
-  Put<uint16_t>(out, 0);
+  Put<uint16_t>(out, header.retry_after_ms);
 }
 
 bool DecodeHeader(const char* in, Header* header) {
@@ -107,6 +108,7 @@ bool DecodeHeader(const char* in, Header* header) {
   header->deadline_ms = Get<uint32_t>(in);
   header->method = Get<uint8_t>(in);
   header->status = Get<uint8_t>(in);
+  header->retry_after_ms = Get<uint16_t>(in);
   return true;
 }
 
@@ -124,6 +126,10 @@ constexpr uint64_t kListenId = 0;
 constexpr uint64_t kWakeId = 1;   // Stop: level-triggered, wakes every thread
 constexpr uint64_t kTasksId = 2;  // a frame queued (a semaphore eventfd)
 constexpr uint64_t kFirstConnectionId = 3;
+
+// Whether an overloaded server may refuse a request of `method`: not a connection's hello,
+// nor a primary's change (a backup that refused it would be dropped from its group).
+bool Refusable(uint8_t method) { return method != kHello && method != kReplicate; }
 
 // Writes a header and its payload with one call, without copying them; the bytes written
 // (fewer when the socket's buffer fills; 0 on an error, which its reader then sees).
@@ -300,9 +306,9 @@ void Server::Work() {
   }
 }
 
-bool Server::Busy() {
+int Server::Busy() {
   std::lock_guard<std::mutex> lock(pool_mu_);
-  if (stopping_.load()) return false;  // (Stop waits only for what it saw in flight)
+  if (stopping_.load()) return 0;  // (Stop waits only for what it saw in flight)
   pollers_--;
   in_flight_++;
   // Someone must keep reading while this thread handles a request (it may wait long).
@@ -310,7 +316,7 @@ bool Server::Busy() {
     pollers_++;
     workers_.emplace_back([this] { Work(); });
   }
-  return true;
+  return in_flight_;
 }
 
 void Server::Idle() {
@@ -422,13 +428,42 @@ void Server::Serve(uint64_t id, uint32_t events) {
 }
 
 void Server::Run(Frame frame) {
-  if (!Busy()) {
+  const int handled = Busy();
+  if (handled == 0) {
     Reply(frame.connection, frame.header, Answer{kUnavailable, "data plane: the server stops"});
     frame.connection->in_flight--;
     return;
   }
-  Handle(std::move(frame));
+  if (!RefuseOverloaded(frame, handled)) {
+    const double start = Now();
+    Handle(std::move(frame));
+    // (a parked request counts its thread's time only: the load it puts on the threads)
+    const double ms = (Now() - start) * 1e3;
+    handle_ms_ = 0.9 * handle_ms_.load() + 0.1 * ms;
+  }
   Idle();
+}
+
+bool Server::RefuseOverloaded(const Frame& frame, int handled) {
+  const uint8_t method = frame.header.method;
+  if (options_.max_active == 0 || handled <= options_.max_active || !Refusable(method)) {
+    return false;
+  }
+  Reply(frame.connection, frame.header,
+        Overloaded(std::to_string(handled - 1) + " requests being handled, its limit " +
+                       std::to_string(options_.max_active),
+                   handled));
+  Answered(frame.connection.get());
+  return true;
+}
+
+Answer Server::Overloaded(const std::string& why, int load) {
+  counters_.refused_overloaded++;
+  Answer answer{kResourceExhausted,
+                "data plane: server overloaded (" + why + "): send it again later"};
+  // Long enough for `load` requests to be handled one at a time: 1 ms to 1 s.
+  answer.retry_after_ms = static_cast<uint16_t>(std::clamp(handle_ms_.load() * load, 1.0, 1e3));
+  return answer;
 }
 
 void Server::RunQueued() {
@@ -532,6 +567,20 @@ bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* fram
       c->header_have = 0;
       if (c->header.method == kHello) c->hello_pending = true;
       counters_.requests++;
+      if (options_.max_per_connection > 0 && Refusable(c->header.method) &&
+          c->in_flight.load() >= options_.max_per_connection) {
+        // Refused at once, its bytes freed: a connection queues no more than its limit.
+        const int load = c->in_flight.load();
+        Reply(c, c->header,
+              Overloaded(std::to_string(load) +
+                             " requests in flight on this connection, its "
+                             "limit " +
+                             std::to_string(options_.max_per_connection),
+                         load));
+        c->body = std::string();
+        if (left == 0) break;
+        continue;
+      }
       c->in_flight++;
       frames->push_back(Frame{c, c->header, std::move(c->body), now});
       c->body = std::string();
@@ -601,6 +650,7 @@ void Server::Reply(const std::shared_ptr<Connection>& c, const Header& request, 
   header.request_id = request.request_id;
   header.method = request.method;
   header.status = answer.status;
+  header.retry_after_ms = answer.retry_after_ms;
   header.length = static_cast<uint32_t>(answer.payload.size());
   char encoded[kHeaderBytes];
   EncodeHeader(header, encoded);
@@ -772,7 +822,7 @@ void Connection::ReadLoop() {
         continue;
       }
       it->second->done = true;
-      it->second->answer = Answer{header.status, std::move(payload)};
+      it->second->answer = Answer{header.status, std::move(payload), header.retry_after_ms};
       if (it->second->on_done) answered = it->second;
       pending_.erase(it);
       cv_.notify_all();

@@ -4,22 +4,28 @@
 // connection carries frames, each a fixed header and then `length` bytes of today's
 // protobuf request or response:
 //
-//   magic u32 | length u32 | request_id u64 | deadline_ms u32 | method u8 | status u8 | 0 u16
+//   magic u32 | length u32 | request_id u64 | deadline_ms u32 | method u8 | status u8 |
+//   retry_after_ms u16
 //
-// little-endian, 24 bytes. A client opens one connection per server and multiplexes its
-// requests on it by request_id; answers may come back in any order. The first frame of
-// a connection is a kHello carrying the caller's token (empty without tokens); the server
-// answers it before it reads anything else, and closes the connection if it refuses it.
-// An answer's `status` is a gRPC status code (0: OK, its payload the response; otherwise
-// the payload is the UTF-8 message).
+// little-endian, 24 bytes (retry_after_ms: 0 in a request; in an answer refused because
+// the server is overloaded, how long the client should wait before sending it again). A client
+// opens one connection per server and multiplexes its requests on it by request_id; answers may
+// come back in any order. The first frame of a connection is a kHello carrying the caller's token
+// (empty without tokens); the server answers it before it reads anything else, and closes the
+// connection if it refuses it. An answer's `status` is a gRPC status code (0: OK, its payload the
+// response; otherwise the payload is the UTF-8 message).
 //
 // Server: leader/followers. Its threads wait on one epoll; the thread that gets a
 // connection's event reads its frames and handles the last itself (no hand-off); the pool
 // grows while requests wait, so that a thread always waits for events (up to
-// Options::max_threads). A frame whose length is above Options::max_frame_bytes is
-// refused before anything is allocated and its connection closed; connections beyond
-// Options::max_connections are refused at accept; a connection with no request in flight
-// (or a frame half sent) for longer than Options::idle_seconds is closed.
+// Options::max_threads). Overload: a request that finds Options::max_active requests being
+// handled already, or its connection with Options::max_per_connection in flight, is
+// answered RESOURCE_EXHAUSTED with a retry_after_ms hint, before its handler sees it
+// (nothing done: safe to send again); a kHello and a kReplicate are never refused so (a
+// backup refusing its primary's changes would be dropped). A frame whose length is above
+// Options::max_frame_bytes is refused before anything is allocated and its connection closed;
+// connections beyond Options::max_connections are refused at accept; a connection with no request
+// in flight (or a frame half sent) for longer than Options::idle_seconds is closed.
 //
 // Client: one connection per server, a reader thread per connection completing waiting
 // calls (no thread per call, no polling). `Connection::Send` and `Wait` are thread-safe;
@@ -75,6 +81,7 @@ struct Header {
   uint32_t deadline_ms = 0;  // 0: none
   uint8_t method = 0;
   uint8_t status = 0;
+  uint16_t retry_after_ms = 0;  // an overload refusal's hint (0: none)
 };
 
 // Writes `header` to out[0, kHeaderBytes).
@@ -86,6 +93,7 @@ bool DecodeHeader(const char* in, Header* header);
 struct Answer {
   uint8_t status = kOk;
   std::string payload;
+  uint16_t retry_after_ms = 0;  // set on an overload refusal: send again after this long
 };
 
 // Sends the answer of a request its handler parked: once, from any thread; nothing once
@@ -109,7 +117,9 @@ struct ServerOptions {
   uint64_t max_frame_bytes = 1ull << 30;
   int max_connections = 4096;
   double idle_seconds = 600.0;
-  int max_threads = 2048;  // handler threads (a request waiting holds one)
+  int max_threads = 2048;      // handler threads (a request waiting holds one)
+  int max_active = 0;          // requests handled at once before refusing more (0: no limit)
+  int max_per_connection = 0;  // requests in flight on one connection (0: no limit)
 };
 
 // The counters a server keeps (read by the metrics).
@@ -119,6 +129,7 @@ struct ServerCounters {
   std::atomic<uint64_t> connections_closed_idle{0};
   std::atomic<uint64_t> frames_refused{0};  // malformed, too large, before a kHello
   std::atomic<uint64_t> requests{0};
+  std::atomic<uint64_t> refused_overloaded{0};  // RESOURCE_EXHAUSTED with a retry hint
 };
 
 class Server {
@@ -148,7 +159,7 @@ class Server {
     Server* server = nullptr;  // guarded by mu
   };
   void Work();  // a pool thread: wait for an event, serve it
-  bool Busy();  // a thread takes a request; false once stopping
+  int Busy();   // a thread takes a request: how many are handled now with it; 0 once stopping
   void Idle();  // ... and is done with it
   void Accept();
   void Serve(uint64_t id, uint32_t events);
@@ -156,6 +167,10 @@ class Server {
   void Run(Frame frame);
   void RunQueued();
   void Handle(Frame frame);
+  // Refuses `frame` as overloaded (`handled`: the requests being handled), if it is.
+  bool RefuseOverloaded(const Frame& frame, int handled);
+  // An overload refusal saying `why`, its retry hint for `load` requests ahead of it.
+  Answer Overloaded(const std::string& why, int load);
   void Reply(const std::shared_ptr<Connection>& c, const Header& request, Answer answer);
   // A request answered: its connection counts it done.
   static void Answered(Connection* c);
@@ -175,6 +190,7 @@ class Server {
   int port_ = 0;
   std::atomic<bool> stopping_{false};
   std::atomic<double> last_sweep_{0};
+  std::atomic<double> handle_ms_{0.1};  // a request's handling time, moving average
   ServerCounters counters_;
 
   mutable std::mutex connections_mu_;

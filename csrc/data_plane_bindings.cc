@@ -119,7 +119,9 @@ void BindDataPlane(py::module_& m) {
       .def_readwrite("max_frame_bytes", &data_plane::ServerOptions::max_frame_bytes)
       .def_readwrite("max_connections", &data_plane::ServerOptions::max_connections)
       .def_readwrite("idle_seconds", &data_plane::ServerOptions::idle_seconds)
-      .def_readwrite("max_threads", &data_plane::ServerOptions::max_threads);
+      .def_readwrite("max_threads", &data_plane::ServerOptions::max_threads)
+      .def_readwrite("max_active", &data_plane::ServerOptions::max_active)
+      .def_readwrite("max_per_connection", &data_plane::ServerOptions::max_per_connection);
 
   py::class_<PyServer>(m, "DataPlaneServer")
       .def(py::init<data_plane::ServerOptions, py::function, py::function,
@@ -139,6 +141,7 @@ void BindDataPlane(py::module_& m) {
         out["connections_closed_idle"] = c.connections_closed_idle.load();
         out["frames_refused"] = c.frames_refused.load();
         out["requests"] = c.requests.load();
+        out["refused_overloaded"] = c.refused_overloaded.load();
         return out;
       });
 
@@ -160,6 +163,12 @@ void BindDataPlane(py::module_& m) {
             return py::make_tuple(t.pending->answer.status, py::bytes(t.pending->answer.payload));
           },
           "(status, bytes): a gRPC status code (0: OK) and the response or the message.")
+      .def_property_readonly(
+          "retry_after_ms",
+          [](const Connection::Ticket& t) {
+            return Connection::Done(t) ? t.pending->answer.retry_after_ms : 0;
+          },
+          "An overload refusal's hint: milliseconds to wait before sending it again (else 0).")
       .def("forget", &Connection::Forget, py::call_guard<py::gil_scoped_release>());
 
   m.def(

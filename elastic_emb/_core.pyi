@@ -260,6 +260,8 @@ class DataPlaneOptions:
     max_connections: int
     idle_seconds: float
     max_threads: int
+    max_active: int
+    max_per_connection: int
     def __init__(self) -> None: ...
 
 class DataPlaneServer:
@@ -339,6 +341,7 @@ class DataPlaneConnection:
 
 class DataPlaneTicket:
     sent: bool
+    retry_after_ms: int
     def done(self) -> bool: ...
     def answer(self) -> tuple[int, bytes]: ...
     def forget(self) -> None: ...

@@ -631,6 +631,23 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         "plane, nor a push waiting for the backups)",
     )
     serve.add_argument(
+        "--max-active-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests the data plane handles at once; beyond, an overloaded server answers "
+        "RESOURCE_EXHAUSTED with a retry hint and the client sends it again after it "
+        "(default: 32 per core; 0: no limit)",
+    )
+    serve.add_argument(
+        "--max-requests-per-connection",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests in flight on one data-plane connection (a worker has a few); beyond, "
+        "RESOURCE_EXHAUSTED with a retry hint, the request's bytes freed at once (0: no limit)",
+    )
+    serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time for in-flight requests"
     )
     serve.add_argument(

@@ -231,6 +231,50 @@ def test_a_refused_token_lets_no_request_through():
         assert _call(echo.connect("s3cret"), PULL, b"in") == (OK, b"\x01in|caller-s3cret")
 
 
+def _seen(echo: Echo, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(echo.seen) < count:
+        assert time.monotonic() < deadline, echo.seen
+        time.sleep(0.01)
+
+
+def test_an_overloaded_server_refuses_requests_unseen_with_a_retry_hint():
+    """Beyond `max_active` requests handled at once, a request is answered RESOURCE_EXHAUSTED
+    with a hint before its handler sees it; a primary's change (Replicate) never is."""
+    replicate = protocol.DATA_PLANE_METHODS["Replicate"]
+    with Echo(max_active=1) as echo:
+        busy, other = echo.connect(), echo.connect()
+        (slow,) = _core.data_plane_send([busy], [PULL], [b"slow-1"], 20.0)
+        _seen(echo, 1)  # handled, waiting: the limit is reached
+        (refused,) = _core.data_plane_send([other], [PUSH], [b"refused"], 20.0)
+        assert _core.data_plane_wait([refused], 10.0)
+        status, message = refused.answer()
+        assert status == RESOURCE_EXHAUSTED and refused.retry_after_ms >= 1
+        assert b"server overloaded (1 requests being handled, its limit 1)" in message
+        assert _call(other, replicate, b"change") == (OK, b"\x05change|caller-")
+        assert echo.seen == [b"slow-1", b"change"]  # the refused one never reached it
+        echo.release.set()
+        assert _core.data_plane_wait([slow], 10.0) and slow.answer()[0] == OK
+        assert _call(other, PUSH, b"again") == (OK, b"\x02again|caller-")
+        assert slow.retry_after_ms == 0
+        assert echo.server.counters()["refused_overloaded"] == 1
+
+
+def test_a_connection_beyond_its_requests_in_flight_gets_the_rest_refused():
+    with Echo(max_per_connection=2) as echo:
+        c = echo.connect()
+        held = _core.data_plane_send([c, c], [PULL, PULL], [b"slow-1", b"slow-2"], 20.0)
+        _seen(echo, 2)
+        status, message = _call(c, PUSH, b"third")
+        assert status == RESOURCE_EXHAUSTED
+        assert b"2 requests in flight on this connection, its limit 2" in message
+        assert _call(echo.connect(), PUSH, b"elsewhere")[0] == OK  # other connections: not
+        echo.release.set()
+        assert _core.data_plane_wait(held, 10.0) and all(t.answer()[0] == OK for t in held)
+        assert _call(c, PUSH, b"third")[0] == OK
+        assert b"third" in echo.seen and echo.seen.count(b"third") == 1
+
+
 def test_a_stopped_server_fails_the_calls_in_flight_at_once():
     echo = Echo()
     c = echo.connect()

@@ -2,7 +2,8 @@
 
 Channels and stubs, deadlines, the retry policy of idempotent calls (gRPC's
 service config: a call that found a shard UNAVAILABLE before it could start
-is tried again with backoff), the mapping of gRPC errors to Python
+is tried again with backoff; on the data plane, a call an overloaded server
+refused is sent again after its retry hint, backing off), the mapping of gRPC errors to Python
 exceptions, and client-side traffic statistics. No training logic: that is
 `elastic_emb.ps.client.cluster`.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import json
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +29,8 @@ from elastic_emb.ps.wire import protocol, security
 from elastic_emb.ps.wire.security import GRPC_OPTIONS, SERVICE, ClientSecurity
 
 __all__ = [
-    "NotJoined", "NotPrimary", "RangeChanged", "ShardClient", "ShardStats", "error_of",
-    "error_of_status",
+    "NotJoined", "NotPrimary", "Overloaded", "RangeChanged", "ShardClient", "ShardStats",
+    "error_of", "error_of_status",
 ]  # fmt: skip
 
 # Calls that change nothing when repeated (Pull inserts deterministic rows;
@@ -68,6 +71,9 @@ HEALTH_SERVICE = "grpc.health.v1.Health"  # the standard one, which every server
 # A server without a data plane (or out of reach) is asked again after this many seconds.
 DATA_PLANE_RECHECK_SECONDS = 10.0
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# A call an overloaded server refused waits its retry hint, doubled at each refusal, at
+# most this long (and never past the call's deadline), then goes again.
+MAX_OVERLOAD_BACKOFF_SECONDS = 1.0
 
 
 class NotPrimary(ConnectionError):
@@ -76,6 +82,15 @@ class NotPrimary(ConnectionError):
 
 class NotJoined(ValueError):
     """The server does not count this elastic worker (its lease lapsed): join again."""
+
+
+class Overloaded(RuntimeError):
+    """The server refused the call unseen, overloaded: sending it again later is safe.
+    `retry_after`: the server's hint, in seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RangeChanged(Exception):
@@ -92,6 +107,7 @@ class ShardStats:
     bytes_received: int = 0
     seconds: float = 0.0
     max_seconds: float = 0.0
+    overloaded: int = 0  # calls the server refused as overloaded, then sent again
 
 
 class ShardClient:
@@ -257,16 +273,9 @@ class ShardClient:
         start = time.perf_counter()
         deadline = self.timeout if timeout is None else timeout
         if method in protocol.RAW_METHODS:
-            connection = self._data_connection(shard, address, stub)
-            if connection is not None:
-                payload = protocol.serialize(request)
-                tickets = _core.data_plane_send(
-                    [connection], [protocol.DATA_PLANE_METHODS[method]], [payload], deadline
-                )
-                answer = self._data_answer(address, method, tickets[0], deadline, abandon)
-                if answer is not None:
-                    self._count(shard, address, len(payload), len(answer), start)
-                    return answer
+            answer = self._data_call(shard, address, stub, method, request, deadline, abandon)
+            if answer is not None:
+                return answer
         try:
             if abandon is None:
                 response = getattr(stub, method)(request, timeout=deadline)
@@ -303,6 +312,55 @@ class ShardClient:
             s.max_seconds = max(s.max_seconds, elapsed)
 
     # The data plane.
+
+    def _data_call(
+        self,
+        shard: int,
+        address: str,
+        stub: Any,
+        method: str,
+        request: Any,
+        deadline: float,
+        abandon: Callable[[str], bool] | None,
+        refusal: Overloaded | None = None,
+    ) -> bytes | None:
+        """`call` on the data plane; None when it goes through gRPC. A call the server
+        refused as overloaded (`refusal`: already, by `_data_call_all`) waits and goes
+        again (`_overload_backoff`) until its deadline."""
+        start = time.perf_counter()
+        end = time.monotonic() + deadline
+        payload = protocol.serialize(request)
+        number = protocol.DATA_PLANE_METHODS[method]
+        for attempt in itertools.count():
+            if refusal is not None:
+                self._overload_backoff(shard, refusal, attempt, end)
+            connection = self._data_connection(shard, address, stub)
+            if connection is None:
+                return None
+            left = end - time.monotonic()
+            (ticket,) = _core.data_plane_send([connection], [number], [payload], left)
+            try:
+                answer = self._data_answer(address, method, ticket, left, abandon)
+            except Overloaded as e:
+                refusal = e
+                continue
+            if answer is not None:
+                self._count(shard, address, len(payload), len(answer), start)
+            return answer
+        raise AssertionError("unreachable")
+
+    def _overload_backoff(self, shard: int, refusal: Overloaded, attempt: int, end: float) -> None:
+        """Waits before sending again a call refused as overloaded: the server's hint,
+        doubled at each refusal, jittered, at most `MAX_OVERLOAD_BACKOFF_SECONDS`; raises
+        the refusal if the call's deadline comes first."""
+        wait = min(refusal.retry_after * 2 ** min(attempt, 10), MAX_OVERLOAD_BACKOFF_SECONDS)
+        wait *= random.uniform(0.5, 1.5)  # (callers refused together do not come back together)
+        if time.monotonic() + wait >= end:
+            raise refusal
+        with self._stats_lock:
+            if shard < len(self._stats):
+                self._stats[shard].overloaded += 1
+        time.sleep(wait)
 
     def _data_connection(self, shard: int, address: str, stub: Any) -> Any:
         """The data-plane connection to `address` (of `shard`); None when the call goes
@@ -349,7 +407,7 @@ class ShardClient:
         default: from now); None when its connection broke before it was sent, or an
         idempotent call's broke (gRPC sends it again).
 
-        Raises what its gRPC call would raise (`error_of_status`).
+        Raises what its gRPC call would raise (`error_of_status`), or `Overloaded`.
         """
         end = time.monotonic() + deadline if end is None else end
         # Without `abandon`, one wait on the answer; with it, asked every 50 ms.
@@ -373,7 +431,12 @@ class ShardClient:
             not ticket.sent or (self._retry and method in IDEMPOTENT_METHODS)
         ):
             return None  # the connection broke: gRPC tries (and retries) it
-        raise error_of_status(address, method, code, body.decode("utf-8", "replace"))
+        message = body.decode("utf-8", "replace")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and ticket.retry_after_ms > 0:
+            raise Overloaded(
+                f"elastic_emb PS {address} {method}: {message}", ticket.retry_after_ms / 1e3
+            )
+        raise error_of_status(address, method, code, message)
 
     def call_all(
         self,
@@ -420,8 +483,12 @@ class ShardClient:
         tickets = _core.data_plane_send(connections, [number] * len(targets), payloads, deadline)
         _core.data_plane_wait(tickets, deadline)
         answers: list[Any] = [None] * len(requests)
-        for (i, address, _), payload, ticket in zip(targets, payloads, tickets, strict=True):
-            answer = self._data_answer(address, method, ticket, deadline, None, end)
+        for (i, address, stub), payload, ticket in zip(targets, payloads, tickets, strict=True):
+            try:
+                answer = self._data_answer(address, method, ticket, deadline, None, end)
+            except Overloaded as refusal:
+                left = end - time.monotonic()
+                answer = self._data_call(i, address, stub, method, requests[i], left, None, refusal)
             if answer is None:
                 answer = self.call(i, method, requests[i], timeout)
             else:

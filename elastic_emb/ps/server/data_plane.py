@@ -17,6 +17,7 @@ gRPC, encrypted (never a plaintext port beside TLS).
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -29,7 +30,7 @@ from elastic_emb.tables.sharding import NUM_SLOTS
 if TYPE_CHECKING:
     from elastic_emb.ps.server.servicer import Servicer
 
-__all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "DataPlane"]
+__all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "DataPlane", "default_max_active"]
 
 log = logging.getLogger("elastic_emb.server")
 
@@ -39,6 +40,11 @@ IDLE_SECONDS = 600.0
 # Connections a server takes at once (one per worker, and one per worker process's
 # range router): beyond, a connection is refused with RESOURCE_EXHAUSTED.
 MAX_CONNECTIONS = 4096
+def default_max_active() -> int:
+    """Requests handled at once before an overloaded server refuses more
+    (`serve --max-active-requests`): 32 per core this process may use."""
+    return 32 * len(os.sched_getaffinity(0))
+
 
 _NAMES = {number: name for name, number in DATA_PLANE_METHODS.items()}
 _STATUS = {code.name: code.value[0] for code in grpc.StatusCode}
@@ -48,8 +54,12 @@ class DataPlane:
     """Serves `servicer`'s data methods on host:port (0: any free port) until `stop`.
 
     `threads`: the most requests in progress at once (a pull parked at the sync barrier,
-    or a push waiting for the backups, holds none). `coordinated`: a server with a
-    coordinator, whose changes replicate to its backups.
+    or a push waiting for the backups, holds none). Overload: a request finding
+    `max_active` others being handled (0: no limit), or `max_per_connection` in flight on
+    its connection, is refused before anything is done, RESOURCE_EXHAUSTED with a retry
+    hint, and the client sends it again after it (`ShardClient`); a primary's changes to
+    its backups are never refused so. `coordinated`: a server with a coordinator, whose
+    changes replicate to its backups.
 
     Raises:
         RuntimeError: the port cannot be bound.
@@ -65,9 +75,12 @@ class DataPlane:
         max_connections: int = MAX_CONNECTIONS,
         max_frame_bytes: int = MAX_MESSAGE_BYTES,
         coordinated: bool = False,
+        max_active: int = 0,
+        max_per_connection: int = 256,
     ) -> None:
         options = _core.DataPlaneOptions()
         options.host, options.port, options.max_threads = host, port, threads
+        options.max_active, options.max_per_connection = max_active, max_per_connection
         options.idle_seconds, options.max_connections = idle_seconds, max_connections
         options.max_frame_bytes = max_frame_bytes
         self._servicer = servicer
@@ -92,6 +105,11 @@ class DataPlane:
         except UnicodeDecodeError:
             return False, "data plane: the token is not UTF-8"
         return self._servicer.authenticate(text, peer)
+
+    def counters(self) -> dict[str, int]:
+        """The plane's own counts: connections accepted, refused and closed idle, frames
+        refused, requests, requests refused as overloaded."""
+        return dict(self._server.counters())
 
     def stop(self, grace_seconds: float = 0.0) -> None:
         """Takes no new request; answers those in progress (up to `grace_seconds`)."""

@@ -87,6 +87,15 @@ class ServerCollector(Collector):
         )
         waited.add_metric([], pull_wait_seconds)
         yield from (calls, errors, received, sent, seconds, native, changes, waits, waited)
+        plane = self._servicer.data_plane_counters
+        if plane is not None:
+            overloaded = CounterMetricFamily(
+                PREFIX + "data_plane_overloaded",
+                "Requests the data plane refused as overloaded (RESOURCE_EXHAUSTED, a retry "
+                "hint; not in rpc_calls)",
+            )
+            overloaded.add_metric([], plane()["refused_overloaded"])
+            yield overloaded
 
     def _tables(self) -> Iterator[Metric]:
         rows = GaugeMetricFamily(PREFIX + "table_rows", "Rows on this server", labels=["table"])

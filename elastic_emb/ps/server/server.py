@@ -69,6 +69,9 @@ class ServerOptions:
     host: str = "127.0.0.1"
     # Started as requests come; a sync pull waiting for the others holds one.
     threads: int = 2048
+    # Requests the data plane handles at once before refusing more (None: 32 per core).
+    max_active_requests: int | None = None
+    max_requests_per_connection: int = 256  # in flight on one data-plane connection
     grace_seconds: float = 30.0
     data_plane: str = "native"  # or "grpc" (`elastic_emb.ps.server.data_plane`)
     data_port: int = 0
@@ -99,9 +102,11 @@ class ServerOptions:
         """Raises ValueError for flags that contradict each other or are out of range."""
         for name, least in (
             ("threads", 1), ("replicas", 1), ("lease_seconds", 1), ("grace_seconds", 0),
-            ("max_deltas", 0),
+            ("max_deltas", 0), ("max_active_requests", 0), ("max_requests_per_connection", 0),
         ):  # fmt: skip
             value = getattr(self, name)
+            if value is None:
+                continue
             if value < least:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be at least {least}. Received: {value}")
@@ -285,12 +290,16 @@ def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
     if tls:
         log.info("data plane: off with TLS (Pull and Push go through gRPC, encrypted)")
         return None
-    from elastic_emb.ps.server.data_plane import DataPlane
+    from elastic_emb.ps.server.data_plane import DataPlane, default_max_active
 
+    max_active = options.max_active_requests
+    if max_active is None:
+        max_active = default_max_active()
     try:
         data = DataPlane(
             servicer, options.host, options.data_port, options.threads,
-            coordinated=bool(options.coordinator),
+            coordinated=bool(options.coordinator), max_active=max_active,
+            max_per_connection=options.max_requests_per_connection,
         )  # fmt: skip
     except RuntimeError as e:
         log.error("%s. Use another --data-port, or 0 for a free one", e)
@@ -298,6 +307,7 @@ def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
     servicer.data_port = (
         data.port if options.advertise_data_port is None else (options.advertise_data_port)
     )
+    servicer.data_plane_counters = data.counters
     log.info("data plane (Pull, Push) on %s:%d", options.host, data.port)
     return data
 

@@ -134,6 +134,8 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             _MethodStats
         )  # guarded by _stats_lock
         self.data_port = 0  # the data plane's port (`data_plane.DataPlane`); 0: none
+        # The data plane's own counts (`DataPlane.counters`), set once it listens.
+        self.data_plane_counters: Callable[[], dict[str, int]] | None = None
         self._raw_methods: dict[str, Callable[[bytes], bytes]] = {
             "Pull": self._pull, "Push": self._push,
             "PullRanges": self._pull_ranges, "PushRanges": self._push_ranges,
