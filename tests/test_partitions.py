@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 from _cluster import scrape
@@ -22,7 +23,10 @@ from _replicas import export
 from _states import assert_same_state
 
 import elastic_emb as ee
+from elastic_emb import _core
+from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps.coord.local_cluster import LocalCluster, free_port
+from elastic_emb.ps.wire import protocol, security
 
 
 def _metrics(cluster: LocalCluster, port: int) -> dict:
@@ -100,6 +104,38 @@ def _group_with_links_to_the_backup(
             link.close()
 
 
+def _raw_pushes(address: str, key: int) -> list[tuple[str, grpc.StatusCode, str]]:
+    """Worker 0's next push, of `key` (table "h"), sent to `address` itself on each plane:
+    (plane, status, message) of each answer."""
+    with grpc.insecure_channel(address) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        health = stub.Health(ps_pb2.HealthRequest(), timeout=10)
+        (range_id,) = health.ranges
+        info = stub.DescribeTables(
+            ps_pb2.DescribeTablesRequest(names=["h"], range=range_id), timeout=10
+        )
+        entry = ps_pb2.TableGradients(
+            table="h",
+            keys=np.asarray([key], "<i8").tobytes(),
+            gradients=np.ones((1, 2), "<f4").tobytes(),
+        )
+        step = info.tables[0].iterations + 1  # (one worker, one table: its pushes so far)
+        request = ps_pb2.PushRequest(worker=0, step=step, tables=[entry], range=range_id)
+        payload = request.SerializeToString()
+        try:
+            channel.unary_unary(f"/{security.SERVICE}/Push")(payload, timeout=10)
+            answers = [("grpc", grpc.StatusCode.OK, "")]
+        except grpc.RpcError as e:
+            answers = [("grpc", e.code(), e.details())]
+    connection = _core.DataPlaneConnection("127.0.0.1", health.data_port, "", 5.0)
+    method = protocol.DATA_PLANE_METHODS["Push"]
+    (ticket,) = _core.data_plane_send([connection], [method], [payload], 10.0)
+    assert _core.data_plane_wait([ticket], 10.0)
+    status, body = ticket.answer()
+    codes = {c.value[0]: c for c in grpc.StatusCode}
+    return [*answers, ("data plane", codes[status], body.decode())]
+
+
 def _exact_on_both(history: History, primary: str, backup: str) -> None:
     """The checker holds on the primary's rows, and the backup's are the same bit for bit."""
     rows = export(primary, "h")
@@ -131,6 +167,12 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
             "20 pushes acknowledged by B",
         )
         assert _pushes_acknowledged(cluster, a_port) == a_acknowledged  # nothing more from A
+        # The ABORTED path: A, cut from etcd, acknowledges no push on either plane and says
+        # why (its lease, or a backup it cannot drop); the worker would ask the map again
+        # and go to B. Whatever A did with it, it is not in the final rows (the checker).
+        for plane, code, message in _raw_pushes(a, key=10**9):
+            assert code == grpc.StatusCode.ABORTED, (plane, code, message)
+            assert "without the coordinator" in message or "renew its lease" in message
         a_etcd.heal()
         cluster.wait_until(cluster.complete, 60, "A rejoined as B's backup")
         history = worker.stop()

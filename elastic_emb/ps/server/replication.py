@@ -421,7 +421,9 @@ class Replica:
         threading.Thread(target=run, daemon=True).start()
 
     def _drop(self, address: str, why: str) -> None:
-        """Removes a backup (or joining server) from this primary's group."""
+        """Removes a backup (or joining server) from this primary's group; `aborted` if it
+        cannot (no longer the primary, or etcd out of reach): a change that backup did not
+        apply is then not acknowledged."""
         log.warning("removing %s from the group: %s", address, why)
 
         def remove(m: ClusterMap) -> ClusterMap | None:
@@ -430,7 +432,13 @@ class Replica:
                 return None
             return m.without(address)
 
-        self._change_map(remove, as_primary=True)
+        try:
+            self._change_map(remove, as_primary=True)
+        except EtcdError as e:
+            raise aborted(
+                f"{self.address} cannot remove {address} from its group without the "
+                f"coordinator ({e}): not acknowledged"
+            ) from None
 
     @property
     def role(self) -> str:
