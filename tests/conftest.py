@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 # fault harness's link, the CLI, upgrades and user errors.
 # Their tests marked slow stay out. CI runs everything.
 QUICK_MODULES = {
-    "test_architecture", "test_bad_requests", "test_checkpoint", "test_cli", "test_data",
-    "test_data_plane", "test_incremental_checkpoint", "test_link_proxy",
+    "test_architecture", "test_bad_requests", "test_checkpoint", "test_cli", "test_damaged_files",
+    "test_data", "test_data_plane", "test_incremental_checkpoint", "test_link_proxy",
     "test_layer", "test_nonfinite", "test_optimizers", "test_ps_server", "test_row_dtype",
     "test_rows", "test_table", "test_table_policies", "test_upgrades", "test_user_errors",
 }  # fmt: skip

@@ -372,8 +372,11 @@ def _entry(directory: Path, prefix: str, suffix: str) -> dict:
 
 
 def _edit_manifest(directory: Path, fn) -> None:
+    """Edits the manifest as one of a release before manifest checksums (else the checksum
+    would refuse every edit before the checks behind it are reached)."""
     path = directory / "manifest.json"
     manifest = json.loads(path.read_text())
+    manifest.pop("manifest_sha256")
     fn(manifest)
     path.write_text(json.dumps(manifest))
 

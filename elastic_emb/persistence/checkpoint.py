@@ -270,10 +270,8 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
         if isinstance(e, KeyError | TypeError | ValueError | AttributeError):
             raise files.CheckpointError(f"Checkpoint manifest in {root} is malformed: {e!r}") from e
         raise
-    # Phase 2: apply.
-    for name, state in states.items():
-        targets[name].load_state(state)
-    files.forget_changes([targets[name] for name in states])
+    # Phase 2: apply. The shards first: they verify what they read before they change
+    # anything, and a shard that refuses leaves this process's tables unchanged too.
     remote_names = sorted(n for n, t in targets.items() if _is_remote(t))
     if remote_names:
         cluster = targets[remote_names[0]].cluster
@@ -281,4 +279,7 @@ def restore(directory: str | os.PathLike[str], tables: Any = None) -> dict[str, 
             cluster.restore_tables(str(root), remote_names)
         except ValueError as e:
             raise files.CheckpointError(str(e)) from e
+    for name, state in states.items():
+        targets[name].load_state(state)
+    files.forget_changes([targets[name] for name in states])
     return targets

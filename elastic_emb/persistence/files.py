@@ -43,6 +43,8 @@ FORMAT = "elastic_emb.checkpoint"
 VERSION = 1  # ordinary checkpoints: one data file per table
 CHAIN_VERSION = 2  # incremental checkpoints: a chain of data files per table
 MANIFEST = "manifest.json"
+# The manifest's own checksum: the SHA-256 of the manifest written without it.
+MANIFEST_SHA256 = "manifest_sha256"
 DEFAULT_MAX_DELTAS = 10
 
 
@@ -235,8 +237,8 @@ def _current_chains(root: Path) -> dict[str, dict[str, Any]]:
     a damaged one, an ordinary checkpoint) gets new bases.
     """
     try:
-        manifest = json.loads((root / MANIFEST).read_text())
-        if manifest.get("format") != FORMAT or manifest.get("version") != CHAIN_VERSION:
+        manifest = read_manifest(root)
+        if manifest.get("version") != CHAIN_VERSION:
             return {}
         chains = {}
         for name, entry in manifest["tables"].items():
@@ -483,8 +485,20 @@ def clone(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -
     return dst
 
 
+def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=1, sort_keys=True).encode()
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    """The SHA-256 of `manifest` less its own checksum, as `write_manifest` writes it."""
+    rest = {k: v for k, v in manifest.items() if k != MANIFEST_SHA256}
+    return hashlib.sha256(_manifest_bytes(rest)).hexdigest()
+
+
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
-    raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    """Writes `manifest` (with its checksum) atomically; this is a save's commit point."""
+    manifest = json.loads(_manifest_bytes(manifest))  # as a reader parses it (keys as str)
+    raw = _manifest_bytes({**manifest, MANIFEST_SHA256: _manifest_digest(manifest)})
     _write_atomically(root / MANIFEST, [memoryview(raw)])
     fsync_directory(root)
 
@@ -514,6 +528,12 @@ def read_manifest(root: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} has format version {version!r}; this release reads {VERSION} and "
             f"{CHAIN_VERSION}"
+        )
+    # Manifests of releases before the checksum have none: they are read as they are.
+    if MANIFEST_SHA256 in manifest and manifest[MANIFEST_SHA256] != _manifest_digest(manifest):
+        raise CheckpointError(
+            f"Checkpoint manifest {path} fails its checksum: it is damaged; restore an intact "
+            "copy or another checkpoint"
         )
     tables = manifest.get("tables")
     if isinstance(tables, dict):
@@ -545,7 +565,8 @@ def _read_data(
     if expected != link["bytes"]:
         erased = f" and {num_erased} erased keys" if delta else ""
         raise CheckpointError(
-            f"Checkpoint manifest entry of {what} is inconsistent: {link['num_rows']} "
+            f"Checkpoint manifest {path.parent / MANIFEST} is inconsistent for {what} "
+            f"({path.name}): {link['num_rows']} "
             f"rows of dim {entry['dim']} with {entry['num_slots']} slots{erased} need {expected} "
             f"bytes, the manifest says {link['bytes']}"
         )
@@ -582,10 +603,10 @@ def _check_links(root: Path, name: str, entry: dict[str, Any]) -> list[dict[str,
     chain, links = entry["chain"], entry["links"]
     if not isinstance(chain, str) or not isinstance(links, list) or not links:
         raise CheckpointError(
-            f"Checkpoint manifest in {root} is malformed: table {name!r} has no chain"
+            f"Checkpoint manifest {root / MANIFEST} is malformed: table {name!r} has no chain"
         )
     for i, link in enumerate(links):
-        what = f"link {i} ({link['file']}) of table {name!r} in {root}"
+        what = f"link {i} ({link['file']}) of table {name!r} in {root / MANIFEST}"
         kind = "base" if i == 0 else "delta"
         if link["kind"] != kind:
             raise CheckpointError(f"Checkpoint chain broken at {what}: a {kind} was expected")
@@ -604,7 +625,7 @@ def _check_links(root: Path, name: str, entry: dict[str, Any]) -> list[dict[str,
             )
     if links[-1]["iterations"] != entry["iterations"]:
         raise CheckpointError(
-            f"Checkpoint manifest entry of table {name!r} in {root} is inconsistent: "
+            f"Checkpoint manifest {root / MANIFEST} is inconsistent for table {name!r}: "
             f"iterations {entry['iterations']}, its last link says {links[-1]['iterations']}"
         )
     return links
@@ -689,6 +710,7 @@ def read_shards(
     entries: dict[str, dict[str, Any]] = {}
     parts: dict[str, list[TableState]] = {}
     dirs = [part for root in roots for part in part_directories(root)]
+    part = roots[0]
     try:
         for part in dirs:
             for name, entry in sorted(read_manifest(part)["tables"].items()):
@@ -701,7 +723,7 @@ def read_shards(
                     )
                 parts.setdefault(name, []).append(_read_table(part, name, entry))
     except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"Checkpoint manifest in {roots[0]} is malformed: {e!r}") from e
+        raise CheckpointError(f"Checkpoint manifest {part / MANIFEST} is malformed: {e!r}") from e
     missing = sorted(set(names or ()) - set(entries))
     if missing:
         raise CheckpointError(f"Tables {missing} are not in the checkpoint in {roots[0]}")

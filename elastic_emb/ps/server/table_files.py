@@ -2,7 +2,8 @@
 owns (shard i of n, or a slot range) read back from checkpoints, everything read and verified
 before any table changes. A file the shard cannot write or read is refused as
 FAILED_PRECONDITION (the directory's fault, not the shard's), or RESOURCE_EXHAUSTED when the
-disk is full."""
+disk is full. A damaged checkpoint (and one whose tables cannot be created) is refused before
+any table changes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from elastic_emb.ps.server.request_error import RequestError, invalid
 from elastic_emb.ps.server.table_set import TableSet
 from elastic_emb.tables import sharding
 from elastic_emb.tables.local import LocalTable
-from elastic_emb.tables.table import TableState
+from elastic_emb.tables.table import TableConfig, TableState
 
 __all__ = ["restore_owned_rows", "write_tables"]
 
@@ -55,10 +56,21 @@ def restore_owned_rows(
     num_slots = num_slots or sharding.NUM_SLOTS
     try:
         configs, states = checkpoint.read_shards([Path(d) for d in directories], names or None)
+        missing = []  # the configs of the tables to create, each checked
         for name in states:
             table = tables.find(name)
             if table is not None:
                 checkpoint.check_fits(table, configs[name], directories[0])
+                continue
+            config = checkpoint.table_config(name, configs[name])
+            try:
+                TableConfig.from_dict(config)
+            except (ValueError, KeyError, TypeError) as e:
+                raise checkpoint.CheckpointError(
+                    f"Checkpoint manifest in {directories[0]} is malformed: table {name!r} has "
+                    f"an invalid configuration: {e!r}"
+                ) from e
+            missing.append(config)
     except (checkpoint.CheckpointError, OSError) as e:
         raise RequestError("FAILED_PRECONDITION", str(e)) from e
     plan: list[tuple[str, TableState]] = []
@@ -69,11 +81,10 @@ def restore_owned_rows(
             slot = sharding.slot_of(state.keys)
             mine = (slot >= slots[0]) & (slot < slots[1])
         plan.append((name, state.select(mine)))
+    tables.create(missing)  # all or none, before any table changes
     restored = []
     for name, state in plan:
-        table = tables.find(name)
-        if table is None:
-            table = tables.create([checkpoint.table_config(name, configs[name])])[0]
+        table = tables.get(name)
         table.load_state(state)
         restored.append(table)
     return restored
