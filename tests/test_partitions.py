@@ -75,7 +75,7 @@ class LinksIn:
 
 @contextlib.contextmanager
 def _group_with_links_to_the_backup(
-    tmp_path, server_args: list[str] | None = None
+    tmp_path, server_args: list[str] | None = None, mode: str = "async"
 ) -> Iterator[tuple[LocalCluster, str, LinkProxy, LinksIn, RecordingWorker]]:
     """Server A, its link to etcd through a proxy, then its backup B, which whoever reaches
     it (A's replication, a worker after a failover) reaches through its `LinksIn`; and an
@@ -93,7 +93,7 @@ def _group_with_links_to_the_backup(
         b = LinksIn(cluster, "B")
         links.append(b)
         cluster.wait_until(cluster.complete, 60, "B is A's backup")
-        ee.init(coordinator=cluster.coordinator, mode="async")
+        ee.init(coordinator=cluster.coordinator, mode=mode)
         worker = RecordingWorker(history_table("h"))
         cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
         yield cluster, a, a_etcd, b, worker
@@ -143,13 +143,14 @@ def _exact_on_both(history: History, primary: str, backup: str) -> None:
     assert_same_state(rows, export(backup, "h"))
 
 
-def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replaced(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replaced(tmp_path, mode):
     """The split-brain case: the primary A loses etcd and its backup B, and workers still
     reach it. A acknowledges nothing from then on (it cannot replicate, nor drop B without
     etcd), B is promoted when A's lease lapses, the worker moves to B once it can reach it,
     A's late changes are refused by B, and when A reaches etcd again it rejoins as B's
     backup. Every push the worker saw acknowledged is in the rows exactly once."""
-    with _group_with_links_to_the_backup(tmp_path, ["--metrics-port", "0"]) as (
+    with _group_with_links_to_the_backup(tmp_path, ["--metrics-port", "0"], mode) as (
         cluster, a, a_etcd, b, worker,
     ):  # fmt: skip
         a_port = int(a.rsplit(":", 1)[1])
@@ -180,14 +181,18 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
         _exact_on_both(history, b.address, a)
         stalled = [t for _, t in history.acknowledged if cut_at < t < promoted_at]
         print(
-            f"promoted {promoted_at - cut_at:.2f} s after the cut; "
+            f"{mode}: promoted {promoted_at - cut_at:.2f} s after the cut; "
             f"{len(history.acknowledged)} acknowledged, {len(history.failed)} failed, "
             f"{len(stalled)} acknowledged between the cut and the promotion"
         )
 
 
-@pytest.mark.parametrize("direction", ["both", "in", "out"])
-def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(tmp_path, direction):
+@pytest.mark.parametrize(
+    "direction, mode", [("both", "async"), ("in", "async"), ("out", "async"), ("both", "sync")]
+)
+def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(
+    tmp_path, direction, mode
+):
     """The links into the primary A (gRPC and data plane, from the worker and from its
     backup B alike) are cut for 3 s, both ways or one ("in": what reaches A is held; "out":
     what A answers). A still reaches etcd and B. B's pings go unanswered for a lease, so B
@@ -205,7 +210,7 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(tmp_pa
         b = cluster.start_server()
         cluster.wait_until(cluster.complete, 60, "B is A's backup")
 
-        ee.init(coordinator=cluster.coordinator, mode="async")
+        ee.init(coordinator=cluster.coordinator, mode=mode)
         worker = RecordingWorker(history_table("h"))
         cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
         a.cut(direction)
@@ -221,7 +226,8 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(tmp_pa
 
         _exact_on_both(history, b, f"127.0.0.1:{a.port}")
         times = [t for _, t in history.acknowledged]
-        print(f"{direction}: longest wait between acknowledgements {max(np.diff(times)):.2f} s")
+        longest = max(np.diff(times))
+        print(f"{direction}, {mode}: longest wait between acknowledgements {longest:.2f} s")
     finally:
         ee.shutdown()
         cluster.stop()
