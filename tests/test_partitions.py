@@ -36,15 +36,17 @@ def _metrics(cluster: LocalCluster, port: int) -> dict:
 
 
 def _pushes_acknowledged(cluster: LocalCluster, port: int) -> float:
-    """The Pushes a server answered OK (calls less errors), from its metrics."""
+    """The Pushes and PushRanges a server answered OK (calls less errors), from its metrics."""
     m = _metrics(cluster, port)
-    calls = m.get(("elastic_emb_rpc_calls_total", (("method", "Push"),)), 0.0)
-    errors = sum(
-        v
-        for (name, labels), v in m.items()
-        if name == "elastic_emb_rpc_errors_total" and ("method", "Push") in labels
-    )
-    return calls - errors
+    total = 0.0
+    for method in ("Push", "PushRanges"):
+        total += m.get(("elastic_emb_rpc_calls_total", (("method", method),)), 0.0)
+        total -= sum(
+            v
+            for (name, labels), v in m.items()
+            if name == "elastic_emb_rpc_errors_total" and ("method", method) in labels
+        )
+    return total
 
 
 class LinksIn:
@@ -199,8 +201,9 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(
     takes over (as it must: it cannot tell a dead primary from an unreachable one); the
     worker moves to B; A rejoins as B's backup once healed. Every acknowledged push is in
     the rows exactly once, on both replicas. (A cut of the worker's links alone needs the
-    worker to reach A at an address B does not use: not built.)"""
-    cluster = LocalCluster(1, 2, tmp_path / "cluster")
+    worker to reach A at an address B does not use: tests/test_worker_partitions.py.)
+    Once B is promoted, A acknowledges no push (its own count, from its metrics)."""
+    cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"])
     links: list[LinksIn] = []
     try:
         cluster.start(servers=False)
@@ -213,8 +216,11 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(
         ee.init(coordinator=cluster.coordinator, mode=mode)
         worker = RecordingWorker(history_table("h"))
         cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+        cut_at = time.monotonic()
         a.cut(direction)
-        time.sleep(3)
+        cluster.wait_until(lambda: cluster.primaries() == [b], 60, "B promoted")
+        a_acknowledged = _pushes_acknowledged(cluster, a.port)  # (its metrics: not cut)
+        time.sleep(max(0.0, cut_at + 3 - time.monotonic()))
         a.heal()
         healed = len(worker.history.acknowledged)
         cluster.wait_until(
@@ -223,6 +229,7 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(
         cluster.wait_until(cluster.complete, 60, "A rejoined as B's backup")
         history = worker.stop()
         assert cluster.primaries() == [b]  # B took over
+        assert _pushes_acknowledged(cluster, a.port) == a_acknowledged  # none by A since
 
         _exact_on_both(history, b, f"127.0.0.1:{a.port}")
         times = [t for _, t in history.acknowledged]
