@@ -1,8 +1,10 @@
 """Chaos soak: a replicated cluster trains while a seeded injector kills and pauses servers
-and workers; at the end every row must be exact.
+and workers and cuts, slows and flaps servers' links; at the end every row must be exact.
 
 A real cluster (`LocalCluster`: etcd, `--groups` groups x R=2 `elastic-emb serve
---coordinator` processes and `--spares` spare servers on 127.0.0.1) and `--workers`
+--coordinator` processes and `--spares` spare servers on 127.0.0.1; each server, a
+replacement too, behind proxies of its own, tests/_link_proxy.py: its ways in, gRPC and
+data plane, which it advertises, and its link to etcd, its `--coordinator`) and `--workers`
 worker processes (this script with `--worker-process`): each is a real elastic client
 (`Routing` and `Cluster`, no TensorFlow) that pulls and pushes one SGD table (learning
 rate 1/8, gradients of 1). The keys of a worker's step are a function of (worker, step
@@ -14,24 +16,42 @@ on every replica (`_light_workers.check_rows`).
 
 The faults, drawn from `--seed` before the run (exponential gaps of mean
 `--fault-interval` seconds; the kind by `--weights`; the target as a group and a role,
-or a worker index; the pause length): SIGKILL of a server (its replacement starts once
+or a worker index; the length): SIGKILL of a server (its replacement starts once
 the map has dropped it: a spare or the replacement takes its place), SIGSTOP of a server
 for 0.5-6 s (the lease TTL is 2 s) then SIGCONT, SIGKILL of a worker (restarted at once
-with the same index), SIGSTOP of a worker then SIGCONT. A server fault waits until its
-group has all its replicas, each registered and none paused (the injector never takes
-a group below one live replica). In sync mode no worker is killed (a worker that dies
-changes which pushes a step sums) and worker pauses last 0.5-4 s (a sync worker gone
+with the same index), SIGSTOP of a worker then SIGCONT; and faults of a server's links,
+every process alive: `cut-server`, its ways in cut for 0.5-6 s, both ways, or only what
+reaches it ("in"), or only what it answers ("out"), workers and its group's other replica
+alike (it may be failed over: nobody can tell it from a dead one); `cut-server-etcd`, its
+link to etcd cut for 0.5-6 s; `slow-server`, its ways in delayed 200 ms each way for
+2-8 s; `flap-server-etcd`, its link to etcd cut 1 s in every 3 s (seeded offsets) for
+6-12 s. The link faults' own draws (direction, length, flap seed) come from a second
+stream of the seed, so with their weights 0 a seed gives the schedule it gave before they
+existed (`--weights kill-server=1,pause-server=1,kill-worker=1,pause-worker=1`); by
+default every kind has weight 1. A server fault waits until its group has all its
+replicas, each registered and none paused or under a link fault (the injector never
+takes a group below one live replica). The proxies of a killed server stay open until the
+end, resetting every connection as a dead server's port refuses it (so no later server is
+given its address). In sync mode no worker is killed (a worker that dies changes which
+pushes a step sums) and worker pauses last 0.5-4 s (a sync worker gone
 for longer than its lease and the servers' grace, about 5 s, is counted out of the
 steps completed without it, by design).
 
 Recovery is measured from the injection, on the events observed: a server fault, until
 every worker not itself under a fault has completed a step it began after the
 injection; a worker fault, until that worker completes its next step; and, for server
-faults, until the map lists the group with all its replicas again.
+faults, until the map lists the group with all its replicas again. A link fault is
+measured as a server fault, from its start (a flap's first cut comes within 3 s). For
+server faults also: the longest stall (the longest a worker under no fault of its own
+went without a step, until the fault, its recovery and its group's return all ended: a
+link to etcd cut stalls nobody until the lease lapses, after the recovery as measured),
+and whether a paused or impaired server lost its place in the map (displaced).
 
     python bench/chaos.py [--duration 600] [--seed 1] [--mode async|sync] [--groups 2]
                           [--spares 1] [--workers 4] [--fault-interval 10]
-                          [--weights kill-server=1,pause-server=1,kill-worker=1,pause-worker=1]
+                          [--weights kill-server=1,pause-server=1,kill-worker=1,
+                                     pause-worker=1,cut-server=1,cut-server-etcd=1,
+                                     slow-server=1,flap-server-etcd=1]
                           [--batch 128] [--pace 0.02] [--json FILE] [--directory DIR]
 
 Exit status 1 if the check fails, a process died by itself, or a fault never recovered.
@@ -61,17 +81,27 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _light_workers import DIM, LEARNING_RATE, check_rows, keys_of
+from _link_proxy import LinkProxy, flap_schedule
 
 from elastic_emb.ps.coord import membership
 from elastic_emb.ps.coord.etcd import Etcd, EtcdError
-from elastic_emb.ps.coord.local_cluster import LocalCluster
+from elastic_emb.ps.coord.local_cluster import LocalCluster, free_port
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap
 
 REPLICAS = 2
 LEASE_SECONDS = 2  # the servers' lease TTL
 TABLE = "chaos"
-KINDS = ("kill-server", "pause-server", "kill-worker", "pause-worker")
+WORKER_KINDS = ("kill-worker", "pause-worker")
+LINK_KINDS = ("cut-server", "cut-server-etcd", "slow-server", "flap-server-etcd")
+# (New kinds go at the end: a kind's index is what the seed draws.)
+KINDS = ("kill-server", "pause-server", *WORKER_KINDS, *LINK_KINDS)
 SERVER_PAUSE = (0.5, 6.0)  # seconds
+CUT = (0.5, 6.0)  # seconds a link is cut (cut-server, cut-server-etcd)
+CUT_DIRECTIONS = ("both", "in", "out")
+SLOW = (2.0, 8.0)  # seconds a server's ways in are slowed
+SLOW_DELAY = 0.2  # seconds each byte is delayed, each way
+FLAP = (6.0, 12.0)  # seconds a link flaps
+FLAP_EVERY, FLAP_CUT = 3.0, 1.0  # a cut of 1 s in every 3 s (within the lease TTL)
 WORKER_PAUSE = {"async": (0.5, 6.0), "sync": (0.5, 4.0)}
 # After SIGCONT a server may find its lease gone and leave its group: it counts as
 # unsettled (its group takes no fault) for this long.
@@ -94,7 +124,16 @@ class Fault:
     kind: str  # one of KINDS
     target: int  # the group (server faults) or the worker index
     role: str  # "primary" or "backup" (server faults), "" (worker faults)
-    pause: float  # seconds stopped (pause faults), else 0
+    pause: float  # seconds it lasts (pauses and link faults), else 0
+    direction: str = ""  # cut-server: "both", "in" or "out"
+    flap_seed: int = 0  # flap-server-etcd: the seed of its cuts' offsets
+
+
+LIVE = ("pause-server", *LINK_KINDS)  # server faults that leave the process alive
+
+
+def is_server_kind(kind: str) -> bool:
+    return kind not in WORKER_KINDS
 
 
 def make_schedule(
@@ -107,7 +146,8 @@ def make_schedule(
     mode: str,
 ) -> list[Fault]:
     """The faults of a soak: a pure function of its arguments. Every draw is made for every
-    fault, so the times and targets do not depend on which kinds have weight."""
+    fault, so the times and targets do not depend on which kinds have weight; the link
+    faults' own draws come from a second stream, so that they change nothing else."""
     if mode == "sync":
         weights = {**weights, "kill-worker": 0.0}
     total = sum(weights.get(k, 0.0) for k in KINDS)
@@ -115,6 +155,7 @@ def make_schedule(
         return []
     p = np.array([weights.get(k, 0.0) / total for k in KINDS])
     rng = np.random.default_rng(seed)
+    links = np.random.default_rng((seed, 1))
     faults, at = [], 0.0
     while True:
         at += float(rng.exponential(interval))
@@ -123,11 +164,25 @@ def make_schedule(
         worker = int(rng.integers(workers))
         server_pause = float(rng.uniform(*SERVER_PAUSE))
         worker_pause = float(rng.uniform(*WORKER_PAUSE[mode]))
+        direction = CUT_DIRECTIONS[int(links.integers(len(CUT_DIRECTIONS)))]
+        lengths = {
+            "pause-server": server_pause,
+            "cut-server": float(links.uniform(*CUT)),
+            "cut-server-etcd": float(links.uniform(*CUT)),
+            "slow-server": float(links.uniform(*SLOW)),
+            "flap-server-etcd": float(links.uniform(*FLAP)),
+        }
+        flap_seed = int(links.integers(2**31))
         if at >= duration:
             return faults
-        if kind.endswith("server"):
-            pause = server_pause if kind == "pause-server" else 0.0
-            faults.append(Fault(round(at, 3), kind, group, role, round(pause, 2)))
+        if is_server_kind(kind):
+            pause = round(lengths.get(kind, 0.0), 2)
+            fault = Fault(round(at, 3), kind, group, role, pause)
+            if kind == "cut-server":
+                fault = dataclasses.replace(fault, direction=direction)
+            elif kind == "flap-server-etcd":
+                fault = dataclasses.replace(fault, flap_seed=flap_seed)
+            faults.append(fault)
         else:
             pause = worker_pause if kind == "pause-worker" else 0.0
             faults.append(Fault(round(at, 3), kind, worker, "", round(pause, 2)))
@@ -287,6 +342,22 @@ class Config:
     pace: float = 0.02  # seconds a worker sleeps between steps
 
 
+@dataclasses.dataclass
+class Links:
+    """A server the soak started and its proxies: `ways_in` (gRPC, data plane; it advertises
+    them, so the map, workers and its group's other replica reach it through them) and
+    `etcd` (its `--coordinator`)."""
+
+    address: str  # what it advertises: its gRPC proxy's address (the map's name for it)
+    listens: str  # where it listens (`LocalCluster.servers`' key)
+    ways_in: list[LinkProxy]
+    etcd: LinkProxy
+
+    @property
+    def proxies(self) -> list[LinkProxy]:
+        return [*self.ways_in, self.etcd]
+
+
 class Aborted(Exception):
     """The soak cannot go on (a server died by itself, a worker keeps dying, SIGTERM)."""
 
@@ -300,11 +371,13 @@ class Record:
     deferred: float = 0.0  # seconds it waited for its target to be ready
     victim: str = ""  # the server's address, or the worker index
     role: str = ""  # server faults: the victim's role in the map when hit
-    resumed: float = 0.0  # pauses: when SIGCONT was sent
+    resumed: float = 0.0  # pauses: when SIGCONT was sent; link faults: when healed
     replacement: str = ""  # server kills: the server started in its place
     replaced: float = 0.0  # ... when it started
     complete: float = 0.0  # server faults: the group listed with all its replicas again
+    displaced: bool = False  # pauses, link faults: the victim lost its place in the map
     recovered: float | None = None  # set by `analyse`
+    stall: float | None = None  # ... server faults: the longest wait for a step meanwhile
     unmeasured: bool = False  # ... a server fault while every worker was under a fault
     overlapped: bool = False  # ... another fault's span (injection to recovery) met its own
     skipped: str = ""  # why the fault was not injected
@@ -316,6 +389,8 @@ class Chaos:
     def __init__(self, config: Config, directory: Path) -> None:
         self.config, self.directory = config, directory
         self.cluster = LocalCluster(config.groups, REPLICAS, directory, LEASE_SECONDS)
+        self.servers: dict[str, Links] = {}  # advertised address -> the server, its proxies
+        self.ports: set[int] = set()  # ports given to servers (a port is given once)
         self.stop_file = directory / "stop"
         self.etcd: Etcd | None = None
         self.map = ClusterMap()
@@ -325,6 +400,7 @@ class Chaos:
         self.failures: list[str] = []
         self.killed: set[str] = set()  # servers killed by the injector
         self.stopped: set[str] = set()  # servers SIGSTOPped now
+        self.impaired: set[str] = set()  # servers under a link fault now
         self.unsettled: dict[str, float] = {}  # resumed server -> until when it is unsettled
         self.timers: list[tuple[float, int, Callable[[], None]]] = []  # (due, n, action)
         self._timer_count = 0
@@ -338,22 +414,64 @@ class Chaos:
 
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.cluster.start(timeout=120)
+        self.cluster.start(servers=False)
+        assert self.cluster.etcd is not None
+        self.ports |= {self.cluster.etcd.port, self.cluster.etcd.peer_port}
+        for _ in range(self.config.groups * REPLICAS):
+            self.start_server()
+        self.cluster.wait_until(self.cluster.complete, 120, "every group has all its replicas")
         self.etcd = Etcd(self.cluster.coordinator)
         _seal(self.cluster.coordinator)  # spares started now wait instead of forming groups
         for _ in range(self.config.spares):
-            self.cluster.start_server()
-        for p in self.cluster.servers.values():
-            os.setpriority(os.PRIO_PROCESS, p.pid, SERVER_NICENESS)
-        self._wait(lambda: self.registered >= set(self.cluster.servers), 120, "spares registered")
+            self.start_server()
+        self._wait(lambda: self.registered >= set(self.servers), 120, "spares registered")
         for w in self.workers:
             w.start()
         self._wait(lambda: all(w.progress() >= 3 for w in self.workers), 300, "workers training")
         self.started = time.monotonic()
 
+    def start_server(self) -> str:
+        """One more server, behind proxies of its own; its advertised address."""
+        assert self.cluster.etcd is not None
+        while True:
+            port, data = self._fresh_port(), self._fresh_port()
+            ways_in = [LinkProxy(port, f"-> {port}"), LinkProxy(data, f"-> {port} data")]
+            etcd = LinkProxy(self.cluster.etcd.port, f"{port} -> etcd")
+            taken = {link.port for link in [*ways_in, etcd]}
+            if not taken & self.ports:  # (a proxy took none of the servers' ports)
+                break
+            for link in [*ways_in, etcd]:
+                link.close()
+        self.ports |= taken
+        listens = self.cluster.start_server(
+            port=port,
+            extra_args=[
+                "--advertise", ways_in[0].address, "--data-port", str(data),
+                "--advertise-data-port", str(ways_in[1].port),
+                "--coordinator", f"etcd://{etcd.address}",
+            ],
+        )  # fmt: skip
+        assert listens == f"127.0.0.1:{port}", (listens, port)
+        server = Links(ways_in[0].address, listens, ways_in, etcd)
+        self.servers[server.address] = server
+        os.setpriority(os.PRIO_PROCESS, self.cluster.servers[listens].pid, SERVER_NICENESS)
+        return server.address
+
+    def _fresh_port(self) -> int:
+        while (port := free_port()) in self.ports:
+            pass
+        self.ports.add(port)
+        return port
+
+    def process(self, address: str) -> subprocess.Popen[bytes]:
+        return self.cluster.servers[self.servers[address].listens]
+
     def stop(self) -> None:
         for address in list(self.stopped):
             self._signal_server(address, signal.SIGCONT)
+        for server in self.servers.values():
+            for link in server.proxies:
+                link.heal()
         for w in self.workers:
             if w.processes and w.process.poll() is None:
                 if w.stopped:
@@ -362,7 +480,10 @@ class Chaos:
                 w.process.wait()
         if self.etcd is not None:
             self.etcd.close()
-        self.cluster.stop()
+        self.cluster.stop()  # (the servers leave etcd through their proxies, then these close)
+        for server in self.servers.values():
+            for link in server.proxies:
+                link.close()
 
     # The event loop: observe, run due timers, replace killed servers, watch processes.
 
@@ -374,12 +495,16 @@ class Chaos:
         now = time.monotonic()
         for r in list(self.to_replace):
             if self.map.group_of(r.victim) is None:  # dropped: its place is free
-                r.replacement, r.replaced = self.cluster.start_server(), now
-                os.setpriority(
-                    os.PRIO_PROCESS, self.cluster.servers[r.replacement].pid, SERVER_NICENESS
-                )
+                r.replacement, r.replaced = self.start_server(), now
                 self.to_replace.remove(r)
         for r in list(self.awaiting_complete):
+            g = self.map.find_group(r.fault.target)
+            if (
+                g is None
+                or r.victim not in g.replicas
+                or (r.role == "primary" and g.primary != r.victim)
+            ):
+                r.displaced = r.displaced or r.fault.kind != "kill-server"
             if self.group_complete(r.fault.target):
                 r.complete = now
                 self.awaiting_complete.remove(r)
@@ -416,13 +541,15 @@ class Chaos:
         self.registered = {kv.key[len(prefix) :] for kv in held}
 
     def _watch_processes(self) -> None:
-        for address, p in self.cluster.servers.items():
+        for address, server in self.servers.items():
+            p = self.cluster.servers[server.listens]
             if address not in self.killed and p.poll() is not None:
                 self.killed.add(address)
                 how = "SIGKILL, not sent by the injector" if p.returncode == -9 else "status"
                 raise Aborted(
-                    f"server {address} exited by itself ({how} {p.returncode}): "
-                    + " | ".join(self.cluster.log_tail(address, 6).splitlines())
+                    f"server {address} ({server.listens}) exited by itself ({how} "
+                    f"{p.returncode}): "
+                    + " | ".join(self.cluster.log_tail(server.listens, 6).splitlines())
                 )
         for w in self.workers:
             if not w.processes or w.ends[-1] or w.process.poll() is None:
@@ -448,14 +575,12 @@ class Chaos:
 
     def group_complete(self, group_id: int) -> bool:
         """The map lists the group with all its replicas, none joining, each registered
-        (its lease alive), none paused or killed by the injector."""
+        (its lease alive), none paused, under a link fault or killed by the injector."""
         g = self.map.find_group(group_id)
         if g is None or not self.map.complete(g):
             return False
-        return all(
-            a in self.registered and a not in self.stopped and a not in self.killed
-            for a in g.replicas
-        )
+        under_fault = self.stopped | self.impaired | self.killed
+        return all(a in self.registered and a not in under_fault for a in g.replicas)
 
     def group_ready(self, group_id: int, now: float) -> bool:
         """`group_complete`, no slot move under way, and no replica resumed less than
@@ -491,26 +616,29 @@ class Chaos:
         self.sleep(max(0.0, self.started + self.config.duration - time.monotonic()))
 
     def _ready(self, fault: Fault) -> bool:
-        if fault.kind.endswith("server"):
+        if is_server_kind(fault.kind):
             return self.group_ready(fault.target, time.monotonic())
         return self.worker_ready(self.workers[fault.target])
 
     def _inject(self, r: Record) -> None:
         f = r.fault
-        if f.kind.endswith("server"):
+        if is_server_kind(f.kind):
             g = self.map.group(f.target)
             r.victim = g.primary if f.role == "primary" or not g.members else g.members[0]
             r.role = "primary" if r.victim == g.primary else "backup"
+            server = self.servers[r.victim]
             if f.kind == "kill-server":
                 self.killed.add(r.victim)
-                self.cluster.kill(r.victim)  # returns once the process is gone
+                self.cluster.kill(server.listens)  # returns once the process is gone
                 r.injected = time.monotonic()
                 self.to_replace.append(r)
-            else:
+            elif f.kind == "pause-server":
                 self._signal_server(r.victim, signal.SIGSTOP)
                 r.injected = time.monotonic()
                 self.stopped.add(r.victim)
                 self._at(r.injected + f.pause, lambda: self._resume_server(r))
+            else:
+                self._impair(r, server)
             self.awaiting_complete.append(r)
             return
         w = self.workers[f.target]
@@ -527,8 +655,35 @@ class Chaos:
             w.stopped = True
             self._at(r.injected + f.pause, lambda: self._resume_worker(r, w))
 
+    def _impair(self, r: Record, server: Links) -> None:
+        """Starts a link fault on `server`; a timer heals it after `pause` seconds."""
+        f = r.fault
+        self.impaired.add(r.victim)
+        if f.kind == "cut-server":
+            for link in server.ways_in:
+                link.cut(f.direction)
+        elif f.kind == "cut-server-etcd":
+            server.etcd.cut()
+        elif f.kind == "slow-server":
+            for link in server.ways_in:
+                link.slow(SLOW_DELAY)
+        else:  # flap-server-etcd: the cuts on the soak's timers (each heal before the next)
+            now = time.monotonic()
+            for start in flap_schedule(f.flap_seed, f.pause, FLAP_EVERY, FLAP_CUT):
+                self._at(now + start, server.etcd.cut)
+                self._at(now + start + FLAP_CUT, server.etcd.heal)
+        r.injected = time.monotonic()
+        self._at(r.injected + f.pause, lambda: self._heal(r, server))
+
+    def _heal(self, r: Record, server: Links) -> None:
+        for link in server.proxies:
+            link.heal()
+        r.resumed = time.monotonic()
+        self.impaired.discard(r.victim)
+        self.unsettled[r.victim] = r.resumed + SETTLE_SECONDS
+
     def _signal_server(self, address: str, sig: signal.Signals) -> None:
-        p = self.cluster.servers[address]
+        p = self.process(address)
         if p.poll() is None:
             p.send_signal(sig)
 
@@ -634,16 +789,20 @@ def _worker_history(w: WorkerSlot) -> dict[str, Any]:
 
 
 def analyse(records: list[Record], workers: list[dict[str, Any]]) -> None:
-    """Sets each record's `recovered` (None: never) and `unmeasured` from the workers'
-    steps.
+    """Sets each record's `recovered` (None: never), `unmeasured` and `stall` from the
+    workers' steps.
 
     A worker fault: that worker's first step completed after the injection. A server
     fault: the last of the workers' first steps begun after the injection, over the
-    workers under no fault of their own meanwhile (`unmeasured` if there was none).
+    workers under no fault of their own meanwhile (`unmeasured` if there was none); its
+    stall: the longest time one of those workers went without completing a step, from the
+    injection to the latest of its recovery, its end (SIGCONT, heal) and its group
+    complete again (a link to etcd cut stalls nobody until the lease lapses: later than
+    the recovery).
     """
     busy: dict[int, list[tuple[float, float]]] = {}  # worker -> (from, to) of its faults
     for r in records:
-        if r.injected and not r.fault.kind.endswith("server"):
+        if r.injected and not is_server_kind(r.fault.kind):
             w = workers[r.fault.target]
             after = [end for _, end in w["steps"] if end > r.injected]
             r.recovered = after[0] - r.injected if after else None
@@ -651,7 +810,7 @@ def analyse(records: list[Record], workers: list[dict[str, Any]]) -> None:
                 (r.injected, after[0] if after else float("inf"))
             )
     for r in records:
-        if not r.injected or not r.fault.kind.endswith("server"):
+        if not r.injected or not is_server_kind(r.fault.kind):
             continue
         ends, never = [], False
         for w in workers:
@@ -665,6 +824,13 @@ def analyse(records: list[Record], workers: list[dict[str, Any]]) -> None:
                 ends.append(nxt)
         r.recovered = max(ends) - r.injected if ends and not never else None
         r.unmeasured = not ends and not never
+        if r.recovered is not None:
+            until = max(r.injected + r.recovered, r.resumed, r.complete)
+            r.stall = max(
+                _longest_gap([end for _, end in w["steps"]], r.injected, until)
+                for w in workers
+                if not any(a < until and b > r.injected for a, b in busy.get(w["worker"], []))
+            )
     spans = [
         (r, r.injected, r.injected + (float("inf") if r.recovered is None else r.recovered))
         for r in records
@@ -674,21 +840,43 @@ def analyse(records: list[Record], workers: list[dict[str, Any]]) -> None:
         r.overlapped = any(o is not r and a2 < b and b2 > a for o, a2, b2 in spans)
 
 
+def _longest_gap(ends: list[float], start: float, until: float) -> float:
+    """The longest time between `start`, the step ends (sorted) after it and the first
+    end after `until`."""
+    times = [start, *(t for t in ends if t > start and t <= until)]
+    later = next((t for t in ends if t > until), None)
+    times += [later] if later is not None else []
+    return max(b - a for a, b in itertools.pairwise(times)) if len(times) > 1 else 0.0
+
+
 def kind_of(r: Record) -> str:
-    """The table row of a record: the kind with the victim's role and, for pauses of
-    servers, whether the pause outlasted the lease."""
+    """The table row of a record: the kind with the victim's role and, for pauses and cuts
+    of servers, whether the fault outlasted the lease."""
     f = r.fault
+    role = r.role or f.role
+    length = "< TTL" if f.pause < LEASE_SECONDS else ">= TTL"
     if f.kind == "kill-server":
-        return f"kill {r.role or f.role}"
+        return f"kill {role}"
     if f.kind == "pause-server":
-        length = "< TTL" if f.pause < LEASE_SECONDS else ">= TTL"
-        return f"pause {r.role or f.role} {length}"
+        return f"pause {role} {length}"
+    if f.kind == "cut-server":
+        return f"cut ways in, {role} {length}"
+    if f.kind == "cut-server-etcd":
+        return f"cut etcd link, {role} {length}"
+    if f.kind == "slow-server":
+        return f"slow ways in, {role}"
+    if f.kind == "flap-server-etcd":
+        return f"flap etcd link, {role}"
     return f.kind.replace("-", " ")
 
 
 ROW_ORDER = [
     "kill primary", "kill backup", "pause primary < TTL", "pause primary >= TTL",
-    "pause backup < TTL", "pause backup >= TTL", "kill worker", "pause worker",
+    "pause backup < TTL", "pause backup >= TTL",
+    *(f"cut {link}, {role} {length}" for link in ("ways in", "etcd link")
+      for role in ("primary", "backup") for length in ("< TTL", ">= TTL")),
+    "slow ways in, primary", "slow ways in, backup", "flap etcd link, primary",
+    "flap etcd link, backup", "kill worker", "pause worker",
 ]  # fmt: skip
 
 
@@ -707,9 +895,11 @@ def _record_json(r: Record, started: float) -> dict[str, Any]:
         "replacement": r.replacement,
         "replaced": rel(r.replaced),
         "recovery": None if r.recovered is None else round(r.recovered, 3),
+        "longest stall": None if r.stall is None else round(r.stall, 3),
         "unmeasured": r.unmeasured,
         "overlapped": r.overlapped,
         "group complete": round(r.complete - r.injected, 3) if r.complete else None,
+        "displaced": r.displaced,
         "skipped": r.skipped,
     }
 
@@ -759,11 +949,16 @@ def markdown(result: dict[str, Any]) -> str:
         "Recovery: from the injection to every other worker's next step begun after it "
         "(server faults) or the worker's next completed step (worker faults). Group complete: "
         "to the map listing the group with all its replicas again. Overlapped: another "
-        "fault happened between its injection and its recovery (both recoveries include it).",
+        "fault happened between its injection and its recovery (both recoveries include it). "
+        "Displaced: the paused or impaired server lost its place (failed over, or dropped "
+        "as a backup). Longest stall: the longest a worker went without a step from the "
+        "injection until the fault, its recovery and its group's return all ended. Link "
+        "faults count as server faults.",
         "",
         "| fault | injected | recovered | recovery s: min / median / max | of which overlapped "
-        "| group complete s: median / max | pause s: min-max |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| displaced | longest stall s: median / max | group complete s: median / max "
+        "| length s: min-max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     by_row: dict[str, list[dict[str, Any]]] = {}
     for f in result["faults"]:
@@ -775,11 +970,16 @@ def markdown(result: dict[str, Any]) -> str:
             continue
         rec = sorted(f["recovery"] for f in faults if f["recovery"] is not None)
         comp = sorted(f["group complete"] for f in faults if f["group complete"] is not None)
+        stall = sorted(f["longest stall"] for f in faults if f["longest stall"] is not None)
         pauses = [f["pause"] for f in faults if f["pause"]]
         out.append(
             f"| {row} | {len(faults)} | {len(rec)} | "
             + (f"{rec[0]:.2f} / {statistics.median(rec):.2f} / {rec[-1]:.2f}" if rec else "-")
             + f" | {sum(f['overlapped'] for f in faults if f['recovery'] is not None)} | "
+            + (f"{sum(f['displaced'] for f in faults)}" if faults[0]["kind"] in LIVE else "-")
+            + " | "
+            + (f"{statistics.median(stall):.2f} / {stall[-1]:.2f}" if stall else "-")
+            + " | "
             + (f"{statistics.median(comp):.2f} / {comp[-1]:.2f}" if comp else "-")
             + " | "
             + (f"{min(pauses):.1f}-{max(pauses):.1f}" if pauses else "-")
@@ -794,7 +994,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"Faults: {len(faults) - len(skipped)} injected, {len(skipped)} skipped (target not "
         f"ready in {DEFER_LIMIT:g} s), {len(deferred)} waited > 0.5 s for their target"
         + (f" (max {max(deferred):.1f} s)" if deferred else "")
-        + ".",
+        + "."
+        + (
+            " Cuts of ways in by direction: "
+            + ", ".join(
+                f"{d} {sum(f['direction'] == d for f in faults if not f['skipped'])}"
+                for d in CUT_DIRECTIONS
+            )
+            + "."
+        ),
         "",
         "| steps acknowledged | step s: median / p99 | steps never acknowledged (in flight at "
         "a worker kill) | steps redone | rows checked | backups compared bit for bit | exact |",

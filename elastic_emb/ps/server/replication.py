@@ -4,7 +4,8 @@ etcd://H:P`). It holds an etcd lease (its liveness), takes its place in the clus
 map and makes its changes, and hands the rest to its parts: the replication of changes
 (`replicator`), the copying of a snapshot to a joining backup (`snapshot_copy`), the slot
 ranges moving in and out (`incoming_ranges`, `range_move`), the load (`load_balancing`),
-the take-over from a dead primary (`failover`) and the channels to the other servers
+the take-over from a dead primary (`failover`), the removal of a backup its primary
+cannot reach (`backup_watch`) and the channels to the other servers
 (`peer_channels`); the state they share is `replica_state`'s."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from elastic_emb.ps.coord import membership
 from elastic_emb.ps.coord.balance import LoadMeter, Policy, Usage
 from elastic_emb.ps.coord.etcd import Compare, Etcd, EtcdError, LeaseLost, Op
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap, Group
+from elastic_emb.ps.server.backup_watch import BackupWatch
 from elastic_emb.ps.server.failover import Failover
 from elastic_emb.ps.server.incoming_ranges import IncomingRanges
 from elastic_emb.ps.server.load_balancing import LoadBalancer, LoadReporter, MemoryBalancer
@@ -113,6 +115,7 @@ class Replica:
         self._failover = Failover(
             state, etcd, prefix, channels, self._change_map, self._forget_gone_workers
         )
+        self._backup_watch = BackupWatch(state, channels, self._drop)
         balancers: list[LoadBalancer | MemoryBalancer] = []
         if memory_high_water is not None and load is not None:
             balancers.append(
@@ -147,6 +150,7 @@ class Replica:
         targets = [
             ("ee-_keep_alive", self._keep_alive),
             ("ee-_monitor", self._failover.run),
+            ("ee-_watch_backups", self._backup_watch.run),
             ("ee-_mover", self._mover.run),
         ]
         if self._reporter is not None:
