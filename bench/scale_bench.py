@@ -245,6 +245,7 @@ def measure(cluster, args, mode: str, workers: int) -> dict:
     server_pids = [p.pid for p in cluster.servers.values()]
     etcd_pid = cluster.etcd.process.pid
     idle = servers_figures(cluster)
+    epochs = sum(g.epoch for g in cluster.map().groups)
     run = Run(cluster, args, mode, workers, 0, table)
     run.wait_until_training()
     connected = servers_figures(cluster)
@@ -270,7 +271,8 @@ def measure(cluster, args, mode: str, workers: int) -> dict:
     waits0, waits1 = first["waits"], last["waits"]
     run.stop()
     reports = run.wait(600)
-    rows = check_rows(cluster.map().groups, table, reports, args.batch)
+    groups = cluster.map().groups
+    rows = check_rows(groups, table, reports, args.batch)
     steps = [
         (end, s, p)
         for r in reports
@@ -308,6 +310,8 @@ def measure(cluster, args, mode: str, workers: int) -> dict:
         "threads": connected["threads"],
         "fds": connected["fds"],
         "lease lapses": sum(r.get("lease lapses", 0) for r in reports),
+        # Nothing was killed: a new epoch is a backup taking over from a live primary.
+        "failovers": sum(g.epoch for g in groups) - epochs,
         "rows checked": rows,
     }
 

@@ -40,6 +40,8 @@ IDLE_SECONDS = 600.0
 # Connections a server takes at once (one per worker, and one per worker process's
 # range router): beyond, a connection is refused with RESOURCE_EXHAUSTED.
 MAX_CONNECTIONS = 4096
+
+
 def default_max_active() -> int:
     """Requests handled at once before an overloaded server refuses more
     (`serve --max-active-requests`): 32 per core this process may use."""
