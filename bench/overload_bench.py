@@ -117,6 +117,7 @@ def _phase(workers: list[Worker], rate: float | None, seconds: float, pid: int) 
         w.latencies.clear()
     acknowledged = sum(w.pushes for w in workers)
     _, _, cpu_before = _process_stats(pid)
+    workers_before = time.process_time()
     peak = {"rss": 0, "threads": 0}
     done = threading.Event()
 
@@ -137,6 +138,7 @@ def _phase(workers: list[Worker], rate: float | None, seconds: float, pid: int) 
     done.set()
     sampler.join()
     _, _, cpu_after = _process_stats(pid)
+    workers_cpu = time.process_time() - workers_before
     pushes = sum(w.pushes for w in workers) - acknowledged
     latencies = sorted(x for w in workers for x in w.latencies)
     return {
@@ -146,6 +148,7 @@ def _phase(workers: list[Worker], rate: float | None, seconds: float, pid: int) 
         "p99_ms": 1e3 * latencies[int(0.99 * (len(latencies) - 1))] if latencies else float("nan"),
         "server_cpu_ms_per_1k": 1e6 * (cpu_after - cpu_before) / max(pushes, 1),
         "server_busy": (cpu_after - cpu_before) / wall,  # of its one core
+        "workers_busy": workers_cpu / wall,  # of theirs (the other cores)
         "server_rss_mb": peak["rss"] / 2**20,
         "server_threads": peak["threads"],
     }
@@ -229,16 +232,17 @@ def main() -> int:
     )
     print(
         "| admission | offered | pushes/s | refused | sent again | failed | p50 ms | p99 ms "
-        "| server CPU ms / 1k pushes | server core busy | server threads | server RSS MB "
-        "| exact |"
+        "| server CPU ms / 1k pushes | server core busy | workers' cores busy | server threads "
+        "| server RSS MB | exact |"
     )
-    print("| --- " * 13 + "|")
+    print("| --- " * 14 + "|")
     for r in rows:
         offered = "recovery 0.25x" if r["load"] == 0.25 else f"{r['load']:g}x"
         print(f"| {r['variant']} | {offered} of {r['capacity']:,.0f}/s | "
               f"{r['pushes_per_s']:,.0f} | {r['refused']:,.0f} | {r['sent_again']:,} | "
               f"{r['failed']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
               f"{r['server_cpu_ms_per_1k']:.0f} | {r['server_busy']:.0%} | "
+              f"{r['workers_busy']:.0%} | "
               f"{r['server_threads']} | {r['server_rss_mb']:.0f} | {r['exact']} |")  # fmt: skip
     return 0 if all(r["exact"] and r["failed"] == 0 for r in rows) else 1
 

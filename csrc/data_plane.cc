@@ -451,18 +451,19 @@ bool Server::RefuseOverloaded(const Frame& frame, int handled) {
   }
   Reply(frame.connection, frame.header,
         Overloaded(std::to_string(handled - 1) + " requests being handled, its limit " +
-                       std::to_string(options_.max_active),
-                   handled));
+                   std::to_string(options_.max_active)));
   Answered(frame.connection.get());
   return true;
 }
 
-Answer Server::Overloaded(const std::string& why, int load) {
+Answer Server::Overloaded(const std::string& why) {
   counters_.refused_overloaded++;
   Answer answer{kResourceExhausted,
                 "data plane: server overloaded (" + why + "): send it again later"};
-  // Long enough for `load` requests to be handled one at a time: 1 ms to 1 s.
-  answer.retry_after_ms = static_cast<uint16_t>(std::clamp(handle_ms_.load() * load, 1.0, 1e3));
+  // As long as a request takes now, from a thread taking it to its answer: the requests
+  // being handled share the cores, so that is about how long they take to be done. 1 ms
+  // to 1 s.
+  answer.retry_after_ms = static_cast<uint16_t>(std::clamp(handle_ms_.load(), 1.0, 1e3));
   return answer;
 }
 
@@ -570,13 +571,10 @@ bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* fram
       if (options_.max_per_connection > 0 && Refusable(c->header.method) &&
           c->in_flight.load() >= options_.max_per_connection) {
         // Refused at once, its bytes freed: a connection queues no more than its limit.
-        const int load = c->in_flight.load();
         Reply(c, c->header,
-              Overloaded(std::to_string(load) +
-                             " requests in flight on this connection, its "
-                             "limit " +
-                             std::to_string(options_.max_per_connection),
-                         load));
+              Overloaded(std::to_string(c->in_flight.load()) +
+                         " requests in flight on this connection, its limit " +
+                         std::to_string(options_.max_per_connection)));
         c->body = std::string();
         if (left == 0) break;
         continue;

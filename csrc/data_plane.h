@@ -169,8 +169,8 @@ class Server {
   void Handle(Frame frame);
   // Refuses `frame` as overloaded (`handled`: the requests being handled), if it is.
   bool RefuseOverloaded(const Frame& frame, int handled);
-  // An overload refusal saying `why`, its retry hint for `load` requests ahead of it.
-  Answer Overloaded(const std::string& why, int load);
+  // An overload refusal saying `why`, with its retry hint.
+  Answer Overloaded(const std::string& why);
   void Reply(const std::shared_ptr<Connection>& c, const Header& request, Answer answer);
   // A request answered: its connection counts it done.
   static void Answered(Connection* c);
