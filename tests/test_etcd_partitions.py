@@ -311,3 +311,30 @@ def test_a_failover_while_the_etcd_leader_is_cut_goes_through_the_majority(tmp_p
     restarted after the heal, A rejoins as B's backup. Every acknowledged push is in the
     rows exactly once, on both replicas."""
     _cut_for_5_s_while_training(tmp_path, "leader", kill_primary=True)
+
+
+def test_the_etcd_leader_s_links_flapping_change_nothing(tmp_path):
+    """Every raft link of the etcd leader (the member the clients start on) is cut 1 s in
+    every 3 s for 9 s, all together (seeded): leadership may move at each cut. No failover,
+    every server's and worker's lease held throughout, no worker error, every acknowledged
+    push in the rows once, replicas equal."""
+    with _group_on_three_members(tmp_path, "leader") as (members, links, victim, cluster, worker):
+        (group,) = cluster.map().groups
+        leases = _leases(cluster)
+        i = members.members.index(victim)
+        for (j, k), link in links.links.items():
+            if i in (j, k):
+                link.flap(seed=42, seconds=9, every=3.0, cut_for=1.0)
+        time.sleep(9.5)
+        acknowledged = len(worker.history.acknowledged)
+        cluster.wait_until(
+            lambda: len(worker.history.acknowledged) >= acknowledged + 20, 60, "20 more pushes"
+        )
+        history = worker.stop()
+        (after,) = cluster.map().groups
+        assert (after.primary, after.epoch) == (group.primary, group.epoch)  # no failover
+        assert _leases(cluster) == leases
+        _exact_on_both(history, group.primary, group.members[0])
+        assert history.failed == [] and links.unsorted == 0
+        times = [t for _, t in history.acknowledged]
+        print(f"leader flapping: longest wait between acknowledgements {max(np.diff(times)):.2f} s")

@@ -286,3 +286,37 @@ def test_a_flapping_link_makes_no_failover_and_loses_nothing(tmp_path, which):
         _exact_on_both(history, a, b.address)
         times = [t for _, t in history.acknowledged]
         print(f"{which}: longest wait between acknowledgements {max(np.diff(times)):.2f} s")
+
+
+def test_a_primary_answering_slowly_within_its_lease_is_not_failed_over(tmp_path):
+    """Every way into the primary A (its backup's pings and the worker's calls alike)
+    delays each byte 250 ms each way for 6 s (3 leases): a ping takes 0.5 s, within A's
+    lease (2 s), so B must not take over (it did while a ping waited only 0.3 s). Pushes
+    slow down and recover; every acknowledged push is in the rows once, on both replicas."""
+    cluster = LocalCluster(1, 2, tmp_path / "cluster")
+    links: list[LinksIn] = []
+    try:
+        cluster.start(servers=False)
+        a = LinksIn(cluster, "A")
+        links.append(a)
+        cluster.wait_until(lambda: cluster.primaries() == [a.address], 60, "A primary")
+        b = cluster.start_server()
+        cluster.wait_until(cluster.complete, 60, "B is A's backup")
+        ee.init(coordinator=cluster.coordinator, mode="async")
+        worker = RecordingWorker(history_table("h"))
+        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+        fast = _rate(worker, 2)
+        for link in a.links:
+            link.slow(0.25)
+        slow = _rate(worker, 6)
+        a.heal()
+        again = _rate(worker, 2)
+        history = worker.stop()
+        assert cluster.primaries() == [a.address]  # no failover
+        _exact_on_both(history, a.address, b)
+        print(f"pushes/s: {fast:.1f} before, {slow:.1f} slowed, {again:.1f} healed")
+    finally:
+        ee.shutdown()
+        cluster.stop()
+        for link in links:
+            link.close()

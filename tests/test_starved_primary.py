@@ -59,7 +59,7 @@ def _rate(worker: RecordingWorker, seconds: float) -> float:
 
 
 def test_a_primary_starved_of_cpu_answering_within_its_lease_keeps_its_place(tmp_path):
-    share, seconds = 0.01, 10.0  # 1 % of a core for 5 leases of 2 s
+    share, seconds = 0.03, 10.0  # 3 % of a core for 5 leases of 2 s
     with LocalCluster(1, 2, tmp_path / "cluster") as cluster:
         cluster.wait_until(cluster.complete, 60, "a group of 2")
         (group,) = cluster.map().groups

@@ -220,3 +220,38 @@ def test_a_cut_longer_than_the_calls_deadlines_fails_calls_and_loses_nothing(tmp
         assert set(only_a.tolist()) <= {k for k, _ in history.failed}
         assert np.all(rows["values"][~on_b] == 0) and np.all(rows["update_count"][~on_b] == 0)
         print(f"rows on the primary alone: {only_a.tolist()}")
+
+
+def test_a_worker_s_slow_then_flapping_links_to_its_primary_make_no_failover(tmp_path):
+    """The worker's links to A delay every byte 200 ms each way for 4 s, then flap (cut 1 s
+    in every 3 s, seeded) for 9 s. Its pushes slow down, pause at each cut and go on; the
+    group never changes (nothing is wrong with it); no call fails; each acknowledged push
+    is in the rows once, on both replicas alike."""
+    with _group_and_a_cut_worker(tmp_path, ["--mode", "async"]) as (cluster, a, b, worker):
+        group = _group(cluster)
+
+        def rate(seconds: float) -> float:
+            before = worker.acknowledged()
+            time.sleep(seconds)
+            return (worker.acknowledged() - before) / seconds
+
+        free = rate(2)
+        for link in a.links:
+            link.slow(0.2)
+        slowed = rate(4)
+        for link in a.links:
+            link.slow(0)
+            link.flap(seed=41, seconds=9, every=3.0, cut_for=1.0)  # (both links together)
+        flapping = rate(9.5)
+        healed = worker.acknowledged()
+        cluster.wait_until(lambda: worker.acknowledged() >= healed + 20, 60, "20 more pushes")
+        history = worker.stop()
+        assert _group(cluster) == group  # no failover
+        _exact_on_both(history, "h", a.address, b.address)
+        assert history.failed == []
+        times = np.array([t for _, t in history.acknowledged])
+        print(
+            f"\npushes/s: {free:.1f} free, {slowed:.1f} slowed, {flapping:.1f} flapping; "
+            f"longest wait {np.diff(times).max():.2f} s"
+        )
+        assert slowed < free / 2, (free, slowed)  # the links were slowed
