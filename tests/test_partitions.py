@@ -189,6 +189,33 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
         )
 
 
+@contextlib.contextmanager
+def _a_primary_behind_its_links(
+    tmp_path, mode: str
+) -> Iterator[tuple[LocalCluster, LinksIn, str, RecordingWorker]]:
+    """A primary A whose ways in (its backup's and the worker's alike) go through its
+    `LinksIn`, its backup B, and a worker recording its pushes, 20 of them acknowledged.
+    Everything is stopped on exit. Yields (cluster, A's links, B's address, the worker)."""
+    cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"])
+    links: list[LinksIn] = []
+    try:
+        cluster.start(servers=False)
+        a = LinksIn(cluster, "A")
+        links.append(a)
+        cluster.wait_until(lambda: cluster.primaries() == [a.address], 60, "A primary")
+        b = cluster.start_server()
+        cluster.wait_until(cluster.complete, 60, "B is A's backup")
+        ee.init(coordinator=cluster.coordinator, mode=mode)
+        worker = RecordingWorker(history_table("h"))
+        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+        yield cluster, a, b, worker
+    finally:
+        ee.shutdown()
+        cluster.stop()
+        for link in links:
+            link.close()
+
+
 @pytest.mark.parametrize(
     "direction, mode", [("both", "async"), ("in", "async"), ("out", "async"), ("both", "sync")]
 )
@@ -203,19 +230,7 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(
     the rows exactly once, on both replicas. (A cut of the worker's links alone needs the
     worker to reach A at an address B does not use: tests/test_worker_partitions.py.)
     Once B is promoted, A acknowledges no push (its own count, from its metrics)."""
-    cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"])
-    links: list[LinksIn] = []
-    try:
-        cluster.start(servers=False)
-        a = LinksIn(cluster, "A")
-        links.append(a)
-        cluster.wait_until(lambda: cluster.primaries() == [a.address], 60, "A primary")
-        b = cluster.start_server()
-        cluster.wait_until(cluster.complete, 60, "B is A's backup")
-
-        ee.init(coordinator=cluster.coordinator, mode=mode)
-        worker = RecordingWorker(history_table("h"))
-        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+    with _a_primary_behind_its_links(tmp_path, mode) as (cluster, a, b, worker):
         cut_at = time.monotonic()
         a.cut(direction)
         cluster.wait_until(lambda: cluster.primaries() == [b], 60, "B promoted")
@@ -235,11 +250,6 @@ def test_a_primary_nobody_reaches_for_3_s_is_replaced_and_nothing_is_lost(
         times = [t for _, t in history.acknowledged]
         longest = max(np.diff(times))
         print(f"{direction}, {mode}: longest wait between acknowledgements {longest:.2f} s")
-    finally:
-        ee.shutdown()
-        cluster.stop()
-        for link in links:
-            link.close()
 
 
 def _rate(worker: RecordingWorker, seconds: float) -> float:
@@ -293,18 +303,7 @@ def test_a_primary_answering_slowly_within_its_lease_is_not_failed_over(tmp_path
     delays each byte 250 ms each way for 6 s (3 leases): a ping takes 0.5 s, within A's
     lease (2 s), so B must not take over (it did while a ping waited only 0.3 s). Pushes
     slow down and recover; every acknowledged push is in the rows once, on both replicas."""
-    cluster = LocalCluster(1, 2, tmp_path / "cluster")
-    links: list[LinksIn] = []
-    try:
-        cluster.start(servers=False)
-        a = LinksIn(cluster, "A")
-        links.append(a)
-        cluster.wait_until(lambda: cluster.primaries() == [a.address], 60, "A primary")
-        b = cluster.start_server()
-        cluster.wait_until(cluster.complete, 60, "B is A's backup")
-        ee.init(coordinator=cluster.coordinator, mode="async")
-        worker = RecordingWorker(history_table("h"))
-        cluster.wait_until(lambda: len(worker.history.acknowledged) >= 20, 60, "20 pushes")
+    with _a_primary_behind_its_links(tmp_path, "async") as (cluster, a, b, worker):
         fast = _rate(worker, 2)
         for link in a.links:
             link.slow(0.25)
@@ -315,8 +314,3 @@ def test_a_primary_answering_slowly_within_its_lease_is_not_failed_over(tmp_path
         assert cluster.primaries() == [a.address]  # no failover
         _exact_on_both(history, a.address, b)
         print(f"pushes/s: {fast:.1f} before, {slow:.1f} slowed, {again:.1f} healed")
-    finally:
-        ee.shutdown()
-        cluster.stop()
-        for link in links:
-            link.close()
