@@ -80,6 +80,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _history import acknowledged_epochs, check_epochs
 from _light_workers import DIM, LEARNING_RATE, check_rows, keys_of
 from _link_proxy import LinkProxy, flap_schedule
 
@@ -87,6 +88,7 @@ from elastic_emb.ps.coord import membership
 from elastic_emb.ps.coord.etcd import Etcd, EtcdError
 from elastic_emb.ps.coord.local_cluster import LocalCluster, free_port
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap
+from elastic_emb.ps.server import acknowledged
 
 REPLICAS = 2
 LEASE_SECONDS = 2  # the servers' lease TTL
@@ -388,7 +390,7 @@ class Chaos:
 
     def __init__(self, config: Config, directory: Path) -> None:
         self.config, self.directory = config, directory
-        self.cluster = LocalCluster(config.groups, REPLICAS, directory, LEASE_SECONDS)
+        self.cluster = LocalCluster(config.groups, REPLICAS, directory, LEASE_SECONDS, audit=True)
         self.servers: dict[str, Links] = {}  # advertised address -> the server, its proxies
         self.ports: set[int] = set()  # ports given to servers (a port is given once)
         self.stop_file = directory / "stop"
@@ -738,6 +740,12 @@ class Chaos:
             groups = self.map.groups
             self.check["rows"] = check_rows(groups, TABLE, reports, self.config.batch)
             self.check["replicas compared"] = sum(len(g.members) for g in groups)
+            time.sleep(2 * acknowledged.WRITE_SECONDS)  # (the servers' last counts written)
+            epochs = acknowledged_epochs(self.cluster.audit_logs())
+            self.check["epochs"] = len(epochs)
+            problems = check_epochs(epochs)
+            if problems:
+                raise AssertionError("; ".join(problems))
             self.check["passed"] = True
         except Exception as e:
             self.check["error"] = f"{type(e).__name__}: {e}"
@@ -1005,11 +1013,13 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         "",
         "| steps acknowledged | step s: median / p99 | steps never acknowledged (in flight at "
-        "a worker kill) | steps redone | rows checked | backups compared bit for bit | exact |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "a worker kill) | steps redone | rows checked | backups compared bit for bit | "
+        "epochs checked (audit logs) | exact |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
         f"| {s['acknowledged']:,} | {s['step seconds median']} / {s['step seconds p99']} | "
         f"{s['never acknowledged']} | {s['redone']} | {chk.get('rows', 0):,} | "
-        f"{chk.get('replicas compared', 0)} | {'PASS' if chk.get('passed') else 'FAIL'} |",
+        f"{chk.get('replicas compared', 0)} | {chk.get('epochs', 0)} | "
+        f"{'PASS' if chk.get('passed') else 'FAIL'} |",
     ]
     if chk.get("error"):
         out += ["", f"Check: {chk['error']}"]

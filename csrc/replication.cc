@@ -241,6 +241,26 @@ void Replication::DropThenFinish(int64_t sequence, const std::string& backup,
   }).detach();
 }
 
+void Replication::CountAcknowledged(int32_t group, int64_t epoch, int64_t first, int64_t last) {
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::lock_guard<std::mutex> lock(mu_);
+  AcknowledgedChanges& a = acknowledged_[{group, epoch}];
+  if (a.changes == 0) {
+    a.first_sequence = first;
+    a.first_time = now;
+  }
+  a.changes += last - first + 1;
+  a.first_sequence = std::min(a.first_sequence, first);
+  a.last_sequence = std::max(a.last_sequence, last);
+  a.last_time = now;
+}
+
+std::map<std::pair<int32_t, int64_t>, AcknowledgedChanges> Replication::acknowledged() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return acknowledged_;
+}
+
 Turn Replication::Check(const wire::ReplicateRequest& change, std::string* refusal) const {
   const ReplicaRole& r = *role_;
   if (r.group < 0 || r.group != change.group || r.address == r.primary) {
@@ -251,6 +271,11 @@ Turn Replication::Check(const wire::ReplicateRequest& change, std::string* refus
     *refusal = change.primary + " sent epoch " + std::to_string(change.epoch) + "; group " +
                std::to_string(change.group) + " is at epoch " + std::to_string(r.epoch) +
                " with primary " + r.primary;
+    return Turn::kRefuse;
+  }
+  if (change.epoch == r.epoch && change.primary == r.deposed) {
+    *refusal = r.address + " is taking over group " + std::to_string(change.group) + " from " +
+               r.deposed + " (its epoch " + std::to_string(r.epoch) + " is over)";
     return Turn::kRefuse;
   }
   return change.epoch == r.epoch ? Turn::kApply : Turn::kPython;

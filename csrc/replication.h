@@ -52,10 +52,24 @@ struct ReplicaRole {
   int64_t epoch = 0;
   std::string primary;             // the group's primary
   std::vector<std::string> holds;  // the group's members and joining servers
+  // A backup taking over: the primary it deposes, whose changes at `epoch` it refuses
+  // from the moment it decides, before etcd names it ("": none).
+  std::string deposed;
   // A primary whose changes the plane may make itself: its backups' data planes (every
   // member's), none of them being caught up from a snapshot.
   bool changes = false;
   std::vector<Backup> backups;
+};
+
+// The changes a primary acknowledged in one epoch of its group: how many, their first and
+// last sequence, and when (seconds since the Unix epoch) the first and last were answered.
+// The history checker compares epochs from the servers' audit logs (tests/_history.py).
+struct AcknowledgedChanges {
+  int64_t changes = 0;
+  int64_t first_sequence = 0;
+  int64_t last_sequence = 0;
+  double first_time = 0;
+  double last_time = 0;
 };
 
 // What to do with a change that came to a backup.
@@ -112,6 +126,12 @@ class Replication : public std::enable_shared_from_this<Replication> {
                const std::vector<std::shared_ptr<data_plane::Connection>>& backups,
                const std::string& change, int64_t sequence, const std::shared_ptr<Waiter>& waiter);
 
+  // Counts a change acknowledged (answered OK) at `epoch` of `group`; the sequences of the
+  // changes an answer acknowledges run from `first` to `last`.
+  void CountAcknowledged(int32_t group, int64_t epoch, int64_t first, int64_t last);
+  // What CountAcknowledged counted, by (group, epoch).
+  std::map<std::pair<int32_t, int64_t>, AcknowledgedChanges> acknowledged() const;
+
   // The backup's side: whether `change` is applied now, later (`later` is kept) or not.
   Turn TakeTurn(const wire::ReplicateRequest& change, Later later, std::string* refusal);
 
@@ -152,6 +172,7 @@ class Replication : public std::enable_shared_from_this<Replication> {
   std::map<std::string, std::vector<int64_t>> dropping_;  // backup -> changes it holds up
   std::map<std::string, Clock::time_point> unreachable_;  // backup -> when to try again
   bool running_parked_ = false;
+  std::map<std::pair<int32_t, int64_t>, AcknowledgedChanges> acknowledged_;  // by (group, epoch)
 
   DeadlineTimer timer_{[this] { return Expire(); }};  // (destroyed first)
 };

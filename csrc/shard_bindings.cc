@@ -298,6 +298,7 @@ void BindShards(py::module_& m) {
             role.epoch = d["epoch"].cast<int64_t>();
             role.primary = d["primary"].cast<std::string>();
             role.holds = d["holds"].cast<std::vector<std::string>>();
+            role.deposed = d["deposed"].cast<std::string>();
             role.changes = d["changes"].cast<bool>();
             for (auto item : d["backups"].cast<py::list>()) {
               auto t = item.cast<py::tuple>();
@@ -308,7 +309,8 @@ void BindShards(py::module_& m) {
             r.SetRole(std::move(role));
           },
           py::arg("role"),
-          "{address, group (-1: a spare), epoch, primary, holds: [address], changes: bool, "
+          "{address, group (-1: a spare), epoch, primary, holds: [address], deposed: the "
+          "primary a backup taking over refuses, changes: bool, "
           "backups: [(address, host, data port)]}: this server's place in its group.")
       .def(
           "role",
@@ -323,6 +325,7 @@ void BindShards(py::module_& m) {
             d["epoch"] = role->epoch;
             d["primary"] = role->primary;
             d["holds"] = role->holds;
+            d["deposed"] = role->deposed;
             d["changes"] = role->changes;
             d["backups"] = backups;
             return d;
@@ -333,6 +336,26 @@ void BindShards(py::module_& m) {
       .def_property_readonly(
           "applied_epoch",
           py::cpp_function(&Replication::applied_epoch, py::call_guard<py::gil_scoped_release>()))
+      .def("count_acknowledged", &Replication::CountAcknowledged, py::arg("group"),
+           py::arg("epoch"), py::arg("first"), py::arg("last"),
+           "Counts changes first..last acknowledged at epoch of group (Python's path).")
+      .def(
+          "acknowledged",
+          [](const Replication& r) {
+            py::dict out;
+            for (const auto& [key, a] : r.acknowledged()) {
+              py::dict d;
+              d["changes"] = a.changes;
+              d["first_sequence"] = a.first_sequence;
+              d["last_sequence"] = a.last_sequence;
+              d["first_time"] = a.first_time;
+              d["last_time"] = a.last_time;
+              out[py::make_tuple(key.first, key.second)] = d;
+            }
+            return out;
+          },
+          "{(group, epoch): {changes, first_sequence, last_sequence, first_time, last_time}}: "
+          "the changes this server acknowledged as a primary (times: Unix seconds).")
       .def("set_applied", &Replication::SetApplied, py::arg("sequence"), py::arg("epoch"),
            py::call_guard<py::gil_scoped_release>())
       .def("wait_applied", &Replication::WaitApplied, py::arg("seen"), py::arg("seconds"),

@@ -672,6 +672,7 @@ struct Outcome {
   std::vector<std::string> answers;
   std::string code, message;  // code "": OK
   int64_t pushes = 0;         // pushes taken
+  int64_t first_sequence = 0, last_sequence = 0;  // of the changes made (0: none)
 };
 
 void Refuse(Outcome* outcome, const std::string& code, const std::string& message) {
@@ -703,8 +704,16 @@ Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
   outcome->answers.resize(parts.size());
   const size_t received = payload.size();
   std::weak_ptr<ServerCore> self = weak_from_this();
-  auto answer = [self, outcome, ranges, method, received, start](data_plane::Answer* a) {
+  const int32_t group = role->group;
+  const int64_t epoch = role->epoch;
+  auto answer = [self, outcome, ranges, method, received, start, group,
+                 epoch](data_plane::Answer* a) {
+    auto core = self.lock();
     if (outcome->code.empty()) {
+      if (core && outcome->last_sequence > 0) {
+        core->replication_->CountAcknowledged(group, epoch, outcome->first_sequence,
+                                              outcome->last_sequence);
+      }
       a->status = 0;
       a->payload = ranges ? wire::JoinParts(std::vector<std::string_view>(outcome->answers.begin(),
                                                                           outcome->answers.end()))
@@ -713,7 +722,7 @@ Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
       a->status = StatusNumber(outcome->code);
       a->payload = outcome->message;
     }
-    if (auto core = self.lock()) {
+    if (core) {
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       core->Record(method, seconds, outcome->code, received,
@@ -745,6 +754,8 @@ Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
     change.group = role->group;
     change.epoch = role->epoch;
     change.sequence = replication.Number(role->epoch);
+    if (outcome->first_sequence == 0) outcome->first_sequence = change.sequence;
+    outcome->last_sequence = change.sequence;
     change.method = "Push";
     change.request = parts[i];
     change.primary = role->address;

@@ -9,17 +9,24 @@ applied it: -1 once, 0 never, -2 twice. The checker's verdicts:
 - every push that failed (its worker saw an error, so it may or may not have been applied)
   is there at most once;
 - no other key holds anything.
+
+And from the servers' audit logs (`check_epochs`, elastic_emb/ps/server/acknowledged.py):
+no two primaries of a group acknowledged changes in overlapping epochs.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 import elastic_emb as ee
+from elastic_emb.ps.server import acknowledged, audit
 
 DIM = 2
 
@@ -85,4 +92,46 @@ def check(history: History, keys: np.ndarray, values: np.ndarray) -> list[str]:
             problems.append(f"key {key}, never pushed, holds {times} pushes")
     if not np.all(values[:, :1] == values):
         problems.append("a row's numbers differ: not the pushes' exact sums")
+    return problems
+
+
+# (group, epoch) -> server -> its last `Acknowledged` counts there.
+Epochs = dict[tuple[int, int], dict[str, dict]]
+
+
+def acknowledged_epochs(logs: list[os.PathLike[str]]) -> Epochs:
+    """What each server's audit log (verified first) says it acknowledged, per epoch."""
+    epochs: Epochs = defaultdict(dict)
+    for log in logs:
+        audit.verify(log)
+        with open(log, encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                if record["call"] == acknowledged.RECORD:
+                    args = record["args"]
+                    epochs[(args["group"], args["epoch"])][record["caller"]] = args
+    return dict(epochs)
+
+
+def check_epochs(epochs: Epochs) -> list[str]:
+    """The checker's findings on `acknowledged_epochs` (none: they hold): one primary per
+    epoch of a group, and every change acknowledged at an epoch before, in the group's
+    sequence of changes, every change acknowledged at a later epoch (the old primary's
+    acknowledged changes are all in what the new one took over)."""
+    problems = []
+    for (group, epoch), servers in sorted(epochs.items()):
+        if len(servers) > 1:
+            problems.append(f"epoch {epoch} of group {group}: acknowledged by {sorted(servers)}")
+    for (group, epoch), servers in sorted(epochs.items()):
+        for (later_group, later), later_servers in sorted(epochs.items()):
+            if later_group != group or later <= epoch:
+                continue
+            for server, counts in servers.items():
+                for successor, began in later_servers.items():
+                    if counts["last_sequence"] >= began["first_sequence"]:
+                        problems.append(
+                            f"group {group}: {server} acknowledged change "
+                            f"{counts['last_sequence']} at epoch {epoch}, {successor} change "
+                            f"{began['first_sequence']} at epoch {later}"
+                        )
     return problems

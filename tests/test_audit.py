@@ -94,6 +94,18 @@ def test_verify_detects_tampering(audited, tamper, problem):
     assert problem in done.stderr
 
 
+def test_a_head_one_record_behind_is_a_server_killed_between_two_writes(audited):
+    """The record is appended, then the head rewritten: a SIGKILL between the two leaves
+    a whole log that a restarted server must still open; two behind is a cut."""
+    records = _records(audited)
+    head = audited.with_name(audited.name + ".head")
+    head.write_text(json.dumps({"seq": 6, "hash": records[5]["hash"]}))
+    assert _verify(audited).returncode == 0
+    head.write_text(json.dumps({"seq": 5, "hash": records[4]["hash"]}))
+    done = _verify(audited)
+    assert done.returncode == 1 and "added without the server" in done.stderr
+
+
 def test_a_restarted_server_extends_its_log_and_refuses_a_broken_one(audited):
     with shards(1, ["--audit-log", str(audited)]) as (ps,):
         ee.init(ps=[ps.address], mode="async")

@@ -196,6 +196,8 @@ def test_a_short_chaos_soak_loses_nothing(tmp_path):
     assert len(injected) == len(faults)
     assert all(f["recovery"] is not None or f["unmeasured"] for f in injected)
     assert result["check"]["rows"] > 0 and result["check"]["replicas compared"] == 2
+    # One primary per epoch (the audit logs), the failovers' epochs included.
+    assert result["check"]["epochs"] > config.groups
     # The links were the servers' own: a primary nobody reached for over a lease (3.1 s)
     # and one cut from etcd for 5.2 s were both failed over.
     cut = [f for f in injected if f["role"] == "primary" and f["pause"] > chaos.LEASE_SECONDS + 1]

@@ -25,6 +25,7 @@ from _cluster import metrics_url, scrape, shards
 import elastic_emb as ee
 from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
+from elastic_emb.ps.server.step_clock import ASYNC
 from elastic_emb.ps.wire import protocol, security
 from elastic_emb.ps.wire.security import WORKER_METHODS, ClientSecurity
 
@@ -650,8 +651,6 @@ def test_a_push_its_backup_refused_is_acknowledged_only_once_the_backup_is_dropp
     answered OK; when it cannot be dropped (this server is no longer the primary), the
     push is not acknowledged: ABORTED, and the worker sends it again to the group's
     primary. The primary's row took the push either way (an in-process table says)."""
-    from elastic_emb.ps.server.step_clock import ASYNC
-
     refused: list[bytes] = []
 
     def refuse(method: int, payload: bytes, deadline_ms: int, caller: str):
@@ -675,7 +674,7 @@ def test_a_push_its_backup_refused_is_acknowledged_only_once_the_backup_is_dropp
     core.replication.configure(drop, "")
     core.replication.set_role(
         {"address": "127.0.0.1:1", "group": 0, "epoch": 1, "primary": "127.0.0.1:1",
-         "holds": ["127.0.0.1:2"], "changes": True,
+         "holds": ["127.0.0.1:2"], "deposed": "", "changes": True,
          "backups": [("127.0.0.1:2", "127.0.0.1", backup.port)]}
     )  # fmt: skip
     core.set_enabled(True, pushes=False)
@@ -692,14 +691,67 @@ def test_a_push_its_backup_refused_is_acknowledged_only_once_the_backup_is_dropp
         change = ps_pb2.ReplicateRequest.FromString(refused[0])
         assert (change.group, change.epoch, change.sequence, change.method) == (0, 1, 1, "Push")
         assert drops == [("127.0.0.1:2", "it did not apply change 1: cannot apply it")]
+        acknowledged = core.replication.acknowledged()
         if dropped:
             assert status == OK and ps_pb2.PushResponse.FromString(answer).step == 1
+            assert [(k, v["changes"], v["first_sequence"], v["last_sequence"])
+                    for k, v in acknowledged.items()] == [((0, 1), 1, 1, 1)]  # fmt: skip
         else:
             assert status == grpc.StatusCode.ABORTED.value[0]
             assert b"could not remove 127.0.0.1:2, which did not apply change 1" in answer
+            assert acknowledged == {}  # (the audit log's count: nothing acknowledged)
         reference = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="reference")
         reference.push(np.array([7]), np.ones((1, 4), np.float32))
         np.testing.assert_array_equal(table.pull(np.array([7])), reference.pull(np.array([7])))
     finally:
         primary.stop(1.0)
+        backup.stop(1.0)
+
+
+def test_a_backup_taking_over_refuses_its_old_primary_s_changes_on_the_plane():
+    """From the moment a backup decides to take over (`Failover.take_over`: the role's
+    `deposed`), its plane applies no change of the old primary's epoch; until then, and
+    again once the take-over is called off, it does."""
+    table = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="rows")
+    shard = _core.ShardCore(lambda step, name, parts: None)
+    shard.set_tables([("rows", table.core_table(), 0.5)])
+    shard.clock.join(0, 1, ASYNC, -1)
+    core = _core.ServerCore()
+    core.put_range(0, shard)
+    core.replication.set_applied(0, 1)
+    core.set_enabled(True, pushes=False)
+    role = {"address": "127.0.0.1:2", "group": 0, "epoch": 1, "primary": "127.0.0.1:1",
+            "holds": ["127.0.0.1:2"], "changes": False, "backups": []}  # fmt: skip
+    backup = _core.DataPlaneServer(
+        _core.DataPlaneOptions(), lambda *a: (INTERNAL, b"not for Python"),
+        lambda t, p: (True, "peer"), core,
+    )  # fmt: skip
+    replicate = protocol.DATA_PLANE_METHODS["Replicate"]
+
+    def change(sequence: int) -> tuple[int, bytes]:
+        push = _push([7], np.ones((1, 4)), step=sequence).SerializeToString()
+        request = ps_pb2.ReplicateRequest(
+            group=0, epoch=1, sequence=sequence, method="Push", request=push,
+            primary="127.0.0.1:1",
+        )  # fmt: skip
+        return _call(primary, replicate, request.SerializeToString())
+
+    try:
+        primary = _core.DataPlaneConnection("127.0.0.1", backup.port, "", 5.0)
+        core.replication.set_role({**role, "deposed": ""})
+        assert change(1)[0] == OK
+        core.replication.set_role({**role, "deposed": "127.0.0.1:1"})
+        status, answer = change(2)
+        assert status == grpc.StatusCode.ABORTED.value[0]
+        assert answer.decode() == (
+            "127.0.0.1:2 is taking over group 0 from 127.0.0.1:1 (its epoch 1 is over)"
+        )
+        assert core.replication.applied == 1
+        core.replication.set_role({**role, "deposed": ""})  # (the take-over failed)
+        assert change(2)[0] == OK
+        reference = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="reference")
+        for _ in range(2):
+            reference.push(np.array([7]), np.ones((1, 4), np.float32))
+        np.testing.assert_array_equal(table.pull(np.array([7])), reference.pull(np.array([7])))
+    finally:
         backup.stop(1.0)

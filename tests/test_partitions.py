@@ -17,7 +17,15 @@ import grpc
 import numpy as np
 import pytest
 from _cluster import scrape
-from _history import History, RecordingWorker, check, history_table
+from _history import (
+    Epochs,
+    History,
+    RecordingWorker,
+    acknowledged_epochs,
+    check,
+    check_epochs,
+    history_table,
+)  # fmt: skip
 from _link_proxy import LinkProxy
 from _replicas import export
 from _states import assert_same_state
@@ -83,7 +91,7 @@ def _group_with_links_to_the_backup(
     it (A's replication, a worker after a failover) reaches through its `LinksIn`; and an
     async worker recording its pushes, 20 of them acknowledged. Everything is stopped on
     exit. Yields (cluster, A's address, A's etcd link, B's links, the worker)."""
-    cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=server_args)
+    cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=server_args, audit=True)
     links: list[LinkProxy | LinksIn] = []
     try:
         cluster.start(servers=False)
@@ -138,6 +146,14 @@ def _raw_pushes(address: str, key: int) -> list[tuple[str, grpc.StatusCode, str]
     return [*answers, ("data plane", codes[status], body.decode())]
 
 
+def _one_primary_per_epoch(cluster: LocalCluster) -> Epochs:
+    """The checker's verdict on the epochs in the servers' audit logs (read once the
+    servers stopped: their last counts), and those epochs."""
+    epochs = acknowledged_epochs(cluster.audit_logs())
+    assert check_epochs(epochs) == []
+    return epochs
+
+
 def _exact_on_both(history: History, primary: str, backup: str) -> None:
     """The checker holds on the primary's rows, and the backup's are the same bit for bit."""
     rows = export(primary, "h")
@@ -187,6 +203,15 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
             f"{len(history.acknowledged)} acknowledged, {len(history.failed)} failed, "
             f"{len(stalled)} acknowledged between the cut and the promotion"
         )
+    # From the audit logs: A's last epoch as the primary, then B's; A's last acknowledgement
+    # came before B's first.
+    epochs = _one_primary_per_epoch(cluster)
+    ((_, a_epoch), a_counts), ((_, b_epoch), b_counts) = [
+        (key, server) for key, servers in sorted(epochs.items()) for server in servers.values()
+    ][-2:]
+    assert [*epochs[(0, a_epoch)]] == [a] and [*epochs[(0, b_epoch)]] == [b.address]
+    assert a_epoch < b_epoch and a_counts["changes"] > 0 and b_counts["changes"] >= 20
+    assert a_counts["last_time"] < b_counts["first_time"]
 
 
 @contextlib.contextmanager
@@ -196,7 +221,9 @@ def _a_primary_behind_its_links(
     """A primary A whose ways in (its backup's and the worker's alike) go through its
     `LinksIn`, its backup B, and a worker recording its pushes, 20 of them acknowledged.
     Everything is stopped on exit. Yields (cluster, A's links, B's address, the worker)."""
-    cluster = LocalCluster(1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"])
+    cluster = LocalCluster(
+        1, 2, tmp_path / "cluster", server_args=["--metrics-port", "0"], audit=True
+    )
     links: list[LinksIn] = []
     try:
         cluster.start(servers=False)

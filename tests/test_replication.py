@@ -39,9 +39,10 @@ import elastic_emb as ee
 from elastic_emb import _core
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
 from elastic_emb.ps.coord import membership
-from elastic_emb.ps.coord.etcd import Etcd
+from elastic_emb.ps.coord.etcd import Etcd, EtcdError
 from elastic_emb.ps.coord.local_cluster import LocalCluster, cli_command, cluster_status
 from elastic_emb.ps.coord.membership import DEFAULT_PREFIX, ClusterMap, Group, Range
+from elastic_emb.ps.server.failover import Failover
 from elastic_emb.ps.server.replica_state import ReplicaState
 from elastic_emb.ps.server.shard import RequestError
 from elastic_emb.ps.wire import protocol
@@ -79,6 +80,52 @@ def test_a_server_that_lost_its_state_serves_no_worker_whatever_its_map_says():
         state.check_primary(range_id)
     assert refused.value.code == "ABORTED"
     assert state.native.serving() == {}  # the plane leaves every request to Python
+
+
+@pytest.mark.parametrize("etcd_answers", [True, False], ids=["promoted", "etcd-lost"])
+def test_a_backup_refuses_its_primary_s_changes_from_the_moment_it_decides_to_take_over(
+    etcd_answers,
+):
+    """While the promotion is in flight in etcd, the backup already refuses its old
+    primary's changes (so once etcd names the new primary, the old one gets nothing more
+    applied, hence acknowledges nothing); if etcd cannot be reached, it takes them again."""
+    state = ReplicaState("b:1", 2, _core.ServerCore())
+    m = ClusterMap().place("a:1", replicas=2).place("b:1", replicas=2).admit(0, "b:1")
+    m.sealed = True
+    with state.cond:
+        state.map = m
+        state.publish_serving()
+    state.check_sender(0, 1, "a:1")  # (b:1 follows a:1 at epoch 1)
+    during: list[object] = []
+
+    class NoLease:
+        def get(self, key):
+            return None
+
+    def change_map(change, as_primary):
+        with pytest.raises(RequestError, match="b:1 is taking over group 0 from a:1") as e:
+            state.check_sender(0, 1, "a:1")
+        during.append((e.value.code, state.replication.role()["deposed"]))
+        if not etcd_answers:
+            raise EtcdError("timed out")
+        new = change(m)
+        with state.cond:
+            state.map = new
+            state.publish_serving()
+        return new
+
+    promoted: list[bool] = []
+    failover = Failover(state, NoLease(), "/p", None, change_map, lambda: promoted.append(True))
+    failover.take_over("a:1")
+    assert during == [("ABORTED", "a:1")]
+    assert state.replication.role()["deposed"] == ""
+    assert promoted == ([True] if etcd_answers else [])
+    if etcd_answers:
+        assert state.role() == "primary"
+        with pytest.raises(RequestError, match="b:1 is not a backup of group 0"):
+            state.check_sender(0, 1, "a:1")
+    else:
+        state.check_sender(0, 1, "a:1")  # a backup of a:1 again
 
 
 def test_placement_fills_groups_then_splits_slots_evenly():

@@ -69,6 +69,8 @@ class LocalCluster:
         server_args: more `elastic-emb serve` flags for every server.
         coordinator: the URL of an etcd already running (etcd://HOST:PORT[,...] or
             etcds://...): join it instead of starting one.
+        audit: each server keeps an audit log, `audit-PORT.jsonl` in `directory`
+            (`audit_logs`).
     """
 
     def __init__(
@@ -79,8 +81,10 @@ class LocalCluster:
         lease_seconds: int = 2,
         server_args: list[str] | None = None,
         coordinator: str | None = None,
+        audit: bool = False,
     ) -> None:
         self.shards, self.replicas, self.lease_seconds = shards, replicas, lease_seconds
+        self.audit = audit
         self._joined = coordinator
         self.server_args = list(server_args or [])
         self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="ee-cluster-")
@@ -135,6 +139,13 @@ class LocalCluster:
             self._extra_args[address] = list(extra_args or [])
         return address
 
+    def _audit_log(self, port: int) -> Path:
+        return self.directory / f"audit-{port}.jsonl"
+
+    def audit_logs(self) -> list[Path]:
+        """The audit log of every server started so far (with `audit`)."""
+        return [p for p in map(self._audit_log, sorted(self._used_ports)) if p.exists()]
+
     def _launch(self, port: int, extra_args: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.directory / f"server-{port}.log", "ab")
         process = subprocess.Popen(
@@ -156,6 +167,7 @@ class LocalCluster:
                 "--drain-timeout",
                 "0",
                 *self.server_args,
+                *(["--audit-log", str(self._audit_log(port))] if self.audit else []),
                 *extra_args,
             ],
             stdout=log,

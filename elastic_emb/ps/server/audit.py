@@ -12,7 +12,8 @@ Each record holds `seq` (1, 2, ...), `prev` (the previous record's `hash`,
 canonical JSON without `hash`. Editing, removing or reordering a record
 breaks the chain. `FILE.head` holds the last record's `seq` and `hash`,
 rewritten atomically after each append, so cutting records off the end is
-detected too. `elastic-emb audit verify FILE` checks both (`verify`).
+detected too (a head one record behind is a server killed between the two
+writes: the log is whole). `elastic-emb audit verify FILE` checks both (`verify`).
 
 A log that a server reopens is checked first and extended; a broken one
 is refused.
@@ -130,6 +131,7 @@ def verify(path: str | os.PathLike[str]) -> tuple[int, str]:
     """
     path = Path(path)
     seq, prev = 0, GENESIS
+    hashes = [GENESIS]  # of each record so far (a head may be one behind: below)
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             where = f"{path} line {number}"
@@ -145,12 +147,16 @@ def verify(path: str | os.PathLike[str]) -> tuple[int, str]:
             if _hash(prev, record) != claimed:
                 raise AuditError(f"{where}: its content does not match its hash (edited)")
             seq, prev = record["seq"], claimed
+            hashes.append(claimed)
     head = _head_path(path)
     try:
         expected = json.loads(head.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise AuditError(f"{head} is missing or unreadable: {e}") from None
-    if (expected.get("seq"), expected.get("hash")) != (seq, prev):
+    # A server killed between appending a record and rewriting the head leaves the head
+    # one record behind, at the record before: the log is whole.
+    behind = seq >= 1 and (expected.get("seq"), expected.get("hash")) == (seq - 1, hashes[-2])
+    if (expected.get("seq"), expected.get("hash")) != (seq, prev) and not behind:
         raise AuditError(
             f"{path} ends at record {seq}, its head {head} at record {expected.get('seq')}: "
             "records were cut off the end (or added without the server)"

@@ -61,6 +61,7 @@ class Failover:
         # epoch) this server last became primary of, so that `promoted` runs once for it.
         self._lock = threading.Lock()
         self._became: tuple[int, int] | None = None  # guarded by _lock
+        self._taking_over = threading.Lock()  # one take-over at a time (its fence is its own)
 
     def run(self) -> None:
         """A backup pings its primary and takes over from a dead or unresponsive one: after
@@ -94,7 +95,37 @@ class Failover:
             time.sleep(PING_SECONDS)
 
     def take_over(self, primary: str) -> None:
-        """Ends the lease of an unresponsive primary and becomes the group's primary."""
+        """Ends the lease of an unresponsive primary and becomes the group's primary.
+
+        From the moment it decides, this backup refuses the old primary's changes: once
+        etcd names it, the old primary can get none of them applied, so it acknowledges
+        nothing more. It takes them again if the take-over fails.
+        """
+        with self._taking_over:
+            self._state.depose(primary)
+            try:
+                new = self._promote(primary)
+            finally:
+                self._state.depose(None)
+        if new is None:
+            return
+        address = self._state.address
+        group = new.group_of(address)
+        if group is None or group.primary != address:
+            return
+        with self._lock:
+            if self._became == (group.id, group.epoch):
+                return  # the other call said so
+            self._became = (group.id, group.epoch)
+        self._promoted()
+        log.warning(
+            "%s is now the primary of group %d (epoch %d): %s stopped answering",
+            address, group.id, group.epoch, primary,
+        )  # fmt: skip
+
+    def _promote(self, primary: str) -> ClusterMap | None:
+        """Revokes `primary`'s lease and promotes this backup in the map; None if etcd
+        cannot be reached."""
         address = self._state.address
         key = membership.server_key(self._prefix, primary)
         try:
@@ -108,19 +139,7 @@ class Failover:
                     return None
                 return m.promote(group.id, address)
 
-            new = self._change_map(promote, as_primary=False)
+            return self._change_map(promote, as_primary=False)
         except EtcdError as e:
             log.warning("cannot take over from %s: %s", primary, e)
-            return
-        group = new.group_of(address)
-        if group is None or group.primary != address:
-            return
-        with self._lock:
-            if self._became == (group.id, group.epoch):
-                return  # the other call said so
-            self._became = (group.id, group.epoch)
-        self._promoted()
-        log.warning(
-            "%s is now the primary of group %d (epoch %d): %s stopped answering",
-            address, group.id, group.epoch, primary,
-        )  # fmt: skip
+            return None

@@ -82,6 +82,9 @@ class ReplicaState:
         # Whether a receiver is being caught up from a snapshot (its changes are buffered,
         # by Python): the plane then leaves this primary's changes to Python.
         self.catching_up: Callable[[], bool] = lambda: False
+        # Guarded by cond: (group, epoch, primary) this backup is taking over from; it
+        # refuses that primary's changes from the moment it decides (`Failover.take_over`).
+        self.deposing: tuple[int, int, str] | None = None
         self.stopped = False  # guarded by cond
         self.rebalance_due = False  # guarded by cond: the map changed since the mover looked
 
@@ -153,10 +156,27 @@ class ReplicaState:
                 "epoch": 0 if group is None else group.epoch,
                 "primary": "" if group is None else group.primary,
                 "holds": [] if group is None else [*group.members, *group.joining],
+                "deposed": self._deposed(group),
                 "changes": changes,
                 "backups": backups if changes else [],
             }
         )
+
+    def depose(self, primary: str | None) -> None:
+        """A backup about to take over refuses `primary`'s changes at its group's current
+        epoch from now on (None: it no longer does)."""
+        with self.cond:
+            group = self.map.group_of(self.address)
+            self.deposing = None
+            if primary is not None and group is not None and group.primary == primary:
+                self.deposing = (group.id, group.epoch, primary)
+            self.publish_serving()
+
+    def _deposed(self, group: Group | None) -> str:
+        """The primary of `group` this backup refuses while it takes over; "" if none."""
+        if group is None or self.deposing != (group.id, group.epoch, group.primary):
+            return ""
+        return group.primary
 
     def _may_serve(self, group: Group) -> bool:
         """Whether this primary's lease was renewed within its TTL; or, while etcd cannot be
@@ -224,10 +244,16 @@ class ReplicaState:
         """Raises `aborted` for a change (or snapshot) from anyone but this backup's primary."""
         with self.cond:
             group = self.map.group_of(self.address)
+            deposed = self._deposed(group)
         if group is None or group.id != group_id or self.address == group.primary:
             raise aborted(f"{self.address} is not a backup of group {group_id}")
         if epoch < group.epoch or (epoch == group.epoch and primary != group.primary):
             raise aborted(
                 f"{primary} sent epoch {epoch}; group {group_id} is at epoch {group.epoch} "
                 f"with primary {group.primary}"
+            )
+        if epoch == group.epoch and primary == deposed:
+            raise aborted(
+                f"{self.address} is taking over group {group_id} from {primary} "
+                f"(its epoch {epoch} is over)"
             )

@@ -12,7 +12,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from elastic_emb._proto import ps_pb2
 from elastic_emb.ps.server.catch_up import ChangeBuffers
@@ -44,8 +44,14 @@ GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
 MAP_CHECK_SECONDS = 0.05  # how often a backup waiting for a change looks at the map
 
 
-# A change's sequence, and its sending to each backup (what `wait_for_backups` waits for).
-Sent = tuple[int, dict[str, "concurrent.futures.Future[None]"]]
+class Sent(NamedTuple):
+    """A change numbered at `epoch` of `group`, and its sending to each backup (what
+    `wait_for_backups` waits for)."""
+
+    group: int
+    epoch: int
+    sequence: int
+    futures: dict[str, concurrent.futures.Future[None]]
 
 
 class Replicator:
@@ -121,16 +127,19 @@ class Replicator:
             if method in WORKER_CHANGES:
                 self.moves.add(forward, request.range)
         sent = {b: self._pool.submit(self._forward, b, forward) for b in backups}
-        return result, (forward.sequence, sent)
+        return result, Sent(group.id, group.epoch, forward.sequence, sent)
 
     def wait_for_backups(self, sent: Sent) -> None:
-        """Waits for every backup to apply a change; removes those that did not."""
-        sequence, futures = sent
-        for backup, future in futures.items():
+        """Waits for every backup to apply a change; removes those that did not. Then the
+        change may be acknowledged (counted so); if one cannot be removed, `aborted`."""
+        for backup, future in sent.futures.items():
             try:
                 self._wait_unless_dropped(backup, future)
             except Exception as e:
-                self._drop(backup, f"it did not apply change {sequence}: {e}")
+                self._drop(backup, f"it did not apply change {sent.sequence}: {e}")
+        self._state.replication.count_acknowledged(
+            sent.group, sent.epoch, sent.sequence, sent.sequence
+        )
 
     def _wait_unless_dropped(self, backup: str, future: concurrent.futures.Future[None]) -> None:
         """Waits for `backup` to apply a change, or until this primary's map no longer lists

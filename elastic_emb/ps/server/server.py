@@ -248,6 +248,13 @@ def serve(
             if data is not None:
                 data.stop()
             return 1
+    acknowledged = None
+    if replica is not None and servicer.audit is not None:
+        from elastic_emb.ps.server.acknowledged import AcknowledgedAudit
+
+        acknowledged = AcknowledgedAudit(
+            servicer.audit, servicer.ranges.native.replication, replica.address
+        )
     periodic = None
     if options.checkpoint_every is not None and options.checkpoint_dir:
         periodic = PeriodicCheckpoints(
@@ -273,6 +280,8 @@ def serve(
     if data is not None:
         data.stop(options.grace_seconds)
     stopped.wait()
+    if acknowledged is not None:
+        acknowledged.stop()
     if options.checkpoint_dir and replica is None:  # (a replica's rows live on in its group)
         if periodic is not None:
             periodic.save_now()
