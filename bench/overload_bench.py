@@ -13,10 +13,13 @@ acknowledged pushes that carried its key: the check reads every row at the end.
 
     python bench/overload_bench.py [--loads 1,2,4] [--workers 64] [--keys 4096]
                                    [--seconds 5] [--variants limits,none]
+                                   [--memory-budget BYTES]
 
 Per run: pushes acknowledged per second, the server's refusals and the client's sends
 again, calls that failed, the push latency (median, 99th percentile), the server's
-threads and resident memory (highest sampled) and its CPU seconds per 1,000 pushes.
+threads and resident memory (highest sampled) and its CPU seconds per 1,000 pushes; and
+the tables' bytes against the server's memory budget (`serve --memory-budget`, its
+metrics), with the resident memory beyond the tables (what requests in flight take).
 """
 
 from __future__ import annotations
@@ -155,7 +158,8 @@ def _phase(workers: list[Worker], rate: float | None, seconds: float, pid: int) 
 
 
 def _run(variant: str, args: argparse.Namespace, cpus: list[int]) -> list[dict]:
-    with shards(1, [*VARIANTS[variant], "--metrics-port", "0"]) as (ps,):
+    budget = ["--memory-budget", args.memory_budget] if args.memory_budget else []
+    with shards(1, [*VARIANTS[variant], *budget, "--metrics-port", "0"]) as (ps,):
         pid = ps.process.pid
         os.sched_setaffinity(pid, {0})
         for thread in Path(f"/proc/{pid}/task").iterdir():
@@ -180,6 +184,13 @@ def _run(variant: str, args: argparse.Namespace, cpus: list[int]) -> list[dict]:
         def refused() -> float:
             return scrape(url).get(("elastic_emb_data_plane_overloaded_total", ()), 0.0)
 
+        def memory() -> tuple[float, float]:
+            """The tables' bytes and the budget, as the server's metrics say."""
+            m = scrape(url)
+            return m[("elastic_emb_memory_used_bytes", ())], m[
+                ("elastic_emb_memory_budget_bytes", ())
+            ]
+
         rows = []
         for w in workers:  # every row inserted: the phases measure updates alone
             for _ in range(BATCHES):
@@ -189,7 +200,11 @@ def _run(variant: str, args: argparse.Namespace, cpus: list[int]) -> list[dict]:
             before = refused(), sum(s["overloaded"] for w in workers for s in w.client.stats())
             result = _phase(workers, load * capacity / args.workers, args.seconds, pid)
             after = refused(), sum(s["overloaded"] for w in workers for s in w.client.stats())
+            tables, budget_bytes = memory()
             result.update(
+                tables_mb=tables / 2**20,
+                budget_mb=budget_bytes / 2**20,
+                beyond_tables_mb=result["server_rss_mb"] - tables / 2**20,
                 variant=variant,
                 load=load,
                 capacity=capacity,
@@ -221,6 +236,7 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=4096, help="keys drawn per push")
     parser.add_argument("--seconds", type=float, default=5.0, help="per phase")
     parser.add_argument("--variants", default="limits,none")
+    parser.add_argument("--memory-budget", default="", help="serve --memory-budget (default: its)")
     args = parser.parse_args()
     args.loads = [float(x) for x in args.loads.split(",")]
     cpus = sorted(os.sched_getaffinity(0) - {0}) or [0]
@@ -233,9 +249,9 @@ def main() -> int:
     print(
         "| admission | offered | pushes/s | refused | sent again | failed | p50 ms | p99 ms "
         "| server CPU ms / 1k pushes | server core busy | workers' cores busy | server threads "
-        "| server RSS MB | exact |"
+        "| server RSS MB | tables MB / budget MB | RSS beyond the tables MB | exact |"
     )
-    print("| --- " * 14 + "|")
+    print("| --- " * 16 + "|")
     for r in rows:
         offered = "recovery 0.25x" if r["load"] == 0.25 else f"{r['load']:g}x"
         print(f"| {r['variant']} | {offered} of {r['capacity']:,.0f}/s | "
@@ -243,7 +259,9 @@ def main() -> int:
               f"{r['failed']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
               f"{r['server_cpu_ms_per_1k']:.0f} | {r['server_busy']:.0%} | "
               f"{r['workers_busy']:.0%} | "
-              f"{r['server_threads']} | {r['server_rss_mb']:.0f} | {r['exact']} |")  # fmt: skip
+              f"{r['server_threads']} | {r['server_rss_mb']:.0f} | "
+              f"{r['tables_mb']:.1f} / {r['budget_mb']:,.0f} | {r['beyond_tables_mb']:.0f} | "
+              f"{r['exact']} |")  # fmt: skip
     return 0 if all(r["exact"] and r["failed"] == 0 for r in rows) else 1
 
 
