@@ -164,8 +164,8 @@ def _exact_on_both(history: History, primary: str, backup: str) -> None:
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replaced(tmp_path, mode):
     """The split-brain case: the primary A loses etcd and its backup B, and workers still
-    reach it. A acknowledges nothing from then on (it cannot replicate, nor drop B without
-    etcd), B is promoted when A's lease lapses, the worker moves to B once it can reach it,
+    reach it. A acknowledges nothing new from then on (it cannot replicate, nor drop B
+    without etcd), B is promoted when A's lease lapses, the worker moves to B once it can reach it,
     A's late changes are refused by B, and when A reaches etcd again it rejoins as B's
     backup. Every push the worker saw acknowledged is in the rows exactly once."""
     with _group_with_links_to_the_backup(tmp_path, ["--metrics-port", "0"], mode) as (
@@ -185,7 +185,11 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
             60,
             "20 pushes acknowledged by B",
         )
-        assert _pushes_acknowledged(cluster, a_port) == a_acknowledged  # nothing more from A
+        # Nothing new from A; at most the one push whose change B had applied when its
+        # link was cut, B's answer held in the link until now (in B's rows: the audit logs'
+        # verdict below puts it before B's epoch).
+        late = _pushes_acknowledged(cluster, a_port) - a_acknowledged
+        assert late in (0, 1), late
         # The ABORTED path: A, cut from etcd, acknowledges no push on either plane and says
         # why (its lease, or a backup it cannot drop); the worker would ask the map again
         # and go to B. Whatever A did with it, it is not in the final rows (the checker).
@@ -201,17 +205,21 @@ def test_a_primary_cut_from_etcd_and_its_backup_acknowledges_nothing_once_replac
         print(
             f"{mode}: promoted {promoted_at - cut_at:.2f} s after the cut; "
             f"{len(history.acknowledged)} acknowledged, {len(history.failed)} failed, "
-            f"{len(stalled)} acknowledged between the cut and the promotion"
+            f"{len(stalled)} acknowledged between the cut and the promotion, {late} by A "
+            "after it (held in the link)"
         )
-    # From the audit logs: A's last epoch as the primary, then B's; A's last acknowledgement
-    # came before B's first.
+    # From the audit logs: A's last epoch as the primary, then B's, every change A
+    # acknowledged before B's first in the group's order; and in time too, unless B's
+    # answer was held in the cut link (it then reaches A when the link heals).
     epochs = _one_primary_per_epoch(cluster)
     ((_, a_epoch), a_counts), ((_, b_epoch), b_counts) = [
         (key, server) for key, servers in sorted(epochs.items()) for server in servers.values()
     ][-2:]
     assert [*epochs[(0, a_epoch)]] == [a] and [*epochs[(0, b_epoch)]] == [b.address]
     assert a_epoch < b_epoch and a_counts["changes"] > 0 and b_counts["changes"] >= 20
-    assert a_counts["last_time"] < b_counts["first_time"]
+    assert a_counts["last_sequence"] < b_counts["first_sequence"]
+    if late == 0:
+        assert a_counts["last_time"] < b_counts["first_time"]
 
 
 @contextlib.contextmanager
