@@ -670,8 +670,8 @@ namespace {
 // What a request's answer will be: its parts' responses, or a refusal.
 struct Outcome {
   std::vector<std::string> answers;
-  std::string code, message;  // code "": OK
-  int64_t pushes = 0;         // pushes taken
+  std::string code, message;                      // code "": OK
+  int64_t pushes = 0;                             // pushes taken
   int64_t first_sequence = 0, last_sequence = 0;  // of the changes made (0: none)
 };
 
