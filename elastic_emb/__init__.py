@@ -68,39 +68,55 @@ _NAMES = {
 }
 
 
+# What works on Keras' JAX backend: in place of its TensorFlow module, or as it is.
+_JAX_NAMES = {"Embedding": "elastic_emb.keras.on_jax"}
+_JAX_SUBMODULES = {"callbacks"}
+
 _tensorflow_checked = False
 
 
-def _check_tensorflow() -> None:
+def _keras_backend() -> str | None:
+    try:
+        import keras
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return str(keras.backend.backend())
+
+
+def _check_tensorflow(name: str) -> None:
     """Raises a clear ImportError unless TensorFlow with Keras 3 on its TF backend is there."""
     global _tensorflow_checked
     if _tensorflow_checked:
         return
+    backend = _keras_backend()
+    if backend not in (None, "tensorflow"):
+        raise ImportError(
+            f"ee.{name} runs on Keras' TensorFlow backend; KERAS_BACKEND is {backend!r}. On "
+            "JAX, ee.Embedding, ee.Table, ee.save, ee.restore and ee.init work (docs/jax.md); "
+            "for the rest set KERAS_BACKEND=tensorflow."
+        )
     try:
-        import keras
         import tensorflow  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "elastic_emb needs TensorFlow 2.16-2.21 with Keras 3. Install it with "
+            f"ee.{name} needs TensorFlow 2.16-2.21 with Keras 3. Install it with "
             "`pip install '.[tensorflow-cpu]'` (or `'.[tensorflow]'`) in elastic_emb's source "
             "tree, or install tensorflow yourself."
         ) from e
-    if keras.backend.backend() != "tensorflow":  # pragma: no cover
-        raise ImportError(
-            "elastic_emb runs on Keras' TensorFlow backend; KERAS_BACKEND is "
-            f"{keras.backend.backend()!r}. Unset it or set KERAS_BACKEND=tensorflow."
-        )
     _tensorflow_checked = True
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        if name in _TF_SUBMODULES:
-            _check_tensorflow()
+    on_jax = (name in _JAX_NAMES or name in _JAX_SUBMODULES) and _keras_backend() == "jax"
+    if on_jax and name in _JAX_NAMES:
+        value = getattr(importlib.import_module(_JAX_NAMES[name]), name)
+    elif name in _SUBMODULES:
+        if name in _TF_SUBMODULES and not on_jax:
+            _check_tensorflow(name)
         value = importlib.import_module(_SUBMODULES[name])
     elif name in _NAMES:
-        if _NAMES[name] in _TF_SUBMODULES.values():
-            _check_tensorflow()
+        if _NAMES[name] in _TF_SUBMODULES.values() or _NAMES[name].startswith("elastic_emb.keras"):
+            _check_tensorflow(name)
         value = getattr(importlib.import_module(_NAMES[name]), name)
     else:
         raise AttributeError(f"module 'elastic_emb' has no attribute {name!r}")

@@ -21,9 +21,12 @@ from elastic_emb.errors import ElasticEmbWarning
 
 __all__ = ["register_when_keras_loads"]
 
-# The modules whose import registers Keras classes (decorated with
+# Per Keras backend, the modules whose import registers Keras classes (decorated with
 # keras.saving.register_keras_serializable).
-KERAS_MODULES = ("elastic_emb.keras.layers", "elastic_emb.keras.multi_feature")
+KERAS_MODULES = {
+    "tensorflow": ("elastic_emb.keras.layers", "elastic_emb.keras.multi_feature"),
+    "jax": ("elastic_emb.keras.on_jax",),
+}
 
 
 def register_when_keras_loads() -> None:
@@ -37,9 +40,7 @@ def _register() -> None:
     try:
         import keras
 
-        if keras.backend.backend() != "tensorflow":
-            return  # elastic_emb runs on the TensorFlow backend only; nothing to register
-        for module in KERAS_MODULES:
+        for module in KERAS_MODULES.get(keras.backend.backend(), ()):
             importlib.import_module(module)
     except Exception as e:  # never break the user's `import keras`
         warnings.warn(

@@ -279,6 +279,12 @@ def connect(options: InitOptions) -> Cluster | None:
                 "call ee.shutdown() first"
             )
         dense = options.dense_placement()
+        if dense == "ps" and _keras_backend() == "jax":
+            raise ValueError(
+                "Dense weights on the PS (dense='ps', the default with a coordinator in async "
+                "mode) need Keras' TensorFlow backend; this is JAX. Pass dense='local' (each "
+                "worker then trains its own dense weights) or run on KERAS_BACKEND=tensorflow."
+            )
         if options.dense_pull_every > 1 and dense != "ps":
             raise ValueError(
                 f"`dense_pull_every`={options.dense_pull_every} needs the dense weights on the "
@@ -298,6 +304,12 @@ def connect(options: InitOptions) -> Cluster | None:
         return cluster
 
 
+def _keras_backend() -> str:
+    import keras  # (first: loading Keras imports elastic_emb.keras)
+
+    return str(keras.backend.backend())
+
+
 def _connect_cluster(options: InitOptions) -> Cluster:
     """The `Cluster` of `options` (`ps` or `coordinator` set), connected."""
     from elastic_emb.ps.client.cluster import Cluster
@@ -313,9 +325,7 @@ def _connect_cluster(options: InitOptions) -> Cluster:
         index, count = _tf_config_worker()
         worker_index = index if worker_index is None else worker_index
         num_workers = count if num_workers is None else num_workers
-    if num_workers > 1:
-        import keras  # noqa: F401  (first: loading Keras imports elastic_emb.keras)
-
+    if num_workers > 1 and _keras_backend() == "tensorflow":
         from elastic_emb.keras.patches import fix_keras_multi_worker
 
         fix_keras_multi_worker()

@@ -323,3 +323,9 @@ def test_keras_fit_on_dataset(small_file: tuple[Path, dict]) -> None:
         warnings.filterwarnings("error", message=".*ran out of data")
         history = model.fit(ds, epochs=2, verbose=0, shuffle=False)
     assert np.all(np.isfinite(history.history["loss"]))
+
+
+def test_the_dlrm_model_takes_the_criteo_layout() -> None:
+    from elastic_emb.examples import dlrm
+
+    assert (dlrm.NUM_DENSE, dlrm.NUM_CATEGORICAL) == (ee_data.NUM_DENSE, ee_data.NUM_CATEGORICAL)

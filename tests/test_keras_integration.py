@@ -18,7 +18,7 @@ import tensorflow as tf
 from _processes import run_python
 
 import elastic_emb as ee
-from elastic_emb.keras import layers as ee_layers
+from elastic_emb.keras import base as ee_base
 
 _names = itertools.count()
 
@@ -159,7 +159,7 @@ def test_a_table_too_large_for_a_keras_file_is_refused_clearly(tmp_path, monkeyp
     name = _name("large")
     model = _model(name)
     _fit(model, x, y)
-    monkeypatch.setattr(ee_layers, "MAX_SAVED_TABLE_BYTES", 1000)
+    monkeypatch.setattr(ee_base, "MAX_SAVED_TABLE_BYTES", 1000)
     with pytest.raises(ValueError, match=r"ee\.save") as info:
         model.save_weights(tmp_path / "w.weights.h5")
     assert name in str(info.value) and "MAX_SAVED_TABLE_BYTES" in str(info.value)

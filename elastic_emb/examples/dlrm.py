@@ -6,7 +6,9 @@ from collections.abc import Callable, Sequence
 
 import keras
 
-from elastic_emb.examples.criteo import NUM_CATEGORICAL, NUM_DENSE
+# The Criteo layout, as elastic_emb.examples.criteo has it (which needs TensorFlow: the
+# model does not, and builds on Keras' JAX backend too).
+NUM_DENSE, NUM_CATEGORICAL = 13, 26
 
 
 def build_dlrm(

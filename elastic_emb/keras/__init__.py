@@ -1,13 +1,17 @@
-"""The Keras face of elastic_emb: the `ee.Embedding` layer (`layers`), the lookup path
-every layer shares (`lookup`), `ee.DistributedEmbedding` (`multi_feature`), callbacks,
-dense weights on the PS (`dense_ps`), mixed precision (`loss_scaling`), a model's
-export (`models`) and every use of Keras beyond its public API (`patches`).
+"""The Keras face of elastic_emb: the `ee.Embedding` layer (`base`, what every backend
+shares; `layers`, TensorFlow; `on_jax`, JAX), the lookup path TensorFlow layers share
+(`lookup`), `ee.DistributedEmbedding` (`multi_feature`), callbacks, dense weights on
+the PS (`dense_ps`), mixed precision (`loss_scaling`), a model's export (`models`) and
+every use of Keras beyond its public API (`patches`).
 
-Needs TensorFlow with Keras 3; never imports gRPC or `elastic_emb.ps` (remote
-tables reach it through the `ee.Table` interface). Importing this package
-installs the hooks into Keras's model methods, once, here.
+Never imports gRPC or `elastic_emb.ps` (remote tables reach it through the `ee.Table`
+interface). On Keras' TensorFlow backend, importing this package installs the hooks
+into Keras's model methods, once, here; on JAX it imports neither TensorFlow nor them.
 """
 
-from elastic_emb.keras import models as _models
+import keras
 
-_models.install_hooks()
+if keras.backend.backend() == "tensorflow":
+    from elastic_emb.keras import models as _models
+
+    _models.install_hooks()

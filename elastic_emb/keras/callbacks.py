@@ -11,7 +11,8 @@ from typing import Any
 
 import keras
 
-from elastic_emb.keras import patches as keras_patches
+from elastic_emb.keras.base import embedding_layers
+from elastic_emb.keras_range import require
 from elastic_emb.persistence import checkpoint
 from elastic_emb.tables import registry
 
@@ -118,9 +119,7 @@ class Checkpoint(keras.callbacks.Callback):
         self._epoch = state["epoch"]
         self._global_step = state["global_step"]
         # The same hook keras.callbacks.BackupAndRestore uses to skip epochs.
-        keras_patches.require(
-            hasattr(self.model, "_initial_epoch"), "Model._initial_epoch", "resuming fit"
-        )
+        require(hasattr(self.model, "_initial_epoch"), "Model._initial_epoch", "resuming fit")
         self.model._initial_epoch = self._epoch
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
@@ -218,6 +217,13 @@ class Metrics(keras.callbacks.Callback):
         super().__init__()
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"`every` must be a positive integer. Received: every={every!r}")
+        if log_dir is not None and keras.backend.backend() != "tensorflow":
+            raise ValueError(
+                "ee.callbacks.Metrics(log_dir=...) writes TensorBoard scalars with tf.summary, "
+                f"which needs Keras' TensorFlow backend (this is {keras.backend.backend()!r}). "
+                "Leave log_dir out: the values still go to the epoch's logs (the History "
+                "model.fit returns, keras.callbacks.CSVLogger)."
+            )
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.every = every
         self._writer: Any = None
@@ -299,6 +305,4 @@ class Metrics(keras.callbacks.Callback):
 
 def _tables(model: Any) -> list[Any]:
     """The tables of `model`'s elastic_emb layers."""
-    from elastic_emb.keras.models import embedding_layers
-
     return [layer.table for layer in embedding_layers(model)]

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from elastic_emb.keras import dense_ps, input_checks, lookup, loss_scaling
 from elastic_emb.keras import patches as keras_patches
+from elastic_emb.keras.base import embedding_layers
 from elastic_emb.keras.layers import Embedding
 from elastic_emb.serving import delta
 from elastic_emb.serving import export as serving
@@ -98,18 +99,6 @@ def lookahead(dataset: tf.data.Dataset, model: keras.Model) -> tf.data.Dataset:
             layers that have state, or is not Functional or Sequential.
     """
     return lookup.lookahead(Embedding, dataset, model)
-
-
-def embedding_layers(model: keras.Model) -> list[Embedding]:
-    """The ee.Embedding layers of `model`, nested ones included."""
-    keras_patches.require(
-        hasattr(model, "_flatten_layers"), "Layer._flatten_layers", "finding ee.Embedding layers"
-    )
-    return [
-        layer
-        for layer in model._flatten_layers(include_self=True, recursive=True)
-        if isinstance(layer, Embedding)
-    ]
 
 
 def export_delta(model: keras.Model, path: Any, since: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ where an exact fallback exists, warns once and takes it.
 - `fix_keras_multi_worker()` replaces two private functions of Keras'
   TensorFlow trainer for `model.fit` under MultiWorkerMirroredStrategy
   (below; the first only where it exists, Keras 3.5 and newer); required.
-- Outside this module: `elastic_emb.keras.models.embedding_layers` walks
+- Outside this module: `elastic_emb.keras.base.embedding_layers` walks
   `Layer._flatten_layers` (the only walk that finds layers nested in other
   layers); `ee.callbacks.Checkpoint` sets `Model._initial_epoch`, as
   `keras.callbacks.BackupAndRestore` does; `ee.optimizers.from_keras` reads

@@ -1,0 +1,201 @@
+"""`Embedding` on Keras' JAX backend: the table reached by host callbacks in the jitted step.
+
+Forward: the ids go to the host through `jax.pure_callback`, which looks their
+rows up (inserting unseen ids while training) and hands them back: one pull per
+call. Backward (a `jax.custom_vjp`): an ordered `io_callback` hands the table
+the rows' gradient, one row per id, as on TensorFlow; it needs that gradient, so
+it runs after the step's pulls, and its output is the gradient of the layer's
+push trigger (zero), so Keras' train step keeps it. A table looked up by several
+calls in one step sums their gradients into one push, as on TensorFlow: the
+backward passes traced together for a step count them.
+
+JAX holds int64 ids only with 64-bit types on (`JAX_ENABLE_X64=1`, or
+`jax.config.update("jax_enable_x64", True)` before the model is built); without
+them it would cut ids to 32 bits before the layer sees them, so the layer
+refuses to be built. Neither TensorFlow nor `elastic_emb.keras.layers` is imported here.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from jax.experimental import io_callback
+
+from elastic_emb.keras.base import FLOAT_MANTISSA_BITS, EmbeddingBase
+
+__all__ = ["Embedding", "require_x64"]
+
+
+def require_x64() -> None:
+    """Raises unless JAX keeps 64-bit integers (else int64 ids lose their high bits)."""
+    if not jax.config.jax_enable_x64:
+        raise ValueError(
+            "elastic_emb.Embedding on JAX needs 64-bit integers, or JAX cuts int64 ids to "
+            "32 bits before the layer sees them (distinct ids would share rows). Set "
+            "JAX_ENABLE_X64=1 in the environment, or call "
+            'jax.config.update("jax_enable_x64", True) before building the model.'
+        )
+
+
+@keras.saving.register_keras_serializable(package="elastic_emb")
+class Embedding(EmbeddingBase):
+    __doc__ = EmbeddingBase.__doc__
+    SUPPORTS_JIT = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        require_x64()
+        super().__init__(*args, **kwargs)
+        # Ids given as NumPy arrays stay ids (Keras before 3.4 casts them to the compute
+        # dtype otherwise, as Keras's own preprocessing layers avoid in the same way).
+        self._convert_input_args = False
+        self._allow_non_tensor_positional_args = True
+        if self.key_dtype == "string":
+            raise ValueError(
+                'key_dtype="string" is not available on the JAX backend: JAX arrays hold no '
+                "strings. Hash them to int64 ids in the input pipeline and use the default "
+                'key_dtype="int64".'
+            )
+        if self.device != "cpu":
+            raise ValueError(
+                'device="gpu" tables are not available on the JAX backend yet (the rows go '
+                f"through host memory either way). Received: device={self.device!r}"
+            )
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        _refuse_loss_scaling(self)
+        if jax.default_backend() == "tpu":
+            raise ValueError(
+                f"elastic_emb.Embedding {self.name!r} is not supported on TPUs: it reaches its "
+                "table through host callbacks, untried there. Use CPUs or GPUs."
+            )
+        ids = jnp.asarray(inputs)
+        if self.combiner is not None and ids.ndim != 2:
+            raise ValueError(
+                "With a `combiner`, dense ids must have shape (batch, k). "
+                f"Received: shape={ids.shape}"
+            )
+        rows = _rows(self, jnp.reshape(ids, (-1,)), training)
+        rows = jnp.reshape(rows, (*ids.shape, self.output_dim))
+        if self.combiner is not None:
+            summed = jnp.sum(rows, axis=1)
+            k = rows.shape[1]
+            if self.combiner == "mean":
+                summed = summed / k
+            elif self.combiner == "sqrtn":
+                summed = summed / jnp.sqrt(jnp.float32(k))
+            rows = summed
+        return rows.astype(self.compute_dtype) if self.compute_dtype != "float32" else rows
+
+    def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
+        if not self.mask_zero:
+            return None
+        return keras.ops.not_equal(inputs, 0)
+
+
+def _refuse_loss_scaling(layer: Embedding) -> None:
+    if "mixed_float16" in (layer.dtype_policy.name, keras.config.dtype_policy().name):
+        raise ValueError(
+            f"elastic_emb.Embedding {layer.name!r}: the mixed_float16 policy (a loss-scaled "
+            "optimizer) is not supported on the JAX backend yet: the table would get scaled "
+            'gradients. Use "mixed_bfloat16", which needs no loss scaling.'
+        )
+
+
+def host_keys(layer_name: str, ids: Any) -> np.ndarray:
+    """The int64 keys of ids as the host gets them; float ids only if whole and exact."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind == "f" or ids.dtype.name == "bfloat16":
+        bits = FLOAT_MANTISSA_BITS.get(ids.dtype.name, 24)
+        if not np.all((np.abs(ids) < 2.0**bits) & (np.floor(ids) == ids)):
+            raise ValueError(
+                f"`{layer_name}` received {ids.dtype.name} ids that are not whole numbers below "
+                f"2**{bits}: distinct ids may have been merged on their way through a float. "
+                "Feed ids as int64: keras.Input(..., dtype='int64'), and the data cast with "
+                ".astype('int64')."
+            )
+    elif ids.dtype.kind not in "iub":
+        raise ValueError(
+            f"`{layer_name}` expects integer ids (int32 or int64). Received dtype={ids.dtype.name}"
+        )
+    return ids.astype(np.int64)
+
+
+class _StepTrace(threading.local):
+    """The traced step's pushes per table: the backward passes of one step are traced
+    together, after all its forward passes, so a forward traced after a backward begins
+    the next step (or another trace)."""
+
+    def __init__(self) -> None:
+        self.pushes: collections.Counter[int] | None = None
+        self.in_backward = False
+
+    def forward(self) -> None:
+        if self.in_backward:
+            self.pushes, self.in_backward = None, False
+
+    def backward(self, table: Any) -> collections.Counter[int]:
+        if self.pushes is None:
+            self.pushes = collections.Counter()
+        self.in_backward = True
+        self.pushes[id(table)] += 1
+        return self.pushes
+
+
+_trace = _StepTrace()
+
+
+def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
+    """float32 `(n, dim)` rows of flat ids `(n,)`; their gradient, if computed, is pushed."""
+    train = training if layer.trainable else False  # frozen: no rows added, none trained
+    insert, expects_push = bool(train), train is not False
+    fusion = layer.table.step_fusion()
+    name = layer.name
+    rows_shape = jax.ShapeDtypeStruct((ids.shape[0], layer.output_dim), jnp.float32)
+
+    def pull(host_ids: Any) -> np.ndarray:
+        keys = host_keys(name, host_ids)
+        if fusion.two_phase:
+            return fusion.collect(fusion.submit(keys, insert, expects_push))
+        return fusion.lookup(keys, insert, expects_push)
+
+    def looked_up_rows(ids: Any) -> Any:
+        return jax.pure_callback(pull, rows_shape, ids)
+
+    if not expects_push:
+        return looked_up_rows(ids)
+
+    @jax.custom_vjp
+    def pushed_rows(ids: Any, trigger: Any) -> Any:
+        return looked_up_rows(ids)
+
+    def forward(ids: Any, trigger: Any) -> tuple[Any, Any]:
+        _trace.forward()
+        return looked_up_rows(ids), ids
+
+    def backward(ids: Any, upstream: Any) -> tuple[None, Any]:
+        step_pushes = _trace.backward(fusion)
+
+        def push(host_ids: Any, grads: Any) -> np.ndarray:
+            fusion.push_gradient(
+                host_keys(name, host_ids), np.asarray(grads, np.float32), step_pushes[id(fusion)]
+            )
+            return np.zeros((1,), np.float32)
+
+        trigger_grad = io_callback(
+            push,
+            jax.ShapeDtypeStruct((1,), jnp.float32),
+            ids,
+            upstream.astype(jnp.float32),
+            ordered=True,
+        )
+        return None, trigger_grad
+
+    pushed_rows.defvjp(forward, backward)
+    trigger = layer.push_trigger.value
+    return pushed_rows(ids, trigger)
