@@ -298,7 +298,9 @@ def test_metrics_callback_reports_rows_and_refuses_a_log_dir_on_jax(tmp_path):
 
 def test_the_jax_page_s_example_runs_and_prints_what_it_says(tmp_path):
     page = (Path(__file__).resolve().parents[2] / "docs" / "jax.md").read_text()
-    marker = "<!-- fragment: Keras on JAX (tests/jax_backend runs this page's blocks) -->\n```python\n"
+    marker = (
+        "<!-- fragment: Keras on JAX (tests/jax_backend runs this page's blocks) -->\n```python\n"
+    )
     blocks = [part.split("```", 1)[0] for part in page.split(marker)[1:]]
     assert blocks
     for block in blocks:
