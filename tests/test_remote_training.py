@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 from _cluster import serve_command, shards
 from _processes import run_python
+from _small_model import small_model, sorted_rows
 
 import elastic_emb as ee
 from elastic_emb import placement
@@ -37,26 +38,8 @@ def connected():
     ee.shutdown()
 
 
-def _small_model(prefix: str) -> keras.Model:
-    keras.utils.set_random_seed(0)
-    ids = keras.Input((2,), dtype="int64")
-    a = ee.Embedding(8, optimizer=ee.optimizers.Adagrad(0.1), name=f"{prefix}_a", seed=1)
-    b = ee.Embedding(8, optimizer=ee.optimizers.Adam(0.01), name=f"{prefix}_b", seed=2)
-    x = keras.layers.Concatenate()([a(ids[:, 0]), b(ids[:, 1])])
-    out = keras.layers.Dense(1, activation="sigmoid")(x)
-    model = keras.Model(ids, out)
-    model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
-    return model
-
-
 def _tables(model: keras.Model) -> list[ee.Embedding]:
     return [layer for layer in model.layers if isinstance(layer, ee.Embedding)]
-
-
-def _sorted_rows(table: ee.Table) -> tuple[np.ndarray, np.ndarray]:
-    keys, values = table.export_rows()
-    order = np.argsort(keys)
-    return keys[order], values[order]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -65,18 +48,18 @@ def test_one_worker_equals_in_process_exactly(connected, mode):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 300, (1024, 2))
     y = rng.integers(0, 2, (1024, 1)).astype(np.float32)
-    local = _small_model("exact")
+    local = small_model("exact")
     local_loss = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     with shards(2) as ps:
         cluster = connected(ps=[s.address for s in ps], mode=mode)
-        model = _small_model("exact")
+        model = small_model("exact")
         loss = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
         assert loss.history["loss"] == local_loss.history["loss"]
         for remote_layer, local_layer in zip(_tables(model), _tables(local), strict=True):
             assert isinstance(remote_layer.table, RemoteTable)
             assert remote_layer.table.iterations == local_layer.table.iterations == 32
-            keys, values = _sorted_rows(remote_layer.table)
-            local_keys, local_values = _sorted_rows(local_layer.table)
+            keys, values = sorted_rows(remote_layer.table)
+            local_keys, local_values = sorted_rows(local_layer.table)
             np.testing.assert_array_equal(keys, local_keys)
             np.testing.assert_array_equal(values, local_values)
         for weight, local_weight in zip(model.get_weights(), local.get_weights(), strict=True):
@@ -97,14 +80,14 @@ def test_an_export_from_shards_serves_as_one_from_in_process_tables(connected, t
     x = rng.integers(0, 300, (512, 2))
     y = rng.integers(0, 2, (512, 1)).astype(np.float32)
     more = rng.integers(200, 500, (256, 2))
-    local = _small_model("exported")
+    local = small_model("exported")
     local.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     ee.export_saved_model(local, tmp_path / "local" / "1")
     local.fit(more, y[:256], batch_size=64, epochs=1, shuffle=False, verbose=0)
     ee.export_saved_model(local, tmp_path / "local" / "2")
     with shards(2) as ps:
         connected(ps=[s.address for s in ps], mode="sync")
-        model = _small_model("exported")
+        model = small_model("exported")
         model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
         ee.export_saved_model(model, tmp_path / "remote" / "1")
         model.fit(more, y[:256], batch_size=64, epochs=1, shuffle=False, verbose=0)
@@ -376,7 +359,7 @@ def test_demo_trains_against_a_cluster_as_in_process():
 def test_checkpoint_callback_refuses_several_workers(connected, tmp_path):
     with shards(1) as ps:
         connected(ps=[ps[0].address], mode="async", worker_index=0, num_workers=2)
-        model = _small_model("several")
+        model = small_model("several")
         x = np.zeros((8, 2), np.int64)
         y = np.zeros((8, 1), np.float32)
         with pytest.raises(ValueError, match="supports one worker; with 2 workers"):
@@ -450,8 +433,8 @@ def test_remote_table_behaves_as_the_local_table(connected):
         ):
             np.testing.assert_array_equal(got, expected)
         assert len(table) == len(local) and table.iterations == local.iterations == 2
-        assert _sorted_rows(table)[0].tolist() == _sorted_rows(local)[0].tolist()
-        np.testing.assert_array_equal(_sorted_rows(table)[1], _sorted_rows(local)[1])
+        assert sorted_rows(table)[0].tolist() == sorted_rows(local)[0].tolist()
+        np.testing.assert_array_equal(sorted_rows(table)[1], sorted_rows(local)[1])
         assert table.memory_bytes() > 0
 
 
@@ -464,11 +447,11 @@ def test_lookahead_reads_rows_a_step_ahead_and_trains_exactly(connected, mode):
     x = rng.integers(0, 3000, (4096, 2))  # many ids first seen late: inserted by pushes
     y = rng.integers(0, 2, (4096, 1)).astype(np.float32)
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(64).repeat()
-    local = _small_model("ahead")
+    local = small_model("ahead")
     local_loss = local.fit(batches, steps_per_epoch=16, epochs=2, verbose=0)
     with shards(2) as ps:
         cluster = connected(ps=[s.address for s in ps], mode=mode)
-        model = _small_model("ahead")
+        model = small_model("ahead")
         ahead = ee.lookahead(batches, model)
         loss = model.fit(ahead, steps_per_epoch=16, epochs=2, verbose=0)
         # At most every step but the first; fewer when the input pipeline announced a batch
@@ -477,8 +460,8 @@ def test_lookahead_reads_rows_a_step_ahead_and_trains_exactly(connected, mode):
         assert loss.history["loss"] == local_loss.history["loss"]
         for remote_layer, local_layer in zip(_tables(model), _tables(local), strict=True):
             assert remote_layer.table.iterations == local_layer.table.iterations == 32
-            keys, values = _sorted_rows(remote_layer.table)
-            local_keys, local_values = _sorted_rows(local_layer.table)
+            keys, values = sorted_rows(remote_layer.table)
+            local_keys, local_values = sorted_rows(local_layer.table)
             np.testing.assert_array_equal(keys, local_keys)
             np.testing.assert_array_equal(values, local_values)
             meta = remote_layer.table.metadata(keys)
@@ -487,7 +470,7 @@ def test_lookahead_reads_rows_a_step_ahead_and_trains_exactly(connected, mode):
             np.testing.assert_array_equal(weight, local_weight)
         # The 33rd batch was read ahead (sent after the last push); its new ids got no row.
         unseen = np.setdiff1d(x[32 * 64 : 33 * 64, 0], x[: 32 * 64, 0])
-        assert len(unseen) and not np.isin(unseen, _sorted_rows(_tables(model)[0].table)[0]).any()
+        assert len(unseen) and not np.isin(unseen, sorted_rows(_tables(model)[0].table)[0]).any()
 
 
 def test_a_push_never_waits_behind_pulls_the_shards_hold():

@@ -1,10 +1,10 @@
 """ee.Embedding on JAX against real `elastic-emb serve` shards: training is bit for bit
 the in-process run's, one pull and one push per table per step, sync and async."""
 
-import keras
 import numpy as np
 import pytest
 from _cluster import shards
+from _small_model import small_model, sorted_rows
 
 import elastic_emb as ee
 from elastic_emb.ps.client.remote_table import RemoteTable
@@ -12,41 +12,24 @@ from elastic_emb.ps.client.remote_table import RemoteTable
 STEPS = 16
 
 
-def _small_model(prefix: str) -> keras.Model:
-    keras.utils.set_random_seed(0)
-    ids = keras.Input((2,), dtype="int64")
-    a = ee.Embedding(8, optimizer=ee.optimizers.Adagrad(0.1), name=f"{prefix}_a", seed=1)
-    b = ee.Embedding(8, optimizer=ee.optimizers.Adam(0.01), name=f"{prefix}_b", seed=2)
-    x = keras.layers.Concatenate()([a(ids[:, 0]), b(ids[:, 1])])
-    model = keras.Model(ids, keras.layers.Dense(1, activation="sigmoid")(x))
-    model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
-    return model
-
-
-def _sorted_rows(table) -> tuple[np.ndarray, np.ndarray]:
-    keys, values = table.export_rows()
-    order = np.argsort(keys)
-    return keys[order], values[order]
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_one_worker_on_shards_trains_exactly_as_in_process(mode):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 300, (64 * STEPS // 2, 2))
     y = rng.integers(0, 2, (len(x), 1)).astype(np.float32)
-    local = _small_model("jax_exact")
+    local = small_model("jax_exact")
     local_loss = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     with shards(2) as ps:
         cluster = ee.init(ps=[s.address for s in ps], mode=mode)
         try:
-            model = _small_model("jax_exact")
+            model = small_model("jax_exact")
             loss = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
             assert loss.history["loss"] == local_loss.history["loss"]
             for name in ("jax_exact_a", "jax_exact_b"):
                 remote, here = model.get_layer(name).table, local.get_layer(name).table
                 assert isinstance(remote, RemoteTable)
                 assert remote.iterations == here.iterations == STEPS
-                for got, want in zip(_sorted_rows(remote), _sorted_rows(here), strict=True):
+                for got, want in zip(sorted_rows(remote), sorted_rows(here), strict=True):
                     np.testing.assert_array_equal(got, want)
             for weight, local_weight in zip(model.get_weights(), local.get_weights(), strict=True):
                 np.testing.assert_array_equal(weight, local_weight)
