@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "py_arrays.h"
 #include "request_bindings.h"
 #include "shard_bindings.h"
+#include "string_keys.h"
 #include "table.h"
 #include "thread_pool.h"
 #include "varint.h"
@@ -527,6 +529,48 @@ void BindDevice(py::module_& m) {
 }
 #endif
 
+void BindStringKeys(py::module_& m) {
+  m.def(
+      "string_keys",
+      [](const py::sequence& strings) {
+        // The bytes of each (a str as UTF-8, as TensorFlow stores it), then hashed without the GIL.
+        const auto n = static_cast<py::ssize_t>(strings.size());
+        std::vector<py::object> held(static_cast<size_t>(n));
+        std::vector<std::pair<const char*, Py_ssize_t>> spans(static_cast<size_t>(n));
+        for (py::ssize_t i = 0; i < n; ++i) {
+          held[i] = strings[i];
+          PyObject* s = held[i].ptr();
+          char* data = nullptr;
+          Py_ssize_t len = 0;
+          if (PyBytes_Check(s)) {
+            PyBytes_AsStringAndSize(s, &data, &len);
+          } else if (PyUnicode_Check(s)) {
+            const char* utf8 = PyUnicode_AsUTF8AndSize(s, &len);
+            if (utf8 == nullptr) throw py::error_already_set();
+            data = const_cast<char*>(utf8);
+          } else {
+            throw py::type_error("string keys are made from str or bytes; item " +
+                                 std::to_string(i) + " is " +
+                                 std::string(py::str(py::type::of(held[i]).attr("__name__"))));
+          }
+          spans[i] = {data, len};
+        }
+        py::array_t<int64_t> keys(n);
+        int64_t* out = keys.mutable_data();
+        {
+          py::gil_scoped_release release;
+          for (py::ssize_t i = 0; i < n; ++i) {
+            const uint64_t key = elastic_emb::StringFingerprint(
+                spans[i].first, static_cast<size_t>(spans[i].second));
+            std::memcpy(&out[i], &key, sizeof(key));
+          }
+        }
+        return keys;
+      },
+      py::arg("strings"),
+      "int64 keys of a sequence of str/bytes: tf.fingerprint's FarmHash64, bit for bit.");
+}
+
 void BindBatchKeys(py::module_& m) {
   m.def(
       "unique_keys",
@@ -665,6 +709,7 @@ PYBIND11_MODULE(_core, m) {
 
   BindOptions(m);
   BindBatchKeys(m);
+  BindStringKeys(m);
   BindVarint(m);
   elastic_emb::BindRequests(m);
   // Held by shared_ptr: the data plane's shards share the tables (csrc/shard_core.h).

@@ -65,6 +65,7 @@ _NAMES = {
     "init": "elastic_emb.placement",
     "lookahead": "elastic_emb.keras.models",
     "shutdown": "elastic_emb.placement",
+    "string_keys": "elastic_emb.tables.string_keys",
 }
 
 

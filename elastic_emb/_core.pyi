@@ -1,6 +1,6 @@
 """Type stubs of the private C++ extension (csrc/bindings.cc)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, overload
 
 import numpy as np
@@ -28,6 +28,9 @@ def split_by_slot_range(
     keys: np.ndarray, starts: np.ndarray, num_slots: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """(positions of the keys ordered by slot range, then key as uint64; range bounds)."""
+
+def string_keys(strings: Sequence[str | bytes]) -> np.ndarray:
+    """int64 keys of str/bytes: tf.fingerprint's FarmHash64, bit for bit."""
 
 def sum_by_key(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct keys, their rows of grads summed in input order from +0.0)."""

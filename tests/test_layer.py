@@ -303,6 +303,20 @@ def test_string_fingerprint_is_stable_across_processes():
     assert eval(out.strip().splitlines()[-1]) == here
 
 
+def test_host_string_keys_are_the_graph_s_keys():
+    """`ee.string_keys` (C++, no TensorFlow) against tf.fingerprint, on every length class
+    of the hash (0-16, 17-32, 33-64, longer) and on str as UTF-8."""
+    rng = np.random.default_rng(0)
+    words = [rng.bytes(n) for n in range(300)] + [b"", b"\x00", "ünïcode", "apple"]
+    graph = ee.layers.string_keys(tf.constant(words)).numpy()
+    np.testing.assert_array_equal(ee.string_keys(words), graph)
+    np.testing.assert_array_equal(
+        ee.string_keys(np.array(words[-2:]).reshape(2, 1)), graph[-2:, None]
+    )
+    with pytest.raises(TypeError, match="item 1 is int"):
+        ee.string_keys(["apple", 3])
+
+
 @pytest.mark.skipif(
     keras_version() < (3, 10),
     reason="before Keras 3.10 a stock model under MirroredStrategy trains or reports its loss "

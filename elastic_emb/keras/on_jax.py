@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from elastic_emb.keras.base import FLOAT_MANTISSA_BITS, EmbeddingBase
+from elastic_emb.tables.string_keys import EMPTY_STRING_KEY, string_keys
 
 __all__ = ["Embedding", "require_x64"]
 
@@ -55,12 +56,6 @@ class Embedding(EmbeddingBase):
         # dtype otherwise, as Keras's own preprocessing layers avoid in the same way).
         self._convert_input_args = False
         self._allow_non_tensor_positional_args = True
-        if self.key_dtype == "string":
-            raise ValueError(
-                'key_dtype="string" is not available on the JAX backend: JAX arrays hold no '
-                "strings. Hash them to int64 ids in the input pipeline and use the default "
-                'key_dtype="int64".'
-            )
         if self.device != "cpu":
             raise ValueError(
                 'device="gpu" tables are not available on the JAX backend yet (the rows go '
@@ -74,7 +69,7 @@ class Embedding(EmbeddingBase):
                 f"elastic_emb.Embedding {self.name!r} is not supported on TPUs: it reaches its "
                 "table through host callbacks, untried there. Use CPUs or GPUs."
             )
-        ids = jnp.asarray(inputs)
+        ids = jnp.asarray(self._keys_of_strings(inputs))
         if self.combiner is not None and ids.ndim != 2:
             raise ValueError(
                 "With a `combiner`, dense ids must have shape (batch, k). "
@@ -95,7 +90,28 @@ class Embedding(EmbeddingBase):
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero:
             return None
-        return keras.ops.not_equal(inputs, 0)
+        if self.key_dtype != "string":
+            return keras.ops.not_equal(inputs, 0)
+        keys = self._keys_of_strings(inputs)
+        empty = np.array(EMPTY_STRING_KEY, np.int64).astype(keys.dtype)  # as uint64 too
+        return keras.ops.not_equal(keys, empty)
+
+    def _keys_of_strings(self, inputs: Any) -> Any:
+        """With key_dtype="string": ids as their keys. JAX arrays hold no strings, so a
+        step gets the keys `ee.string_keys` made in the input pipeline; NumPy strings
+        (a call outside a step) are hashed here, on the host."""
+        if self.key_dtype != "string":
+            return inputs
+        if isinstance(inputs, (np.ndarray, list, tuple, str, bytes)):
+            if np.asarray(inputs).dtype.kind in "USO":
+                return string_keys(inputs)
+        dtype = keras.backend.standardize_dtype(inputs.dtype)
+        if dtype not in ("int64", "uint64"):
+            raise ValueError(
+                f'With key_dtype="string", {self.name!r} takes strings, or on JAX their int64 '
+                f"keys from ee.string_keys(strings) in the input pipeline. Received dtype={dtype}"
+            )
+        return inputs
 
 
 def _refuse_loss_scaling(layer: Embedding) -> None:

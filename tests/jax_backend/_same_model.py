@@ -26,23 +26,39 @@ def train() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     x = rng.integers(0, 10**12, (256, len(TABLES))) % 500  # repeats: rows trained many times
     y = rng.integers(0, 2, (256, 1)).astype(np.float32)
+    words = np.array(["apple", "pear", "fig", "ünïcode", ""])[rng.integers(0, 5, (256, 1))]
+    # JAX arrays hold no strings: there the input pipeline hashes them (docs/jax.md).
+    on_tf = keras.backend.backend() == "tensorflow"
     ids = keras.Input((len(TABLES),), dtype="int64")
+    word_ids = keras.Input((1,), dtype="string" if on_tf else "int64")
     layers = [
         ee.Embedding(8, optimizer=cls(**kwargs), name=name, seed=i)
         for i, (name, (cls, kwargs)) in enumerate(TABLES.items())
     ]
-    joined = keras.layers.Concatenate()([layer(ids[:, i]) for i, layer in enumerate(layers)])
+    word_layer = ee.Embedding(
+        8, optimizer=ee.optimizers.Adagrad(0.1), key_dtype="string", name="same_words", seed=7
+    )
+    joined = keras.layers.Concatenate()(
+        [layer(ids[:, i]) for i, layer in enumerate(layers)]
+        + [keras.layers.Flatten()(word_layer(word_ids))]
+    )
     hidden = keras.layers.Dense(16, activation="relu")(joined)
-    model = keras.Model(ids, keras.layers.Dense(1, activation="sigmoid")(hidden))
+    model = keras.Model([ids, word_ids], keras.layers.Dense(1, activation="sigmoid")(hidden))
     # Dense weights from NumPy: seeded Keras initializers differ between backends.
     weights = np.random.default_rng(1)
     model.set_weights(
         [weights.uniform(-0.3, 0.3, w.shape).astype(np.float32) for w in model.get_weights()]
     )
     model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
-    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    if on_tf:  # Keras takes strings as tensors, not NumPy arrays
+        import tensorflow as tf
+
+        inputs = [x, tf.constant(words)]
+    else:
+        inputs = [x, ee.string_keys(words)]
+    history = model.fit(inputs, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     out = {"loss": np.array(history.history["loss"], np.float64)}
-    for layer in layers:
+    for layer in [*layers, word_layer]:
         keys, values = layer.table.export_rows()
         order = np.argsort(keys)
         out[f"{layer.name}/keys"], out[f"{layer.name}/values"] = keys[order], values[order]

@@ -174,9 +174,29 @@ def test_float_ids_that_are_not_exact_whole_numbers_are_refused_naming_the_layer
         np.asarray(layer(np.array([[1.5, 2.0]], np.float32)))
 
 
+def test_string_ids_hashed_in_the_pipeline_train_the_rows_of_their_keys():
+    """Strings reach a jitted step as `ee.string_keys` keys; NumPy strings given to the
+    layer itself are hashed on the host. Keys from tf.fingerprint: test_layer.py."""
+    layer = ee.Embedding(DIM, key_dtype="string", name="words")
+    words = np.array([["apple", "pear", ""], ["pear", "fig", "apple"]] * 8)
+    keys = ee.string_keys(words)
+    assert keys.dtype == np.int64 and len(set(keys.ravel().tolist())) == 4
+    model = _functional(layer)
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    before = np.asarray(layer(words))
+    model.fit(keys, np.ones((16, 1), np.float32), batch_size=4, epochs=1, verbose=0)
+    assert sorted(_rows(layer)) == sorted(set(keys.ravel().tolist()))
+    assert layer.table.iterations == 4
+    np.testing.assert_array_equal(np.asarray(layer(words)), np.asarray(layer(keys)))
+    assert not np.array_equal(np.asarray(layer(words)), before)  # the pushes reached them
+    masked = ee.Embedding(DIM, key_dtype="string", mask_zero=True, name="masked_words")
+    np.testing.assert_array_equal(np.asarray(masked.compute_mask(words)), words != "")
+    np.testing.assert_array_equal(np.asarray(masked.compute_mask(keys)), words != "")
+    with pytest.raises(ValueError, match=r"takes strings, or on JAX their int64 keys.*int32"):
+        layer(np.array([[1, 2]], np.int32))
+
+
 def test_what_the_jax_layer_cannot_do_is_refused_clearly():
-    with pytest.raises(ValueError, match="JAX arrays hold no strings"):
-        ee.Embedding(DIM, key_dtype="string", name="strings")
     keras.config.set_dtype_policy("mixed_float16")
     try:
         layer = ee.Embedding(DIM, name="scaled")
