@@ -1,11 +1,12 @@
 """`Embedding` on Keras' JAX backend: the table reached by host callbacks in the jitted step.
 
-Forward: the ids go to the host through `jax.pure_callback`, which looks their
-rows up (inserting unseen ids while training) and hands them back: one pull per
-call. Backward (a `jax.custom_vjp`): an ordered `io_callback` hands the table
-the rows' gradient, one row per id, as on TensorFlow; it needs that gradient, so
-it runs after the step's pulls, and its output is the gradient of the layer's
-push trigger (zero), so Keras' train step keeps it. A table looked up by several
+Forward: the ids go to the host through an ordered `io_callback`, which looks
+their rows up (inserting unseen ids while training) and hands them back: one
+pull per call. Backward (a `jax.custom_vjp`): an ordered `io_callback` hands the
+table the rows' gradient, one row per id, as on TensorFlow, and its output is
+the gradient of the layer's push trigger (zero), so Keras' train step keeps it.
+Ordered, the callbacks run as traced: a step's pushes after its pulls, and the
+next step's pulls (several steps per execution) after them. A table looked up by several
 calls in one step sums their gradients into one push, as on TensorFlow: the
 backward passes traced together for a step count them.
 
@@ -18,6 +19,7 @@ refuses to be built. Neither TensorFlow nor `elastic_emb.keras.layers` is import
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from typing import Any
 
@@ -28,6 +30,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from elastic_emb.keras.base import FLOAT_MANTISSA_BITS, EmbeddingBase
+from elastic_emb.keras_range import require
 from elastic_emb.tables.string_keys import EMPTY_STRING_KEY, string_keys
 
 __all__ = ["Embedding", "require_x64"]
@@ -51,6 +54,7 @@ class Embedding(EmbeddingBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require_x64()
+        _hold_loss_scaled_gradients()
         super().__init__(*args, **kwargs)
         # Ids given as NumPy arrays stay ids (Keras before 3.4 casts them to the compute
         # dtype otherwise, as Keras's own preprocessing layers avoid in the same way).
@@ -63,7 +67,6 @@ class Embedding(EmbeddingBase):
             )
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
-        _refuse_loss_scaling(self)
         if jax.default_backend() == "tpu":
             raise ValueError(
                 f"elastic_emb.Embedding {self.name!r} is not supported on TPUs: it reaches its "
@@ -114,15 +117,6 @@ class Embedding(EmbeddingBase):
         return inputs
 
 
-def _refuse_loss_scaling(layer: Embedding) -> None:
-    if "mixed_float16" in (layer.dtype_policy.name, keras.config.dtype_policy().name):
-        raise ValueError(
-            f"elastic_emb.Embedding {layer.name!r}: the mixed_float16 policy (a loss-scaled "
-            "optimizer) is not supported on the JAX backend yet: the table would get scaled "
-            'gradients. Use "mixed_bfloat16", which needs no loss scaling.'
-        )
-
-
 def host_keys(layer_name: str, ids: Any) -> np.ndarray:
     """The int64 keys of ids as the host gets them; float ids only if whole and exact."""
     ids = np.asarray(ids)
@@ -142,25 +136,75 @@ def host_keys(layer_name: str, ids: Any) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+class _TracedStep:
+    """One traced step's pushes: how many per table, and under a LossScaleOptimizer the
+    pushes held (scaled) until the step's `settle` has seen whether Keras applied it."""
+
+    def __init__(self, loss_scaled: bool) -> None:
+        self.pushes: collections.Counter[int] = collections.Counter()
+        self.loss_scaled = loss_scaled
+        self.settles = False  # whether the traced step settles its held pushes
+        self._held: list[tuple[Any, np.ndarray, np.ndarray]] = []
+
+    def push(self, fusion: Any, keys: np.ndarray, grads: np.ndarray) -> np.ndarray:
+        """Pushes a table's gradient, or holds it; the push trigger's gradient: NaN if a
+        held gradient overflowed, so that Keras skips the step as for a dense one."""
+        if not self.loss_scaled:
+            fusion.push_gradient(keys, grads, self.pushes[id(fusion)])
+            return np.zeros((1,), np.float32)
+        if not self.settles:
+            raise RuntimeError("a loss-scaled step traced without its LossScaleOptimizer")
+        self._held.append((fusion, keys, grads))
+        return np.full((1,), 0.0 if np.isfinite(grads).all() else np.nan, np.float32)
+
+    def settle(self, iterations_before: Any, iterations_after: Any, scale: Any) -> np.ndarray:
+        """Pushes the held gradients divided by the step's scale (a power of two: exact)
+        if Keras applied the step; drops them if it skipped it."""
+        held, self._held = self._held, []
+        if int(iterations_after) > int(iterations_before):
+            for fusion, keys, grads in held:
+                fusion.push_gradient(keys, grads / np.float32(scale), self.pushes[id(fusion)])
+        return np.zeros((), np.int32)
+
+
 class _StepTrace(threading.local):
-    """The traced step's pushes per table: the backward passes of one step are traced
-    together, after all its forward passes, so a forward traced after a backward begins
-    the next step (or another trace)."""
+    """The step being traced: the backward passes of one step are traced together, after
+    all its forward passes, so a forward traced after a backward begins the next step (or
+    another trace). Inside Keras's train step, whether its optimizer scales the loss."""
 
     def __init__(self) -> None:
-        self.pushes: collections.Counter[int] | None = None
+        self.step: _TracedStep | None = None
         self.in_backward = False
+        self.train_step_scales_loss: bool | None = None  # None: outside a Keras train step
 
     def forward(self) -> None:
         if self.in_backward:
-            self.pushes, self.in_backward = None, False
+            self.step, self.in_backward = None, False
 
-    def backward(self, table: Any) -> collections.Counter[int]:
-        if self.pushes is None:
-            self.pushes = collections.Counter()
+    def backward(self, layer: Embedding, fusion: Any) -> _TracedStep:
+        scaled = self.train_step_scales_loss
+        if scaled is None and "mixed_float16" in (
+            layer.dtype_policy.name,
+            keras.config.dtype_policy().name,
+        ):
+            raise ValueError(
+                f"elastic_emb.Embedding {layer.name!r}: under the mixed_float16 policy on JAX "
+                "the table trains through Keras's own train step (model.fit, train_on_batch), "
+                "where it sees the loss scale; this gradient is taken elsewhere. Use "
+                '"mixed_bfloat16", which needs no loss scaling, or float32.'
+            )
+        if scaled and fusion.two_phase:
+            # A skipped step would leave the cluster waiting for pushes that never come.
+            raise ValueError(
+                "The mixed_float16 policy (loss scaling) trains in-process tables only; the "
+                f"table of {layer.name!r} is on parameter servers. Use mixed_bfloat16 (no "
+                "loss scaling) or float32."
+            )
+        if self.step is None:
+            self.step = _TracedStep(bool(scaled))
         self.in_backward = True
-        self.pushes[id(table)] += 1
-        return self.pushes
+        self.step.pushes[id(fusion)] += 1
+        return self.step
 
 
 _trace = _StepTrace()
@@ -181,7 +225,7 @@ def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
         return fusion.lookup(keys, insert, expects_push)
 
     def looked_up_rows(ids: Any) -> Any:
-        return jax.pure_callback(pull, rows_shape, ids)
+        return io_callback(pull, rows_shape, ids, ordered=True)
 
     if not expects_push:
         return looked_up_rows(ids)
@@ -195,13 +239,10 @@ def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
         return looked_up_rows(ids), ids
 
     def backward(ids: Any, upstream: Any) -> tuple[None, Any]:
-        step_pushes = _trace.backward(fusion)
+        step = _trace.backward(layer, fusion)
 
         def push(host_ids: Any, grads: Any) -> np.ndarray:
-            fusion.push_gradient(
-                host_keys(name, host_ids), np.asarray(grads, np.float32), step_pushes[id(fusion)]
-            )
-            return np.zeros((1,), np.float32)
+            return step.push(fusion, host_keys(name, host_ids), np.asarray(grads, np.float32))
 
         trigger_grad = io_callback(
             push,
@@ -215,3 +256,56 @@ def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
     pushed_rows.defvjp(forward, backward)
     trigger = layer.push_trigger.value
     return pushed_rows(ids, trigger)
+
+
+def _hold_loss_scaled_gradients() -> None:
+    """Wraps Keras's train step (where the model says whether its optimizer scales the
+    loss) and `LossScaleOptimizer.stateless_apply` (which settles the step's held pushes
+    once Keras has applied or skipped it), once. The tables then train on the true
+    gradient in the steps Keras applies, as on TensorFlow (`loss_scaling`)."""
+    trainer = next(c for c in keras.Model.__mro__ if "train_step" in vars(c))
+    if getattr(trainer.train_step, "_ee_wrapped", False):
+        return
+    keras_train_step = trainer.train_step
+    keras_apply = keras.optimizers.LossScaleOptimizer.stateless_apply
+
+    @functools.wraps(keras_train_step)
+    def train_step(self: keras.Model, state: Any, data: Any) -> Any:
+        outer = _trace.train_step_scales_loss
+        _trace.step, _trace.in_backward = None, False
+        _trace.train_step_scales_loss = isinstance(
+            self.optimizer, keras.optimizers.LossScaleOptimizer
+        )
+        try:
+            return keras_train_step(self, state, data)
+        finally:
+            _trace.train_step_scales_loss = outer
+
+    @functools.wraps(keras_apply)
+    def stateless_apply(self: Any, optimizer_variables: Any, grads: Any, variables: Any) -> Any:
+        step = _trace.step if _trace.train_step_scales_loss and _trace.in_backward else None
+        result = keras_apply(self, optimizer_variables, grads, variables)
+        if step is None or step.settles:
+            return result
+        index = {id(v): i for i, v in enumerate(self.variables)}
+        iterations = index.get(id(self.inner_optimizer.iterations))
+        scale = index.get(id(self.dynamic_scale))
+        require(
+            iterations is not None and scale is not None,
+            "LossScaleOptimizer.inner_optimizer.iterations and .dynamic_scale among its variables",
+            "mixed_float16 on JAX",
+        )
+        step.settles = True
+        io_callback(
+            step.settle,
+            jax.ShapeDtypeStruct((), jnp.int32),
+            optimizer_variables[iterations],
+            result[1][iterations],
+            optimizer_variables[scale],
+            ordered=True,
+        )
+        return result
+
+    train_step._ee_wrapped = True  # type: ignore[attr-defined]
+    trainer.train_step = train_step
+    keras.optimizers.LossScaleOptimizer.stateless_apply = stateless_apply

@@ -68,8 +68,11 @@ def test_the_layer_is_the_jax_one_and_tensorflow_is_never_loaded():
     assert "tensorflow" not in sys.modules
 
 
-@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_parity_with_stock_keras_embedding_on_jax(opt_name):
+@pytest.mark.parametrize(
+    ("opt_name", "steps_per_execution"), [*((name, 1) for name in sorted(OPTIMIZERS)), ("sgd", 3)]
+)
+def test_parity_with_stock_keras_embedding_on_jax(opt_name, steps_per_execution):
+    """Several steps per execution: each step's pulls see the step before's pushes."""
     cls, kwargs = OPTIMIZERS[opt_name]
     steps = 6
     x = _every_row_once(steps)
@@ -82,7 +85,7 @@ def test_parity_with_stock_keras_embedding_on_jax(opt_name):
     mine.layers[-1].set_weights(stock.layers[-1].get_weights())
     losses = {}
     for name, model in (("stock", stock), ("ee", mine)):
-        model.compile(cls(**kwargs), "mse")
+        model.compile(cls(**kwargs), "mse", steps_per_execution=steps_per_execution)
         history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         losses[name] = history.history["loss"]
     np.testing.assert_allclose(losses["ee"], losses["stock"], rtol=RTOL)
@@ -120,3 +123,43 @@ def test_the_same_model_trains_as_on_the_tensorflow_backend(tmp_path):
             np.testing.assert_array_equal(value, on_tf[name], err_msg=name)
         else:
             np.testing.assert_allclose(value, on_tf[name], rtol=RTOL, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_mixed_float16_trains_as_stock_keras_skipping_the_same_steps(steps_per_execution):
+    """Under loss scaling both models skip the steps whose scaled gradients overflow (a
+    scale of 2**24 halves until they fit) and apply the rest unscaled."""
+    steps = 12
+    x = _every_row_once(steps)
+    y = np.random.default_rng(3).normal(size=(len(x), 1)).astype(np.float32)
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        stock_layer = keras.layers.Embedding(VOCAB, DIM)
+        mine_layer = ee.Embedding(DIM, optimizer=ee.optimizers.SGD(0.1), name="scaled_rows")
+        stock, mine = _model(stock_layer), _model(mine_layer)
+        stock_layer.embeddings.assign(_initial_rows())
+        mine_layer.table.import_rows(np.arange(VOCAB), _initial_rows())
+        mine.layers[-1].set_weights(stock.layers[-1].get_weights())
+        losses = {}
+        for name, model in (("stock", stock), ("ee", mine)):
+            scaled = keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.1), initial_scale=2.0**24
+            )
+            model.compile(scaled, "mse", steps_per_execution=steps_per_execution)
+            history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            losses[name] = history.history["loss"]
+        applied = int(stock.optimizer.inner_optimizer.iterations.numpy())
+        assert 0 < applied < steps  # some steps skipped, some applied
+        assert (
+            int(mine.optimizer.inner_optimizer.iterations.numpy())
+            == applied
+            == mine_layer.table.iterations
+        )
+        assert str(mine_layer(x[:1]).dtype) == "float16"
+    finally:
+        keras.config.set_dtype_policy("float32")
+    np.testing.assert_allclose(losses["ee"], losses["stock"], rtol=1e-3)
+    np.testing.assert_allclose(
+        _rows_of(mine_layer), np.asarray(stock_layer.embeddings), rtol=RTOL, atol=1e-7
+    )
+    assert not np.allclose(_rows_of(mine_layer), _initial_rows())

@@ -1,6 +1,7 @@
 """ee.Embedding on JAX against real `elastic-emb serve` shards: training is bit for bit
 the in-process run's, one pull and one push per table per step, sync and async."""
 
+import keras
 import numpy as np
 import pytest
 from _cluster import shards
@@ -48,3 +49,19 @@ def test_dense_weights_on_the_ps_are_refused_on_jax():
             ee.init(ps=[ps[0].address], mode="async", dense="ps")
         # Nothing was connected: tables stay in-process.
         assert type(ee.Table(dim=2, name="after_refusal")).__name__ == "LocalTable"
+
+
+def test_loss_scaling_with_tables_on_shards_is_refused():
+    """A step Keras skips would leave the shards waiting for its pushes (as on TensorFlow)."""
+    x, y = np.arange(8).reshape(4, 2), np.zeros((4, 1), np.float32)
+    with shards(1) as ps:
+        ee.init(ps=[ps[0].address], mode="async")
+        keras.config.set_dtype_policy("mixed_float16")
+        try:
+            model = small_model("jax_scaled")
+            with pytest.raises(ValueError, match=r"in-process tables only.*jax_scaled_"):
+                model.fit(x, y, verbose=0)
+            assert model.get_layer("jax_scaled_a").table.iterations == 0
+        finally:
+            keras.config.set_dtype_policy("float32")
+            ee.shutdown()
