@@ -61,6 +61,16 @@ def _rows_of(layer: ee.Embedding) -> np.ndarray:
     return out
 
 
+def _twins(mine_layer: ee.Embedding) -> tuple[keras.Model, keras.layers.Embedding, keras.Model]:
+    """A stock model and one with `mine_layer`, from the same rows and dense weights."""
+    stock_layer = keras.layers.Embedding(VOCAB, DIM)
+    stock, mine = _model(stock_layer), _model(mine_layer)
+    stock_layer.embeddings.assign(_initial_rows())
+    mine_layer.table.import_rows(np.arange(VOCAB), _initial_rows())
+    mine.layers[-1].set_weights(stock.layers[-1].get_weights())
+    return stock, stock_layer, mine
+
+
 def test_the_layer_is_the_jax_one_and_tensorflow_is_never_loaded():
     layer = ee.Embedding(DIM, name="which")
     assert type(layer).__module__ == "elastic_emb.keras.on_jax"
@@ -77,12 +87,8 @@ def test_parity_with_stock_keras_embedding_on_jax(opt_name, steps_per_execution)
     steps = 6
     x = _every_row_once(steps)
     y = np.random.default_rng(3).normal(size=(len(x), 1)).astype(np.float32)
-    stock_layer = keras.layers.Embedding(VOCAB, DIM)
     mine_layer = ee.Embedding(DIM, optimizer=cls(**kwargs), name=f"parity_{opt_name}")
-    stock, mine = _model(stock_layer), _model(mine_layer)
-    stock_layer.embeddings.assign(_initial_rows())
-    mine_layer.table.import_rows(np.arange(VOCAB), _initial_rows())
-    mine.layers[-1].set_weights(stock.layers[-1].get_weights())
+    stock, stock_layer, mine = _twins(mine_layer)
     losses = {}
     for name, model in (("stock", stock), ("ee", mine)):
         model.compile(cls(**kwargs), "mse", steps_per_execution=steps_per_execution)
@@ -134,12 +140,8 @@ def test_mixed_float16_trains_as_stock_keras_skipping_the_same_steps(steps_per_e
     y = np.random.default_rng(3).normal(size=(len(x), 1)).astype(np.float32)
     keras.config.set_dtype_policy("mixed_float16")
     try:
-        stock_layer = keras.layers.Embedding(VOCAB, DIM)
         mine_layer = ee.Embedding(DIM, optimizer=ee.optimizers.SGD(0.1), name="scaled_rows")
-        stock, mine = _model(stock_layer), _model(mine_layer)
-        stock_layer.embeddings.assign(_initial_rows())
-        mine_layer.table.import_rows(np.arange(VOCAB), _initial_rows())
-        mine.layers[-1].set_weights(stock.layers[-1].get_weights())
+        stock, stock_layer, mine = _twins(mine_layer)
         losses = {}
         for name, model in (("stock", stock), ("ee", mine)):
             scaled = keras.optimizers.LossScaleOptimizer(
