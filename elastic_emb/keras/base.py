@@ -15,6 +15,7 @@ import keras
 import numpy as np
 
 from elastic_emb.errors import ElasticEmbWarning
+from elastic_emb.keras.weights import carry_rows
 from elastic_emb.keras_range import check_keras, keras_version, require
 from elastic_emb.persistence import checkpoint
 from elastic_emb.tables import registry
@@ -24,6 +25,7 @@ from elastic_emb.tables.table import TableConfig, TableState
 __all__ = ["MAX_SAVED_TABLE_BYTES", "EmbeddingBase", "embedding_layers"]
 
 check_keras()  # Keras 3.3 or newer
+carry_rows()  # Keras's weights by value carry the tables' rows
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
 # Above this a table's rows are not written into Keras weights files (ee.save is).
@@ -247,20 +249,26 @@ class EmbeddingBase(keras.layers.Layer):
         return {**base_config, **config}
 
     # Keras saving: `model.save`, `save_weights`, ModelCheckpoint and
-    # BackupAndRestore store the table's rows with the layer's variables.
+    # BackupAndRestore store the table's rows with the layer's variables;
+    # `get_weights` and the state tree carry them by value (`elastic_emb.keras.weights`).
 
-    def save_own_variables(self, store: Any) -> None:
-        super().save_own_variables(store)  # the push trigger, as "0"
+    def check_keras_size(self, api: str) -> None:
+        """Raises if the table is too big for Keras to hold by value (`api`: who asks)."""
         table = self.table
         width = table.dim * (1 + table.num_slots) * 4 + 16  # value, slots, key, metadata
         size = len(table) * width
         if size > MAX_SAVED_TABLE_BYTES:
             raise ValueError(
                 f"Table {table.name!r} holds {len(table):,} rows ({size / 2**30:.1f} GiB), more "
-                f"than a Keras weights file takes (elastic_emb.keras.base.MAX_SAVED_TABLE_BYTES"
-                f" = {MAX_SAVED_TABLE_BYTES / 2**30:.0f} GiB). Save the tables with ee.save(...) "
+                f"than Keras's {api} takes (elastic_emb.keras.base.MAX_SAVED_TABLE_BYTES = "
+                f"{MAX_SAVED_TABLE_BYTES / 2**30:.0f} GiB). Save the tables with ee.save(...) "
                 "or ee.callbacks.Checkpoint, and the dense weights with Keras."
             )
+
+    def save_own_variables(self, store: Any) -> None:
+        super().save_own_variables(store)  # the push trigger, as "0"
+        self.check_keras_size("weights files")
+        table = self.table
         state = table.export_state()
         store["table_config"] = np.frombuffer(
             json.dumps({**table.config(), "num_slots": table.num_slots}).encode(), np.uint8

@@ -46,9 +46,11 @@ def train() -> dict[str, np.ndarray]:
     model = keras.Model([ids, word_ids], keras.layers.Dense(1, activation="sigmoid")(hidden))
     # Dense weights from NumPy: seeded Keras initializers differ between backends.
     weights = np.random.default_rng(1)
-    model.set_weights(
-        [weights.uniform(-0.3, 0.3, w.shape).astype(np.float32) for w in model.get_weights()]
-    )
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.Dense):
+            layer.set_weights(
+                [weights.uniform(-0.3, 0.3, w.shape).astype(np.float32) for w in layer.weights]
+            )
     model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
     if on_tf:  # Keras takes strings as tensors, not NumPy arrays
         import tensorflow as tf
