@@ -29,10 +29,10 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import elastic_emb as ee  # noqa: E402
+import elastic_emb as ee
 
 
 def _rss() -> int:
@@ -99,7 +99,9 @@ def main() -> None:
             print(f"| {rows:,} | {kind} | {med['held'] / rows:.1f} | {med['rss'] / rows:.1f} "
                   f"| {med['get'] * 1e3:.1f} | {med['set'] * 1e3:.1f} |")  # fmt: skip
         ratio = {
-            k: statistics.median(a[k] / b[k] for a, b in zip(runs["ee"], runs["stock"]))
+            k: statistics.median(
+                a[k] / b[k] for a, b in zip(runs["ee"], runs["stock"], strict=True)
+            )
             for k in ("get", "set", "held")
         }
         print(f"| {rows:,} | ee / stock | {ratio['held']:.2f}× | | {ratio['get']:.2f}× "

@@ -66,7 +66,7 @@ def _distance(a: tuple, b: tuple) -> float:
     far = 0.0
     for name, (keys, values) in a[0].items():
         other_keys, other_values = b[0][name]
-        common, i, j = np.intersect1d(keys, other_keys, return_indices=True)
+        _, i, j = np.intersect1d(keys, other_keys, return_indices=True)
         far = max(far, float(np.abs(values[i] - other_values[j]).max()))
     return far
 
@@ -77,7 +77,9 @@ def test_early_stopping_restores_the_best_epoch_s_rows_with_its_dense_weights(wh
     with _placed(where):
         model = small_model(f"stop_{where}")
         states: list[tuple] = []
-        record = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, l: states.append(_state(model)))
+        record = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: states.append(_state(model))
+        )
         stop = keras.callbacks.EarlyStopping(patience=2, restore_best_weights=True)
         # Validation labels opposite to the training ones: the first epoch is the best.
         history = model.fit(
@@ -202,11 +204,13 @@ def test_callbacks_that_copy_no_weights_leave_the_table_to_its_optimizer():
     seen: list[int] = []
     callbacks = [
         keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10),
-        keras.callbacks.LambdaCallback(on_epoch_end=lambda e, l: seen.append(table.iterations)),
+        keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: seen.append(table.iterations)
+        ),
     ]
     model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=callbacks)
     assert seen == [8, 16]
-    # ReduceLROnPlateau halved the compile optimizer's rate (the dense weights') once, not the table's.
+    # ReduceLROnPlateau halved the compile optimizer's rate (the dense weights'), not the table's.
     assert float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)) == pytest.approx(0.05)
     assert table.optimizer.learning_rate == rate
 

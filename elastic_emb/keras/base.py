@@ -25,7 +25,6 @@ from elastic_emb.tables.table import TableConfig, TableState
 __all__ = ["MAX_SAVED_TABLE_BYTES", "EmbeddingBase", "embedding_layers"]
 
 check_keras()  # Keras 3.3 or newer
-carry_rows()  # Keras's weights by value carry the tables' rows
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
 # Above this a table's rows are not written into Keras weights files (ee.save is).
@@ -253,21 +252,21 @@ class EmbeddingBase(keras.layers.Layer):
     # `get_weights` and the state tree carry them by value (`elastic_emb.keras.weights`).
 
     def check_keras_size(self, api: str) -> None:
-        """Raises if the table is too big for Keras to hold by value (`api`: who asks)."""
+        """Raises if the table is too big for `api` (a Keras file, `get_weights()`) to hold."""
         table = self.table
         width = table.dim * (1 + table.num_slots) * 4 + 16  # value, slots, key, metadata
         size = len(table) * width
         if size > MAX_SAVED_TABLE_BYTES:
             raise ValueError(
                 f"Table {table.name!r} holds {len(table):,} rows ({size / 2**30:.1f} GiB), more "
-                f"than Keras's {api} takes (elastic_emb.keras.base.MAX_SAVED_TABLE_BYTES = "
+                f"than elastic_emb lets {api} hold (elastic_emb.keras.base.MAX_SAVED_TABLE_BYTES = "
                 f"{MAX_SAVED_TABLE_BYTES / 2**30:.0f} GiB). Save the tables with ee.save(...) "
                 "or ee.callbacks.Checkpoint, and the dense weights with Keras."
             )
 
     def save_own_variables(self, store: Any) -> None:
         super().save_own_variables(store)  # the push trigger, as "0"
-        self.check_keras_size("weights files")
+        self.check_keras_size("a Keras weights file")
         table = self.table
         state = table.export_state()
         store["table_config"] = np.frombuffer(
@@ -331,3 +330,6 @@ def embedding_layers(model: keras.Model) -> list[EmbeddingBase]:
         for layer in model._flatten_layers(include_self=True, recursive=True)
         if isinstance(layer, EmbeddingBase)
     ]
+
+
+carry_rows(embedding_layers)  # Keras's weights by value carry the tables' rows

@@ -36,7 +36,10 @@ as stock TensorFlow ops), `tf.saved_model.save` (`save_through_serving()`,
 the same for a Keras model), `keras.Model.save` (`refuse_legacy_h5()`: the
 HDF5 format, which cannot hold tables, refuses models with them),
 `keras.Model.fit`, `evaluate` and `predict` (`check_data_first()`: ids of a
-string or float dtype for an integer input are refused first). Per
+string or float dtype for an integer input are refused first). On every
+backend, `elastic_emb.keras.weights` wraps Keras's weights by value
+(`get_weights`, `set_weights`, the state tree, `count_params`) so that they
+carry the tables' rows, and refuses `use_ema` and `OrbaxCheckpoint`. Per
 instance: `dense_ps.attach` wraps a compiled model's `train_step`,
 `test_step`, `predict_step`, `fit` and its optimizer's `apply_gradients`;
 `loss_scaling.attach` a `LossScaleOptimizer`'s `apply`.

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -39,6 +39,8 @@ from elastic_emb.tables.table import TableState
 __all__ = ["TableRows", "carry_rows"]
 
 _wrapped = False
+# `elastic_emb.keras.base.embedding_layers`, handed over by `carry_rows`.
+_embedding_layers: Callable[[Any], list[Any]] = lambda model: []  # noqa: E731
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,7 @@ class TableRows(np.ndarray):
     def __array_finalize__(self, obj: Any) -> None:
         self.rows = None  # derived arrays are values only
 
-    def copy(self, order: Any = "C") -> TableRows:  # type: ignore[override]
+    def copy(self, order: Any = "C") -> TableRows:
         return TableRows(np.asarray(self).copy(order), self.rows)
 
     def __copy__(self) -> TableRows:
@@ -121,11 +123,9 @@ def rows_to_load(layer: Any, value: Any, api: str) -> Rows:
 
 def _layers_at(model: Any) -> list[Any]:
     """The built ee.Embedding layers of `model` (itself included)."""
-    from elastic_emb.keras.base import embedding_layers
-
     if not hasattr(model, "_flatten_layers"):
         return []
-    return [layer for layer in embedding_layers(model) if layer.built]
+    return [layer for layer in _embedding_layers(model) if layer.built]
 
 
 def _places(model: Any, variables: list[Any]) -> Iterator[tuple[Any, int]]:
@@ -158,11 +158,13 @@ def _state_places(model: Any, tree: Any) -> Iterator[tuple[Any, dict[str, Any], 
                 yield layer, *found
 
 
-def carry_rows() -> None:
-    """Wraps Keras's weight APIs so that they carry the tables' rows (idempotent)."""
-    global _wrapped
+def carry_rows(embedding_layers: Callable[[Any], list[Any]]) -> None:
+    """Wraps Keras's weight APIs so that they carry the rows of the tables of the layers
+    `embedding_layers(model)` finds (idempotent)."""
+    global _wrapped, _embedding_layers
     if _wrapped:
         return
+    _embedding_layers = embedding_layers
     layer_class = keras.layers.Layer
     keras_get, keras_set = layer_class.get_weights, layer_class.set_weights
 
@@ -195,7 +197,7 @@ def carry_rows() -> None:
     _wrapped = True
 
 
-def _count_table_values(layer_class: type) -> None:
+def _count_table_values(layer_class: Any) -> None:
     """A model's `count_params()` counts its tables' values (rows × width), as each
     ee.Embedding's own does, in place of their one-float push triggers."""
     keras_count = layer_class.count_params
@@ -257,7 +259,7 @@ def _refuse_moving_averages() -> None:
     keras.Model.fit = fit
 
 
-def _refuse_value_only_checkpoints(callback_class: type) -> None:
+def _refuse_value_only_checkpoints(callback_class: Any) -> None:
     keras_set_model = callback_class.set_model
 
     @functools.wraps(keras_set_model)
@@ -271,4 +273,3 @@ def _refuse_value_only_checkpoints(callback_class: type) -> None:
         keras_set_model(self, model)
 
     callback_class.set_model = set_model
-
