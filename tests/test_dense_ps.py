@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 from _cluster import shards
 from _processes import run_python
+from _small_model import sorted_rows
 
 import elastic_emb as ee
 from elastic_emb._proto import ps_pb2, ps_pb2_grpc
@@ -247,3 +248,35 @@ def test_dense_pull_every_is_checked(connected):
         ee.init(ps=["127.0.0.1:1"], dense="local", dense_pull_every=2)
     with shards(1) as ps, pytest.raises(ValueError, match="needs the dense weights on the PS"):
         connected(ps=[ps[0].address], mode="async", dense_pull_every=2)  # no coordinator: local
+
+
+def test_early_stopping_restores_the_best_epoch_s_dense_weights_on_the_ps_with_its_rows(
+    connected,
+):
+    """The best epoch's dense weights go back to the PS, not only into the variables: the
+    steps after fit read them there. The reference: the state recorded at every epoch."""
+    x, y = _data()
+    with shards(1) as ps:
+        connected(ps=[ps[0].address], mode="async", dense="ps")
+        model = _model("dps_stop", keras.optimizers.SGD(0.1))
+        layers = [model.get_layer(f"dps_stop_{t}") for t in "ab"]
+
+        def state() -> list[np.ndarray]:
+            dense = [np.array(v) for v in model.weights if not hasattr(v, "ee_push_trigger")]
+            return dense + [array for layer in layers for array in sorted_rows(layer.table)]
+
+        states: list[list[np.ndarray]] = []
+        record = keras.callbacks.LambdaCallback(on_epoch_end=lambda *_: states.append(state()))
+        stop = keras.callbacks.EarlyStopping(patience=2, restore_best_weights=True)
+        history = model.fit(
+            x, y, validation_data=(x[:64], 1 - y[:64]), batch_size=64, epochs=20,
+            shuffle=False, verbose=0, callbacks=[record, stop],
+        )  # fmt: skip
+        best = int(np.argmin(history.history["val_loss"]))
+        assert len(states) == best + 3 < 20
+        assert (
+            max(np.abs(a - b).max() for a, b in zip(states[-1], states[best], strict=True)) > 1e-3
+        )
+        model.evaluate(x[:64], y[:64], verbose=0)  # reads the dense weights on the PS again
+        for got, want in zip(state(), states[best], strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)

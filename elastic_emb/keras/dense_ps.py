@@ -22,6 +22,9 @@ Each training step (the model's `train_step`, wrapped):
 Evaluation and prediction steps read the rows first (without a step), and
 `fit` refreshes the variables before each epoch's callbacks and at its end,
 so callbacks, `evaluate`, `predict` and `model.save` see the PS's values.
+`set_weights` and `set_state_tree` (`EarlyStopping(restore_best_weights=True)`
+among their callers) store the values they assign on the PS, whose optimizer
+slots stay, as Keras's optimizer state does.
 
 One worker stores its initial values in the table while it is not
 complete: worker 0, or with a coordinator the first worker to train (it
@@ -35,12 +38,14 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from elastic_emb.keras import weights
 from elastic_emb.tables import registry
 from elastic_emb.tables.policies import optimizers
 from elastic_emb.tables.table import DENSE_TABLE_PREFIX, Table
@@ -51,6 +56,8 @@ if TYPE_CHECKING:
 __all__ = ["ROW_WIDTH", "DenseOnPS", "attach"]
 
 ROW_WIDTH = 256  # floats per row of the dense table
+# The attached models, whose `_ee_dense_write` runs after `set_weights` (`weights.on_assigned`).
+_attached: weakref.WeakSet[keras.Model] = weakref.WeakSet()
 _WAIT_SECONDS = 0.05
 
 
@@ -134,6 +141,15 @@ class DenseOnPS:
         """The rows on the PS once this worker's pushes so far are applied (no step)."""
         self._cluster.flush()
         return np.asarray(self.table.pull(self.keys, train=False), np.float32)
+
+    def write(self, values: list[np.ndarray]) -> None:
+        """Stores `values` (one per variable, in `self.variables`' order) on the PS, its
+        optimizer's slots kept (`set_weights`: Keras's optimizer state stays too)."""
+        self._cluster.flush()
+        state = self.table.export_state()
+        state.values = self._rows_of(values)[state.keys]  # (keys are row numbers)
+        self.table.load_state(state)
+        self.refresh()
 
     def refresh(self) -> None:
         """Assigns the variables the PS's values now (eager; no training step)."""
@@ -251,7 +267,18 @@ def attach(model: keras.Model) -> None:
             if "dense" in state:
                 state["dense"].refresh()
 
+    def write(assigned: list[Any]) -> None:
+        """After `set_weights` assigned some of the model's variables: the PS takes them."""
+        ids = {id(v) for v in assigned}
+        if not any(id(v) in ids for v in model.trainable_variables):
+            return
+        values = {id(v): keras.ops.convert_to_numpy(v) for v in model.trainable_variables}
+        on_ps = dense()  # (made now if no step ran yet: it reads the PS's values)
+        on_ps.write([values[id(v)] for v in on_ps.variables])
+
+    _attached.add(model)
     for name, value in (
+        ("_ee_dense_write", write),
         ("_ee_dense_originals", originals),
         ("train_step", stepped(originals["train_step"], True)),
         ("test_step", stepped(originals["test_step"], False)),
@@ -260,3 +287,11 @@ def attach(model: keras.Model) -> None:
     ):
         object.__setattr__(model, name, value)
     object.__setattr__(optimizer, "apply_gradients", apply_gradients_on_ps)
+
+
+def _write_assigned(variables: list[Any]) -> None:
+    for model in list(_attached):
+        model._ee_dense_write(variables)
+
+
+weights.on_assigned(_write_assigned)

@@ -36,11 +36,25 @@ import numpy as np
 from elastic_emb.persistence import checkpoint
 from elastic_emb.tables.table import TableState
 
-__all__ = ["TableRows", "carry_rows"]
+__all__ = ["TableRows", "carry_rows", "on_assigned"]
 
 _wrapped = False
 # `elastic_emb.keras.base.embedding_layers`, handed over by `carry_rows`.
 _embedding_layers: Callable[[Any], list[Any]] = lambda model: []  # noqa: E731
+# Run with the variables `set_weights` / `set_state_tree` assigned (`on_assigned`).
+_assigned_hooks: list[Callable[[list[Any]], None]] = []
+
+
+def on_assigned(hook: Callable[[list[Any]], None]) -> None:
+    """Runs `hook(variables)` after `set_weights` or `set_state_tree` assigned them (for
+    `ee.init(dense="ps")`, whose variables' values live on the PS)."""
+    if hook not in _assigned_hooks:
+        _assigned_hooks.append(hook)
+
+
+def _assigned(variables: list[Any]) -> None:
+    for hook in _assigned_hooks:
+        hook(variables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +199,7 @@ def carry_rows(embedding_layers: Callable[[Any], list[Any]]) -> None:
         keras_set(self, weights)
         for layer, rows in loads:
             layer.table.load_state(rows.state)
+        _assigned(variables)
 
     layer_class.get_weights, layer_class.set_weights = get_weights, set_weights
     _count_table_values(layer_class)
@@ -234,6 +249,7 @@ def _carry_rows_in_state_trees() -> None:
         keras_set(self, state_tree)
         for layer, rows in loads:
             layer.table.load_state(rows.state)
+        _assigned(self.variables)
 
     keras.Model.get_state_tree, keras.Model.set_state_tree = get_state_tree, set_state_tree
 
