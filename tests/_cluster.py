@@ -101,6 +101,19 @@ def shards(n: int, extra_args: list[str] | None = None) -> Iterator[list[Shard]]
             shard.stop()
 
 
+@contextlib.contextmanager
+def connected_shards(n: int, mode: str = "sync") -> Iterator[list[Shard]]:
+    """Starts `n` shards and `ee.init`s this process on them; disconnects and stops them."""
+    import elastic_emb as ee
+
+    with shards(n) as ps:
+        ee.init(ps=[s.address for s in ps], mode=mode)
+        try:
+            yield ps
+        finally:
+            ee.shutdown()
+
+
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of `/metrics`: (name, sorted labels) -> value."""
     with urllib.request.urlopen(url, timeout=10) as response:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import keras
 import numpy as np
 import pytest
-from _cluster import shards
+from _cluster import connected_shards
 from _small_model import small_model, sorted_rows
 
 import elastic_emb as ee
@@ -29,12 +29,8 @@ def _placed(where: str) -> Iterator[None]:
     if where == "local":
         yield
         return
-    with shards(2) as ps:
-        ee.init(ps=[s.address for s in ps], mode="sync")
-        try:
-            yield
-        finally:
-            ee.shutdown()
+    with connected_shards(2):
+        yield
 
 
 def _data(n: int = 256, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -330,14 +330,10 @@ def test_checkpoint_entries_without_policies_read_as_before():
 @pytest.fixture
 def two_shards():
     """`ee.init` on two real `elastic-emb serve` shards (sync); disconnects and stops them."""
-    from _cluster import shards
+    from _cluster import connected_shards
 
-    with shards(2) as ps:
-        ee.init(ps=[s.address for s in ps], mode="sync")
-        try:
-            yield
-        finally:
-            ee.shutdown()
+    with connected_shards(2):
+        yield
 
 
 def test_shards_apply_the_policies_to_their_own_rows(two_shards, tmp_path: Path):
