@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import pickle
 from collections.abc import Iterator
 
@@ -211,17 +212,25 @@ def test_callbacks_that_copy_no_weights_leave_the_table_to_its_optimizer():
     assert table.optimizer.learning_rate == rate
 
 
-def test_terminate_on_nan_stops_a_table_that_skips_non_finite_steps():
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_terminate_on_nan_stops_a_table_that_skips_non_finite_steps(nonfinite):
     ids = keras.Input((1,), dtype="int64")
-    layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), nonfinite="skip", name="nan_stop")
+    layer = ee.Embedding(4, optimizer=ee.optimizers.SGD(0.1), nonfinite=nonfinite,
+                         name=f"nan_{nonfinite}")  # fmt: skip
     model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
     model.compile(keras.optimizers.SGD(0.1), "mse")
     x = np.arange(64).reshape(-1, 1)
     y = np.full((64, 1), np.nan, np.float32)
-    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
-                        callbacks=[keras.callbacks.TerminateOnNaN()])  # fmt: skip
-    assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
-    assert layer.table.nonfinite_pushes == 1 and layer.table.iterations == 0
+    fit = functools.partial(model.fit, x, y, batch_size=8, epochs=3, verbose=0,
+                            callbacks=[keras.callbacks.TerminateOnNaN()])  # fmt: skip
+    if nonfinite == "raise":  # the table stops fit first (JAX wraps its ValueError)
+        with pytest.raises(Exception, match="gradient values are not finite"):
+            fit()
+    else:
+        history = fit()
+        assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
+        assert layer.table.nonfinite_pushes == 1
+    assert layer.table.iterations == 0
 
 
 def test_count_params_and_summary_count_the_table_s_values():
