@@ -161,6 +161,7 @@ struct Server::Connection {
   Header header;
   std::string body;
   size_t body_have = 0;
+  double accepted_at = 0;
   std::atomic<double> last_activity{0};    // a read, or its last request answered
   std::atomic<bool> greeted{false};        // its kHello was accepted
   std::atomic<bool> hello_pending{false};  // its kHello is being decided
@@ -185,10 +186,10 @@ Server::Server(const ServerOptions& options, Handler handler, Authenticate authe
     : options_(options), handler_(std::move(handler)), authenticate_(std::move(authenticate)) {
   life_->server = this;
   if (options_.max_connections < 1 || options_.max_threads < 1 || options_.idle_seconds <= 0 ||
-      options_.max_frame_bytes < 1) {
+      options_.max_frame_bytes < 1 || options_.max_hello_bytes < 1 || options_.hello_seconds <= 0) {
     throw std::invalid_argument(
-        "data plane: max_connections, max_threads, idle_seconds "
-        "and max_frame_bytes must be positive");
+        "data plane: max_connections, max_threads, idle_seconds, max_frame_bytes, "
+        "max_hello_bytes and hello_seconds must be positive");
   }
   addrinfo* found = Resolve(options_.host, options_.port, true);
   std::string why = "no address";
@@ -357,7 +358,8 @@ void Server::Accept() {
       inet_ntop(AF_INET6, &in->sin6_addr, host, sizeof(host));
       c->peer = std::string("ipv6:[") + host + "]:" + std::to_string(ntohs(in->sin6_port));
     }
-    c->last_activity = Now();
+    c->accepted_at = Now();
+    c->last_activity = c->accepted_at;
     {
       std::lock_guard<std::mutex> lock(connections_mu_);
       c->id = next_id_++;
@@ -554,6 +556,14 @@ bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* fram
                                            "answered");
           return true;
         }
+        // Nothing large is allocated for a peer not authenticated yet.
+        if (hello && c->header.length > options_.max_hello_bytes) {
+          refuse(kResourceExhausted, "a hello of " + std::to_string(c->header.length) +
+                                         " bytes is above this server's limit of " +
+                                         std::to_string(options_.max_hello_bytes) +
+                                         " (a hello holds a token)");
+          return true;
+        }
         c->in_body = true;
         c->body.assign(c->header.length, '\0');  // allocated only once the length passed
         c->body_have = 0;
@@ -697,8 +707,10 @@ void Server::SweepIdle() {
     for (auto& entry : connections_) {
       auto& c = entry.second;
       bool idle = c->in_flight.load() == 0;
+      bool unauthenticated = !c->greeted && !c->hello_pending;
       if ((c->draining_until > 0 && now > c->draining_until) ||
-          (idle && now - c->last_activity > options_.idle_seconds)) {
+          (idle && now - c->last_activity > options_.idle_seconds) ||
+          (unauthenticated && now - c->accepted_at > options_.hello_seconds)) {
         expired.push_back(c);
       }
     }

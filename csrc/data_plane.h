@@ -25,7 +25,10 @@
 // backup refusing its primary's changes would be dropped). A frame whose length is above
 // Options::max_frame_bytes is refused before anything is allocated and its connection closed;
 // connections beyond Options::max_connections are refused at accept; a connection with no request
-// in flight (or a frame half sent) for longer than Options::idle_seconds is closed.
+// in flight (or a frame half sent) for longer than Options::idle_seconds is closed. Before its
+// peer is authenticated a connection costs little: its hello's body is at most
+// Options::max_hello_bytes (a token), and one that has not sent a whole hello within
+// Options::hello_seconds of its accept is closed.
 //
 // Client: one connection per server, a reader thread per connection completing waiting
 // calls (no thread per call, no polling). `Connection::Send` and `Wait` are thread-safe;
@@ -117,7 +120,9 @@ struct ServerOptions {
   uint64_t max_frame_bytes = 1ull << 30;
   int max_connections = 4096;
   double idle_seconds = 600.0;
-  int max_threads = 2048;      // handler threads (a request waiting holds one)
+  uint32_t max_hello_bytes = 64 << 10;  // a hello's body: the token
+  double hello_seconds = 10.0;          // from accept to a whole hello
+  int max_threads = 2048;               // handler threads (a request waiting holds one)
   int max_active = 0;          // requests handled at once before refusing more (0: no limit)
   int max_per_connection = 0;  // requests in flight on one connection (0: no limit)
 };

@@ -119,6 +119,8 @@ void BindDataPlane(py::module_& m) {
       .def_readwrite("max_frame_bytes", &data_plane::ServerOptions::max_frame_bytes)
       .def_readwrite("max_connections", &data_plane::ServerOptions::max_connections)
       .def_readwrite("idle_seconds", &data_plane::ServerOptions::idle_seconds)
+      .def_readwrite("max_hello_bytes", &data_plane::ServerOptions::max_hello_bytes)
+      .def_readwrite("hello_seconds", &data_plane::ServerOptions::hello_seconds)
       .def_readwrite("max_threads", &data_plane::ServerOptions::max_threads)
       .def_readwrite("max_active", &data_plane::ServerOptions::max_active)
       .def_readwrite("max_per_connection", &data_plane::ServerOptions::max_per_connection);

@@ -262,6 +262,8 @@ class DataPlaneOptions:
     max_frame_bytes: int
     max_connections: int
     idle_seconds: float
+    max_hello_bytes: int
+    hello_seconds: float
     max_threads: int
     max_active: int
     max_per_connection: int

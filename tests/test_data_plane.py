@@ -232,6 +232,44 @@ def test_a_refused_token_lets_no_request_through():
         assert _call(echo.connect("s3cret"), PULL, b"in") == (OK, b"\x01in|caller-s3cret")
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_hello_announcing_a_large_body_is_refused_before_anything_is_allocated():
+    """Four peers without a token each announce a 256 MiB hello: refused at its header, the
+    server's memory (this process's RSS) unchanged; a real hello still gets through."""
+    with Echo(tokens=("s3cret",)) as echo:
+        before = _rss_bytes()
+        peers = [socket.create_connection(("127.0.0.1", echo.port), timeout=5) for _ in range(4)]
+        for peer in peers:
+            peer.sendall(HEADER.pack(0x50444545, 256 << 20, 0, 0, 0, 0, 0) + b"x" * 1000)
+        for peer in peers:
+            status, message = _read_frame(peer)
+            assert status == RESOURCE_EXHAUSTED
+            assert message.endswith(b"above this server's limit of 65536 (a hello holds a token)")
+            assert _closed(peer, 5)
+        assert _rss_bytes() - before < 64 << 20  # (allocating the bodies: 1 GiB)
+        assert echo.seen == []
+        assert _call(echo.connect("s3cret"), PULL, b"in") == (OK, b"\x01in|caller-s3cret")
+
+
+def test_a_connection_without_a_whole_hello_is_closed_after_hello_seconds():
+    with Echo(hello_seconds=1.0) as echo:
+        silent = socket.create_connection(("127.0.0.1", echo.port), timeout=5)
+        partial = socket.create_connection(("127.0.0.1", echo.port), timeout=5)
+        partial.sendall(_frame(0, b"token")[:-2])  # the hello but its last 2 bytes
+        greeted = echo.greeted_socket()
+        assert _closed(silent, 5) and _closed(partial, 5)
+        assert echo.server.counters()["connections_closed_idle"] == 2
+        # The greeted connection, idle as long, is open (idle_seconds is 600).
+        greeted.sendall(_frame(PULL, b"still"))
+        assert _read_frame(greeted) == (OK, b"\x01still|caller-")
+        with pytest.raises(ValueError, match="hello_seconds must be positive"):
+            Echo(hello_seconds=0)
+
+
 def _seen(echo: Echo, count: int) -> None:
     deadline = time.monotonic() + 10
     while len(echo.seen) < count:
