@@ -207,11 +207,15 @@ class ShardQueue:
         return done, claimed
 
     def _claim(self, epoch: int) -> int | None:
-        """A shard of `epoch` this worker now holds; None once every shard is done.
-        Waits while the only shards left are held by others, or etcd is away."""
+        """A shard of `epoch` this worker now holds; None once every shard is done, or
+        the only ones left are this worker's own (their batches are handed out already,
+        and finish as they train: Keras takes a generator's first batches before it
+        trains any). Waits while the only shards left are held by others, or etcd is away."""
         while True:
             done, claimed = self._waiting(self._state, epoch)
-            if len(done) == self.num_shards:
+            with self._lock:
+                mine = {s for e, s in self._held if e == epoch}
+            if len(done | mine) == self.num_shards:
                 return None
             free = [s for s in range(self.num_shards) if s not in done and s not in claimed]
             for shard in free:

@@ -5,8 +5,10 @@ started. The reference is the count: every batch of every shard trained exactly 
 from __future__ import annotations
 
 import collections
+import itertools
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,6 +84,31 @@ def test_the_queue_refuses_bad_arguments_and_gives_shards_back_when_closed(tmp_p
             assert next(batches, None) == (f"0-{i + 1}" if i < 2 else None)
         assert other.finished()
         other.close()
+
+
+def test_a_worker_handed_the_last_batches_of_an_epoch_before_training_goes_on(tmp_path):
+    """Keras takes a generator's first batches before it trains any: a worker whose only
+    shard left is its own goes on to the next epoch rather than wait for itself (CI: a
+    new worker peeking the last 2 batches of epoch 0 waited, and every worker with it)."""
+
+    def read(shard: int) -> list[str]:
+        return [f"{shard}-{i}" for i in range(2)]
+
+    with LocalCluster(1, 1, tmp_path / "cluster") as c:
+        queue = ShardQueue(c.coordinator, "peek", 1, epochs=2, lease_seconds=30)
+        batches = queue.batches(read)
+        got: list[str] = []
+        taker = threading.Thread(
+            target=lambda: got.extend(itertools.islice(batches, 3)), daemon=True
+        )
+        taker.start()
+        taker.join(20)
+        assert not taker.is_alive() and got == ["0-0", "0-1", "0-0"], got  # epoch 1's first
+        assert [queue.trained_one() for _ in range(3)] == [(0, 0, 0), (0, 0, 1), (1, 0, 0)]
+        assert list(batches) == ["0-1"]
+        queue.trained_one()
+        assert queue.finished()
+        queue.close()
 
 
 def test_workers_without_an_index_take_the_lowest_free_one(tmp_path):
