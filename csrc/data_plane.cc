@@ -216,6 +216,7 @@ Server::Server(const ServerOptions& options, Handler handler, Authenticate authe
   port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
                                             : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   SetNonBlocking(listen_fd_, true);
+  spare_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   tasks_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC | EFD_SEMAPHORE);
@@ -281,6 +282,7 @@ void Server::Stop(double grace_seconds) {
   }
   if (finished_) {
     close(listen_fd_);
+    if (spare_fd_ >= 0) close(spare_fd_);
     close(epoll_fd_);
     close(wake_fd_);
     close(tasks_fd_);
@@ -332,7 +334,10 @@ void Server::Accept() {
     socklen_t size = sizeof(address);
     int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&address), &size,
                      SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;  // EAGAIN, or a connection that went away meanwhile
+    if (fd < 0) {
+      if ((errno == EMFILE || errno == ENFILE) && Shed()) continue;
+      return;  // EAGAIN, or a connection that went away meanwhile
+    }
     if (connections() >= options_.max_connections) {
       counters_.connections_refused++;
       Header refusal;
@@ -697,6 +702,22 @@ void Server::SendQueued(Connection* c) {
     c->writing = more;
     if (more) Arm(c);  // (a reader arms it without EPOLLOUT once the queue is empty)
   }
+}
+
+// At the descriptor limit a pending connection cannot be accepted and the listening socket
+// stays readable, so every thread would wake for it again at once: it is accepted on the
+// spare descriptor and closed (its peer sees the connection end, and may try again).
+bool Server::Shed() {
+  std::lock_guard<std::mutex> lock(spare_mu_);
+  if (spare_fd_ < 0) return false;
+  close(spare_fd_);
+  int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd >= 0) {
+    counters_.connections_refused++;
+    close(fd);
+  }
+  spare_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  return fd >= 0;
 }
 
 void Server::SweepIdle() {

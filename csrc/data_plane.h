@@ -24,7 +24,8 @@
 // (nothing done: safe to send again); a kHello and a kReplicate are never refused so (a
 // backup refusing its primary's changes would be dropped). A frame whose length is above
 // Options::max_frame_bytes is refused before anything is allocated and its connection closed;
-// connections beyond Options::max_connections are refused at accept; a connection with no request
+// connections beyond Options::max_connections are refused at accept, and at the process's
+// file-descriptor limit accepted on a spare descriptor and closed; a connection with no request
 // in flight (or a frame half sent) for longer than Options::idle_seconds is closed. Before its
 // peer is authenticated a connection costs little: its hello's body is at most
 // Options::max_hello_bytes (a token), and one that has not sent a whole hello within
@@ -183,6 +184,7 @@ class Server {
   void Arm(Connection* c);         // with c->write_mu held, c open
   void Close(const std::shared_ptr<Connection>& c);
   void SweepIdle();
+  bool Shed();
 
   ServerOptions options_;
   std::shared_ptr<Life> life_ = std::make_shared<Life>();
@@ -190,6 +192,8 @@ class Server {
   Authenticate authenticate_;
   int listen_fd_ = -1;
   int epoll_fd_ = -1;
+  std::mutex spare_mu_;
+  int spare_fd_ = -1;  // /dev/null, given up at the descriptor limit to shed a connection
   int wake_fd_ = -1;   // eventfd: Stop wakes every thread
   int tasks_fd_ = -1;  // eventfd (semaphore): frames queued in tasks_
   int port_ = 0;

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import random
+import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -268,6 +271,66 @@ def test_a_connection_without_a_whole_hello_is_closed_after_hello_seconds():
         assert _read_frame(greeted) == (OK, b"\x01still|caller-")
         with pytest.raises(ValueError, match="hello_seconds must be positive"):
             Echo(hello_seconds=0)
+
+
+_AT_THE_FD_LIMIT = """
+import resource, sys
+from elastic_emb import _core
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+options = _core.DataPlaneOptions()
+options.max_connections = 1000
+server = _core.DataPlaneServer(options, lambda *a: (0, b"ok"), lambda t, p: (True, "c"))
+print(server.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_at_the_descriptor_limit_connections_beyond_it_are_closed_not_left_waiting():
+    """A server whose process may hold 64 descriptors, asked for 100 connections: those
+    it cannot hold are accepted on its spare descriptor and closed (before: they waited
+    in the backlog unanswered while the server's threads spun on the listening socket),
+    and the connections it holds are served."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _AT_THE_FD_LIMIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        port = int(server.stdout.readline())
+        peers = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(100)]
+        for peer in peers:
+            peer.sendall(_frame(0, b"", request_id=0))
+        answered, closed = set(), set()
+        deadline = time.monotonic() + 10
+        while len(answered) + len(closed) < 100 and time.monotonic() < deadline:
+            waiting = [p for p in peers if p not in answered and p not in closed]
+            for peer in select.select(waiting, [], [], 0.2)[0]:
+                try:
+                    got = peer.recv(4096)
+                except ConnectionResetError:
+                    got = b""
+                (answered if got else closed).add(peer)
+        assert len(answered) + len(closed) == 100  # none left waiting
+        assert len(closed) >= 100 - 64 and len(answered) >= 32
+        kept = next(iter(answered))
+        kept.sendall(_frame(PULL, b"still"))
+        assert _read_frame(kept) == (OK, b"ok")
+    finally:
+        server.stdin.close()
+        server.wait(10)
+
+
+def test_a_server_raises_its_soft_limit_of_open_files_for_its_connections():
+    code = (
+        "import resource\n"
+        "from elastic_emb.ps.server.data_plane import raise_open_files_limit\n"
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "want = 5120 if hard == resource.RLIM_INFINITY else min(5120, hard)\n"
+        "assert raise_open_files_limit(5120) == want, (hard, want)\n"
+        "assert resource.getrlimit(resource.RLIMIT_NOFILE) == (want, hard)\n"
+        "assert raise_open_files_limit(100) == want  # never lowered\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def _seen(echo: Echo, count: int) -> None:

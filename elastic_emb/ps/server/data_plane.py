@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -30,7 +31,13 @@ from elastic_emb.tables.sharding import NUM_SLOTS
 if TYPE_CHECKING:
     from elastic_emb.ps.server.servicer import Servicer
 
-__all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "DataPlane", "default_max_active"]
+__all__ = [
+    "IDLE_SECONDS",
+    "MAX_CONNECTIONS",
+    "DataPlane",
+    "default_max_active",
+    "raise_open_files_limit",
+]
 
 log = logging.getLogger("elastic_emb.server")
 
@@ -40,6 +47,20 @@ IDLE_SECONDS = 600.0
 # Connections a server takes at once (one per worker, and one per worker process's
 # range router): beyond, a connection is refused with RESOURCE_EXHAUSTED.
 MAX_CONNECTIONS = 4096
+# Descriptors a server holds besides its data-plane connections (gRPC, files, threads).
+OTHER_OPEN_FILES = 1024
+
+
+def raise_open_files_limit(needed: int) -> int:
+    """Raises this process's soft limit of open files towards `needed` (at most the hard
+    limit, which only root may raise); returns the soft limit now. The usual soft limit,
+    1,024, is below the data plane's default of 4,096 connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        return wanted
+    return soft
 
 
 def default_max_active() -> int:
@@ -80,6 +101,7 @@ class DataPlane:
         max_active: int = 0,
         max_per_connection: int = 256,
     ) -> None:
+        raise_open_files_limit(max_connections + OTHER_OPEN_FILES)
         options = _core.DataPlaneOptions()
         options.host, options.port, options.max_threads = host, port, threads
         options.max_active, options.max_per_connection = max_active, max_per_connection
