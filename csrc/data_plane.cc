@@ -168,6 +168,9 @@ struct Server::Connection {
   std::atomic<double> draining_until{0};   // refused: input discarded until then, then closed
   std::string caller;                      // written before `greeted`, read after
   std::atomic<int> in_flight{0};
+  std::mutex parked_mu;
+  std::map<uint64_t, Abandon> parked;  // its parked requests' (by a number of the server's)
+  uint64_t next_parked = 0;            // guarded by parked_mu
   std::mutex write_mu;
   std::string out;
   size_t out_sent = 0;
@@ -190,6 +193,10 @@ Server::Server(const ServerOptions& options, Handler handler, Authenticate authe
     throw std::invalid_argument(
         "data plane: max_connections, max_threads, idle_seconds, max_frame_bytes, "
         "max_hello_bytes and hello_seconds must be positive");
+  }
+  if (options_.max_frame_bytes > kMaxFrameBytes) {
+    throw std::invalid_argument("data plane: max_frame_bytes is above " +
+                                std::to_string(kMaxFrameBytes) + " (a frame's length has 32 bits)");
   }
   addrinfo* found = Resolve(options_.host, options_.port, true);
   std::string why = "no address";
@@ -383,11 +390,19 @@ void Server::Close(const std::shared_ptr<Connection>& c) {
     std::lock_guard<std::mutex> lock(connections_mu_);
     connections_.erase(c->id);
   }
-  std::lock_guard<std::mutex> lock(c->write_mu);
-  if (c->closed) return;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c->fd, nullptr);
-  c->closed = true;
-  close(c->fd);
+  {
+    std::lock_guard<std::mutex> lock(c->write_mu);
+    if (c->closed) return;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c->fd, nullptr);
+    c->closed = true;
+    close(c->fd);
+  }
+  std::map<uint64_t, Abandon> parked;  // (their answers would go nowhere: freed now)
+  {
+    std::lock_guard<std::mutex> lock(c->parked_mu);
+    parked.swap(c->parked);
+  }
+  for (auto& [number, abandon] : parked) abandon();
 }
 
 void Server::Arm(Connection* c) {
@@ -628,9 +643,19 @@ void Server::Handle(Frame frame) {
           header.deadline_ms == 0 ? 0 : static_cast<uint32_t>(header.deadline_ms - waited_ms);
       if (header.deadline_ms > 0 && left == 0) left = 1;
       std::shared_ptr<Life> life = life_;
-      const Park park = [life, c, header]() -> Respond {
+      const Park park = [life, c, header](Abandon abandon) -> Respond {
         // (the request stays in flight on its connection until answered)
-        return [life, c, header](Answer later) {
+        uint64_t number = 0;
+        {
+          std::lock_guard<std::mutex> lock(c->parked_mu);
+          number = ++c->next_parked;
+          if (abandon) c->parked.emplace(number, std::move(abandon));
+        }
+        return [life, c, header, number](Answer later) {
+          {
+            std::lock_guard<std::mutex> lock(c->parked_mu);
+            c->parked.erase(number);
+          }
           std::lock_guard<std::mutex> lock(life->mu);
           if (life->server == nullptr) return;
           life->server->Reply(c, header, std::move(later));
@@ -659,6 +684,13 @@ void Server::Answered(Connection* c) {
 }
 
 void Server::Reply(const std::shared_ptr<Connection>& c, const Header& request, Answer answer) {
+  if (answer.payload.size() > options_.max_frame_bytes) {  // (the length field has 32 bits)
+    answer = Answer{kResourceExhausted, "data plane: an answer of " +
+                                            std::to_string(answer.payload.size()) +
+                                            " bytes is above this server's limit of " +
+                                            std::to_string(options_.max_frame_bytes) +
+                                            " bytes; ask for fewer keys per request"};
+  }
   Header header;
   header.request_id = request.request_id;
   header.method = request.method;
@@ -869,6 +901,15 @@ Connection::Ticket Connection::Send(const std::shared_ptr<Connection>& c, uint8_
   ticket.connection = c;
   ticket.pending = std::make_shared<Pending>();
   ticket.pending->on_done = std::move(on_done);
+  if (payload.size() > kMaxFrameBytes) {  // (the length field has 32 bits)
+    ticket.pending->done = true;
+    ticket.pending->answer = Answer{
+        kResourceExhausted, "data plane: a request of " + std::to_string(payload.size()) +
+                                " bytes is above the largest frame, " +
+                                std::to_string(kMaxFrameBytes) + " bytes; send fewer keys at once"};
+    if (ticket.pending->on_done) ticket.pending->on_done(ticket.pending->answer);
+    return ticket;
+  }
   Header header;
   header.method = method;
   header.deadline_ms = deadline_ms;

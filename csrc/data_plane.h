@@ -23,7 +23,8 @@
 // answered RESOURCE_EXHAUSTED with a retry_after_ms hint, before its handler sees it
 // (nothing done: safe to send again); a kHello and a kReplicate are never refused so (a
 // backup refusing its primary's changes would be dropped). A frame whose length is above
-// Options::max_frame_bytes is refused before anything is allocated and its connection closed;
+// Options::max_frame_bytes is refused before anything is allocated and its connection closed,
+// and an answer above it is replaced by a RESOURCE_EXHAUSTED refusal;
 // connections beyond Options::max_connections are refused at accept, and at the process's
 // file-descriptor limit accepted on a spare descriptor and closed; a connection with no request
 // in flight (or a frame half sent) for longer than Options::idle_seconds is closed. Before its
@@ -55,6 +56,8 @@ namespace data_plane {
 
 constexpr uint32_t kMagic = 0x50444545;  // "EEDP"
 constexpr size_t kHeaderBytes = 24;
+// The largest frame body the 32-bit length can say (ServerOptions::max_frame_bytes is at most it).
+constexpr uint64_t kMaxFrameBytes = UINT32_MAX;
 
 // Frame methods. 1-5 are the ParameterServer methods of the same names (Replicate: a
 // primary's change, to its backups).
@@ -103,8 +106,12 @@ struct Answer {
 // Sends the answer of a request its handler parked: once, from any thread; nothing once
 // the server stopped.
 using Respond = std::function<void(Answer)>;
-// Parks the request being handled: its answer goes through the Respond returned.
-using Park = std::function<Respond()>;
+// Drops what a parked request holds when its caller went away first (its connection
+// closed): called at most once, on any thread, and then no answer is wanted.
+using Abandon = std::function<void()>;
+// Parks the request being handled: its answer goes through the Respond returned; `abandon`
+// (may be empty) if the caller goes away before it is answered.
+using Park = std::function<Respond(Abandon abandon)>;
 // What a server does with a request: its answer, or nullopt once it called `park` (the
 // request then holds no thread). Called on a handler thread, never the I/O thread; may
 // block. `caller` is what the connection's Authenticate returned.

@@ -5,7 +5,11 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -196,6 +200,56 @@ void BindStepClock(py::module_& m) {
           },
           py::arg("num_slots"), py::arg("begin"), py::arg("end"), py::arg("first"),
           "first(), then the pending pushes keep the keys of slots [begin, end).");
+}
+
+// ServerCore::Serve for a caller that waits on its thread (a gRPC handler): a parked
+// request is waited for here, GIL released.
+py::object ServeWaiting(ServerCore& core, uint8_t method, const py::bytes& payload, bool from_peer,
+                        double seconds) {
+  struct Waiting {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<data_plane::Answer> answer;
+    data_plane::Abandon abandon;
+  };
+  auto waiting = std::make_shared<Waiting>();
+  const data_plane::Park park = [waiting](data_plane::Abandon abandon) -> data_plane::Respond {
+    {
+      std::lock_guard<std::mutex> lock(waiting->mu);
+      waiting->abandon = std::move(abandon);
+    }
+    return [waiting](data_plane::Answer answer) {
+      std::lock_guard<std::mutex> lock(waiting->mu);
+      waiting->answer = std::move(answer);
+      waiting->cv.notify_all();
+    };
+  };
+  std::string request(payload);
+  data_plane::Answer answer;
+  Served served;
+  {
+    py::gil_scoped_release release;
+    served = core.Serve(method, request, park, from_peer, &answer.status, &answer.payload);
+    if (served == Served::kParked) {
+      const auto deadline = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double>(std::clamp(seconds, 0.0, 1e8)));
+      data_plane::Abandon abandon;
+      {
+        std::unique_lock<std::mutex> lock(waiting->mu);
+        if (waiting->cv.wait_until(lock, deadline, [&] { return waiting->answer.has_value(); })) {
+          answer = std::move(*waiting->answer);
+        } else {
+          abandon = std::move(waiting->abandon);
+          answer = {data_plane::kDeadlineExceeded,
+                    "the call's deadline passed while the request waited"};
+        }
+      }
+      if (abandon) abandon();
+    }
+  }
+  if (served == Served::kPython) return py::none();
+  return py::make_tuple(answer.status, py::bytes(answer.payload));
 }
 
 }  // namespace
@@ -394,6 +448,12 @@ void BindShards(py::module_& m) {
           },
           "What set_serving last gave (None: never called).")
       .def("meter_load", &ServerCore::MeterLoad, py::arg("num_slots"))
+      .def("set_max_answer_bytes", &ServerCore::SetMaxAnswerBytes, py::arg("bytes"))
+      .def("serve", &ServeWaiting, py::arg("method"), py::arg("payload"), py::arg("from_peer"),
+           py::arg("seconds"),
+           "A data-plane request that came another way (gRPC): (status, bytes) as the data "
+           "plane answers it, waiting up to `seconds` for a parked one (then "
+           "DEADLINE_EXCEEDED, and what it held is dropped); None: Python answers it.")
       .def(
           "load",
           [](const ServerCore& s) {

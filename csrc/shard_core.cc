@@ -321,6 +321,68 @@ void ServerCore::DropRange(int32_t range) {
   ranges_.erase(it);
 }
 
+void ServerCore::SetMaxAnswerBytes(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  max_answer_bytes_ = bytes;
+}
+
+void ServerCore::CheckAnswerBytes(uint64_t bytes) const {
+  uint64_t limit = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    limit = max_answer_bytes_;
+  }
+  if (bytes > limit) {
+    throw Refusal("RESOURCE_EXHAUSTED", "a pull answering " + std::to_string(bytes) +
+                                            " bytes of rows is above this server's limit of " +
+                                            std::to_string(limit) +
+                                            " bytes a message; pull fewer keys per request");
+  }
+}
+
+// A parked pull's tickets on its shards' clocks, unparked when its caller goes away.
+class ServerCore::ParkedPull {
+ public:
+  void Add(std::shared_ptr<ShardCore> shard, uint64_t ticket) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!abandoned_) {
+        tickets_.emplace_back(std::move(shard), ticket);
+        return;
+      }
+    }
+    shard->clock().Unpark(ticket);  // (its caller went away while it was being parked)
+  }
+  void Abandon() {
+    std::vector<std::pair<std::shared_ptr<ShardCore>, uint64_t>> tickets;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      abandoned_ = true;
+      tickets.swap(tickets_);
+    }
+    for (auto& [shard, ticket] : tickets) shard->clock().Unpark(ticket);
+  }
+
+ private:
+  std::mutex mu_;
+  bool abandoned_ = false;
+  std::vector<std::pair<std::shared_ptr<ShardCore>, uint64_t>> tickets_;
+};
+
+namespace {
+
+// The bytes of the rows a pull answers (its answer is at least this large).
+uint64_t RowBytes(const wire::PullRequest& request, const PlanePull& pull) {
+  const uint64_t item = request.encoding == wire::kFloat32 ? 4 : 2;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < request.tables.size(); ++i) {
+    bytes += request.tables[i].keys.size() * static_cast<uint64_t>(pull.sources[i].dim) * item;
+  }
+  return bytes;
+}
+
+}  // namespace
+
 std::shared_ptr<ShardCore> ServerCore::Find(int32_t range) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!enabled_) return nullptr;
@@ -399,6 +461,7 @@ Served ServerCore::Pull(std::string_view payload, const data_plane::Park& park, 
       !shard->PreparePull(*request, pull.get())) {
     return Served::kPython;
   }
+  CheckAnswerBytes(RowBytes(*request, *pull));
   const size_t received = payload.size();
   // Answers it: with the rows, or the refusal (Refusal is caught by Serve before it parks).
   auto finish = [request, pull, shard, received, start](ServerCore* core, const Refusal* refusal,
@@ -432,21 +495,24 @@ Served ServerCore::Pull(std::string_view payload, const data_plane::Park& park, 
   clock.CheckWorker(request->worker, request->step);
   clock.CheckPullStep(request->worker, request->step);
   const double timeout = request->timeout_ms > 0 ? request->timeout_ms / 1000.0 : 3600.0;
-  data_plane::Respond respond = park();
+  auto tickets = std::make_shared<ParkedPull>();
+  data_plane::Respond respond = park([tickets] { tickets->Abandon(); });
   std::weak_ptr<ServerCore> self = weak_from_this();
-  const bool parked = clock.Park(request->worker, request->step, timeout,
-                                 [self, respond, finish](const Refusal* refusal, double waited) {
-                                   auto core = self.lock();
-                                   data_plane::Answer answer;
-                                   finish(core.get(), refusal, &answer.status, &answer.payload);
-                                   if (core != nullptr && refusal == nullptr) {
-                                     std::lock_guard<std::mutex> lock(core->mu_);
-                                     ++core->waits_;
-                                     core->wait_seconds_ += waited;
-                                   }
-                                   respond(std::move(answer));
-                                 });
-  if (parked) {
+  const uint64_t parked =
+      clock.Park(request->worker, request->step, timeout,
+                 [self, respond, finish](const Refusal* refusal, double waited) {
+                   auto core = self.lock();
+                   data_plane::Answer answer;
+                   finish(core.get(), refusal, &answer.status, &answer.payload);
+                   if (core != nullptr && refusal == nullptr) {
+                     std::lock_guard<std::mutex> lock(core->mu_);
+                     ++core->waits_;
+                     core->wait_seconds_ += waited;
+                   }
+                   respond(std::move(answer));
+                 });
+  if (parked != 0) {
+    tickets->Add(shard, parked);
     timer_.Watch(std::chrono::steady_clock::now() +
                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                      std::chrono::duration<double>(std::min(timeout, 1e8))));
@@ -510,6 +576,9 @@ Served ServerCore::PullRanges(const std::string& payload, const data_plane::Park
       return Served::kPython;
     }
   }
+  uint64_t row_bytes = 0;
+  for (const Part& p : s->parts) row_bytes += RowBytes(p.request, p.pull);
+  CheckAnswerBytes(row_bytes);
   const size_t received = payload.size();
   std::weak_ptr<ServerCore> self = weak_from_this();
   // Reads part i (with s->mu held); false: refused.
@@ -578,7 +647,8 @@ Served ServerCore::PullRanges(const std::string& payload, const data_plane::Park
     }
     s->left = waiting.size() + 1;
   }
-  const data_plane::Respond respond = park();
+  auto tickets = std::make_shared<ParkedPull>();
+  const data_plane::Respond respond = park([tickets] { tickets->Abandon(); });
   // Part i may be read (refused: not); the request is answered with the last part, or the
   // first refusal.
   auto ready = [self, s, read, answer, respond](size_t i, const Refusal* refusal, double waited) {
@@ -608,10 +678,11 @@ Served ServerCore::PullRanges(const std::string& payload, const data_plane::Park
   for (size_t i : waiting) {
     const wire::PullRequest& request = s->parts[i].request;
     const double timeout = request.timeout_ms > 0 ? request.timeout_ms / 1000.0 : 3600.0;
-    const bool parked = s->parts[i].shard->clock().Park(
+    const uint64_t parked = s->parts[i].shard->clock().Park(
         request.worker, request.step, timeout,
         [ready, i](const Refusal* refusal, double waited) { ready(i, refusal, waited); });
-    if (parked) {
+    if (parked != 0) {
+      tickets->Add(s->parts[i].shard, parked);
       timer_.Watch(std::chrono::steady_clock::now() +
                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                        std::chrono::duration<double>(std::min(timeout, 1e8))));
@@ -730,7 +801,7 @@ Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
     }
   };
   data_plane::Respond respond;
-  if (!role->backups.empty()) respond = park();
+  if (!role->backups.empty()) respond = park(nullptr);  // (it must finish: no Abandon)
   auto waiter = std::make_shared<Replication::Waiter>(
       [answer, respond, outcome](const std::string& unacknowledged) {
         if (!unacknowledged.empty()) Refuse(outcome.get(), "ABORTED", unacknowledged);
@@ -815,7 +886,7 @@ Served ServerCore::Change(const std::string& payload, const data_plane::Park& pa
     }
     return a;
   };
-  const data_plane::Respond respond = park();  // (used only if it waits)
+  const data_plane::Respond respond = park(nullptr);  // (used only if it waits)
   std::string refusal;
   const Turn turn = replication_->TakeTurn(
       change,

@@ -128,6 +128,9 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   // The plane answers nothing until enabled. `pushes`: applied here alone (a server without
   // a coordinator); false: a coordinated server's, replicated when its role allows.
   void SetEnabled(bool enabled, bool pushes);
+  // The largest answer (the message limit): a pull whose rows alone would be larger is
+  // refused RESOURCE_EXHAUSTED before anything is read or inserted.
+  void SetMaxAnswerBytes(uint64_t bytes);
   // A coordinated server: where it serves now, by range (replaced whole). Before the
   // first call, every range is served (a server without a coordinator).
   void SetServing(std::map<int32_t, RangeServing> serving);
@@ -159,6 +162,9 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
  private:
   using TimePoint = std::chrono::steady_clock::time_point;
   std::shared_ptr<ShardCore> Find(int32_t range) const;
+  class ParkedPull;
+  // Refuses a pull whose rows take `bytes`, if above the limit.
+  void CheckAnswerBytes(uint64_t bytes) const;
   // Whether this server serves `range`'s pulls now (`train`: only as the primary).
   bool Serves(int32_t range, bool train) const;
   template <class Request>
@@ -190,6 +196,7 @@ class ServerCore : public std::enable_shared_from_this<ServerCore> {
   mutable std::mutex mu_;  // guards the fields below
   bool enabled_ = false;
   bool pushes_ = false;
+  uint64_t max_answer_bytes_ = uint64_t{1} << 30;
   std::optional<std::map<int32_t, RangeServing>> serving_;
   int64_t load_slots_ = 0;
   std::vector<double> load_;  // (3, load_slots_)

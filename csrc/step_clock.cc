@@ -166,13 +166,24 @@ double StepClock::WaitToPull(int64_t worker, int64_t step, double timeout) {
   return std::chrono::duration<double>(Clock::now() - began).count();
 }
 
-bool StepClock::Park(int64_t worker, int64_t step, double timeout, Parked then) {
+uint64_t StepClock::Park(int64_t worker, int64_t step, double timeout, Parked then) {
   Lock lock(mu_);
   if (gone_) throw Refusal("ABORTED", *gone_);
-  if (!LateFor(worker, step, false).waits) return false;
+  if (!LateFor(worker, step, false).waits) return 0;
   const auto now = Clock::now();
-  parked_.push_back({worker, step, timeout, now, DeadlineAfter(timeout), std::move(then)});
-  return true;
+  const uint64_t ticket = next_ticket_++;
+  parked_.push_back({worker, step, timeout, now, DeadlineAfter(timeout), std::move(then), ticket});
+  return ticket;
+}
+
+void StepClock::Unpark(uint64_t ticket) {
+  Parked dropped;  // (freed without the lock)
+  Lock lock(mu_);
+  auto it = std::find_if(parked_.begin(), parked_.end(),
+                         [ticket](const Waiter& w) { return w.ticket == ticket; });
+  if (it == parked_.end()) return;
+  dropped = std::move(it->then);
+  parked_.erase(it);
 }
 
 std::optional<std::chrono::steady_clock::time_point> StepClock::Expire() {

@@ -103,9 +103,12 @@ class StepClock {
   // waited)` once it may read, or `then(&refusal, seconds)` (ABORTED, DEADLINE_EXCEEDED),
   // called once, without the lock, by the thread whose change decided it (or Expire's).
   using Parked = std::function<void(const Refusal* refusal, double waited)>;
-  // Parks a pull of `step` for up to `timeout` s; false (nothing parked) when it may
-  // read now. Throws ABORTED once retired.
-  bool Park(int64_t worker, int64_t step, double timeout, Parked then);
+  // Parks a pull of `step` for up to `timeout` s: its ticket, or 0 (nothing parked) when it
+  // may read now. Throws ABORTED once retired.
+  uint64_t Park(int64_t worker, int64_t step, double timeout, Parked then);
+  // Drops a parked pull whose caller went away: its `then` is never called (nothing once
+  // it was decided).
+  void Unpark(uint64_t ticket);
   // Refuses the parked pulls whose deadline passed; the earliest deadline left, if any.
   std::optional<std::chrono::steady_clock::time_point> Expire();
 
@@ -147,6 +150,7 @@ class StepClock {
     double timeout = 0.0;
     std::chrono::steady_clock::time_point began, deadline;
     Parked then;
+    uint64_t ticket = 0;
   };
   struct Late {
     bool waits = false;
@@ -188,6 +192,7 @@ class StepClock {
   std::vector<PendingPush> held_late_;
   std::optional<std::string> gone_;  // why the shard serves no more
   std::vector<Waiter> parked_;       // pulls parked, in arrival order
+  uint64_t next_ticket_ = 1;
 };
 
 }  // namespace elastic_emb

@@ -162,11 +162,19 @@ std::vector<int64_t> DecodeKeys(std::string_view raw, int32_t encoding, const st
                 " bytes, not a whole number of int64 keys");
     }
     keys.resize(raw.size() / 8);
-    std::memcpy(keys.data(), raw.data(), raw.size());
+    if (!raw.empty()) std::memcpy(keys.data(), raw.data(), raw.size());  // (data(): null if empty)
     return keys;
   }
   if (encoding != kKeysDeltaVarint) {
     Malformed("Unknown key encoding " + std::to_string(encoding) + " of " + what);
+  }
+  // Each key takes 1 byte or more: counted before any is decoded (a small encoding must not
+  // make a large vector).
+  const auto ends = static_cast<size_t>(std::count_if(
+      raw.begin(), raw.end(), [](char b) { return (static_cast<uint8_t>(b) & 0x80) == 0; }));
+  if (ends > kMaxKeysPerTable) {
+    Malformed(what + " holds " + std::to_string(ends) + " keys, above the " +
+              std::to_string(kMaxKeysPerTable) + " one table of a request may carry");
   }
   std::string error;
   if (!DecodeDeltaVarint(reinterpret_cast<const uint8_t*>(raw.data()), raw.size(), keys, error)) {
@@ -389,7 +397,7 @@ void DecodeFloats(std::string_view bytes, int32_t enc, int64_t n, float* out, co
               std::to_string(need));
   }
   if (enc == kFloat32) {
-    std::memcpy(out, bytes.data(), need);
+    if (need > 0) std::memcpy(out, bytes.data(), need);  // (an empty table: out may be null)
     return;
   }
   const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
@@ -425,15 +433,15 @@ void DecodeGradients(PushRequest& request, const std::vector<int>& dims) {
       }
     }
     const int64_t n = static_cast<int64_t>(t.keys.size()) * dims[i];
-    t.gradients.resize(static_cast<size_t>(n));
     const std::string name = "gradients of " + t.name;
     CheckEncoding(request.encoding, name);
     const size_t need = static_cast<size_t>(n) * FloatSize(request.encoding);
-    if (t.gradient_bytes.size() != need) {
+    if (t.gradient_bytes.size() != need) {  // (before sizing the buffer by the keys' count)
       Malformed("`" + name + "` has " + std::to_string(t.gradient_bytes.size()) + " bytes; " +
                 std::to_string(t.keys.size()) + " rows of dim " + std::to_string(dims[i]) + " in " +
                 EncodingName(request.encoding) + " need " + std::to_string(need));
     }
+    t.gradients.resize(static_cast<size_t>(n));
     DecodeFloats(t.gradient_bytes, request.encoding, n, t.gradients.data(), "gradients", t.name);
     if (t.gradient_exponent > kMaxGradientExponent || t.gradient_exponent < -kMaxGradientExponent) {
       Malformed("gradient_exponent " + std::to_string(t.gradient_exponent) + " of '" + t.name +

@@ -29,6 +29,8 @@ enum KeyEncoding : int32_t { kKeysRaw = 0, kKeysDeltaVarint = 1 };
 
 // Gradients scaled beyond 2^+-200 are not a float16 range fix but a bad request.
 constexpr int32_t kMaxGradientExponent = 200;
+// One table's keys in one request (2^27: 1 GiB of int64, the largest message).
+constexpr size_t kMaxKeysPerTable = size_t{1} << 27;
 
 // One table's part of a Pull.
 struct PulledTable {

@@ -648,6 +648,14 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         "RESOURCE_EXHAUSTED with a retry hint, the request's bytes freed at once (0: no limit)",
     )
     serve.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=1 << 30,
+        metavar="BYTES",
+        help="the largest request or answer, on both planes; a pull whose rows would be larger "
+        "is refused RESOURCE_EXHAUSTED before anything is read or inserted (default: 1 GiB)",
+    )
+    serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time for in-flight requests"
     )
     serve.add_argument(

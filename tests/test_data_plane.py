@@ -173,7 +173,19 @@ def test_a_frame_above_the_limit_is_refused_before_the_server_reads_it():
         assert status == RESOURCE_EXHAUSTED
         assert b"4096 bytes is above this server's limit of 1024" in message
         assert echo.seen == []
-        assert _call(echo.connect(), PULL, b"y" * 1024)[0] == OK  # the server serves on
+        assert _call(echo.connect(), PULL, b"y" * 1000)[0] == OK  # the server serves on
+
+
+def test_an_answer_above_the_limit_is_refused_not_sent():
+    with Echo(max_frame_bytes=1024) as echo:
+        c = echo.connect()
+        # The echo answers the method, the payload, "|" and the caller: 1,033 bytes.
+        status, message = _call(c, PULL, b"y" * 1024)
+        assert status == RESOURCE_EXHAUSTED, message
+        assert b"an answer of 1033 bytes is above this server's limit of 1024" in message
+        assert _call(c, PULL, b"z" * 1000) == (OK, bytes([PULL]) + b"z" * 1000 + b"|caller-")
+    with pytest.raises(ValueError, match="max_frame_bytes is above 4294967295"):
+        Echo(max_frame_bytes=1 << 32)
 
 
 def test_bytes_that_are_not_frames_close_only_their_connection():

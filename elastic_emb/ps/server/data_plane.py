@@ -37,6 +37,7 @@ __all__ = [
     "DataPlane",
     "default_max_active",
     "raise_open_files_limit",
+    "serve_natively",
 ]
 
 log = logging.getLogger("elastic_emb.server")
@@ -69,6 +70,18 @@ def default_max_active() -> int:
     return 32 * len(os.sched_getaffinity(0))
 
 
+def serve_natively(servicer: Servicer, max_message_bytes: int, coordinated: bool) -> None:
+    """Lets the server's C++ side (`_core.ServerCore`) answer the data methods it can, on
+    either transport (the data plane, gRPC: `Servicer.serve_data`); `coordinated`: a server
+    with a coordinator, whose changes replicate to its backups."""
+    core = servicer.ranges.native
+    if servicer.load is not None:
+        core.meter_load(NUM_SLOTS)
+        servicer.load.count_also(core.load)
+    core.set_max_answer_bytes(max_message_bytes)
+    core.set_enabled(True, pushes=not coordinated)
+
+
 _NAMES = {number: name for name, number in DATA_PLANE_METHODS.items()}
 _STATUS = {code.name: code.value[0] for code in grpc.StatusCode}
 
@@ -81,8 +94,8 @@ class DataPlane:
     `max_active` others being handled (0: no limit), or `max_per_connection` in flight on
     its connection, is refused before anything is done, RESOURCE_EXHAUSTED with a retry
     hint, and the client sends it again after it (`ShardClient`); a primary's changes to
-    its backups are never refused so. `coordinated`: a server with a coordinator, whose
-    changes replicate to its backups.
+    its backups are never refused so. What `serve_natively` let C++ answer is answered
+    there; the rest by the servicer's Python.
 
     Raises:
         RuntimeError: the port cannot be bound.
@@ -97,7 +110,6 @@ class DataPlane:
         idle_seconds: float = IDLE_SECONDS,
         max_connections: int = MAX_CONNECTIONS,
         max_frame_bytes: int = MAX_MESSAGE_BYTES,
-        coordinated: bool = False,
         max_active: int = 0,
         max_per_connection: int = 256,
     ) -> None:
@@ -108,12 +120,9 @@ class DataPlane:
         options.idle_seconds, options.max_connections = idle_seconds, max_connections
         options.max_frame_bytes = max_frame_bytes
         self._servicer = servicer
-        core = servicer.ranges.native
-        if servicer.load is not None:
-            core.meter_load(NUM_SLOTS)
-            servicer.load.count_also(core.load)
-        core.set_enabled(True, pushes=not coordinated)
-        self._server = _core.DataPlaneServer(options, self._handle, self._authenticate, core)
+        self._server = _core.DataPlaneServer(
+            options, self._handle, self._authenticate, servicer.ranges.native
+        )
         self.port: int = self._server.port
 
     def _handle(self, method: int, payload: bytes, deadline_ms: int, caller: str) -> Any:

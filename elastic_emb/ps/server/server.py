@@ -25,13 +25,16 @@ from elastic_emb.persistence import checkpoint
 from elastic_emb.ps.coord.balance import LoadMeter, Policy
 from elastic_emb.ps.server import resources
 from elastic_emb.ps.server.checkpointer import PeriodicCheckpoints
+from elastic_emb.ps.server.data_plane import serve_natively
 from elastic_emb.ps.server.health import SERVING, HealthServicer
 from elastic_emb.ps.server.servicer import Servicer, add_to_server
 from elastic_emb.ps.wire.protocol import DATA_PLANES
 from elastic_emb.ps.wire.security import (
-    GRPC_OPTIONS,
+    MAX_GRPC_MESSAGE_BYTES,
+    MAX_MESSAGE_BYTES,
     SERVICE,
     Tokens,
+    message_options,
     peer_security,
     server_credentials,
 )
@@ -72,6 +75,7 @@ class ServerOptions:
     # Requests the data plane handles at once before refusing more (None: 32 per core).
     max_active_requests: int | None = None
     max_requests_per_connection: int = 256  # in flight on one data-plane connection
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # a request's or an answer's, both planes
     grace_seconds: float = 30.0
     data_plane: str = "native"  # or "grpc" (`elastic_emb.ps.server.data_plane`)
     data_port: int = 0
@@ -110,6 +114,11 @@ class ServerOptions:
             if value < least:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be at least {least}. Received: {value}")
+        if not 1 << 16 <= self.max_message_bytes <= MAX_GRPC_MESSAGE_BYTES:
+            raise ValueError(
+                f"--max-message-bytes must be in [65536, {MAX_GRPC_MESSAGE_BYTES}] (gRPC's "
+                f"limit). Received: {self.max_message_bytes}"
+            )
         if self.advertise is not None:
             host, _ = split_address(self.advertise, "--advertise")
             if loopback(self.host) and not loopback(host):
@@ -232,6 +241,7 @@ def serve(
         # Set before the server starts: a replicated server's calls need their replica.
         replica = _replica(options, options.coordinator, servicer, peers, bound)
         servicer.replica = replica
+    serve_natively(servicer, options.max_message_bytes, coordinated=bool(options.coordinator))
     data = _data_plane(options, servicer, tls=credentials is not None)
     if data is False:
         return 1
@@ -307,8 +317,9 @@ def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
     try:
         data = DataPlane(
             servicer, options.host, options.data_port, options.threads,
-            coordinated=bool(options.coordinator), max_active=max_active,
+            max_active=max_active,
             max_per_connection=options.max_requests_per_connection,
+            max_frame_bytes=options.max_message_bytes,
         )  # fmt: skip
     except RuntimeError as e:
         log.error("%s. Use another --data-port, or 0 for a free one", e)
@@ -388,7 +399,7 @@ def _listen(
     """The gRPC server with both services, bound (not started), and its port; or
     (None, 0) if the port cannot be bound."""
     # No SO_REUSEPORT: a second server on a port in use must fail, not share its traffic.
-    grpc_options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+    grpc_options = [*message_options(options.max_message_bytes), ("grpc.so_reuseport", 0)]
     executor = futures.ThreadPoolExecutor(max_workers=options.threads)
     server = grpc.server(executor, options=grpc_options)
     add_to_server(servicer, server)

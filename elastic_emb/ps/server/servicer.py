@@ -107,6 +107,35 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     return handler
 
 
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def _data_rpc(name: str) -> Callable[..., bytes]:
+    """The gRPC handler of a data method (`protocol.DATA_PLANE_METHODS`): its bytes go the
+    data plane's way (`Servicer.serve_data`); gRPC only carries them."""
+
+    def handler(self: Servicer, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        caller, refused = "anyone", None
+        if self.tokens is not None:
+            try:
+                found = self._caller(name, context)
+                caller = f"{found.role} {found.name}"
+            except RequestError as e:
+                refused = e
+        if refused is not None:
+            self._record(name, 0.0, refused.code, received=len(raw))
+            self._audit(name, raw, context, "anonymous", refused.code)
+            context.abort(grpc.StatusCode[refused.code], str(refused))
+        left = context.time_remaining()
+        code, response = self.serve_data(name, raw, caller, 3600.0 if left is None else left)
+        if code != "OK":
+            context.abort(grpc.StatusCode[code], response.decode())
+        return response
+
+    handler.__name__ = name
+    return handler
+
+
 class Servicer(ps_pb2_grpc.ParameterServerServicer):
     """The ParameterServer service over a server's `Ranges` (one `Shard` each). Thread-safe.
 
@@ -260,13 +289,29 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             stats.request_bytes += received
             stats.response_bytes += sent
 
-    # The data plane (`elastic_emb.ps.server.data_plane`): the same methods, without gRPC.
+    # The data methods (`protocol.DATA_PLANE_METHODS`), whichever transport brought them:
+    # the data plane (`elastic_emb.ps.server.data_plane`) or gRPC (`_data_rpc`).
+
+    def serve_data(
+        self, method: str, raw: bytes, caller: str = "anyone", seconds: float = 3600.0
+    ) -> tuple[str, bytes]:
+        """Answers a data method's request as the data plane does: C++ what it can
+        (`_core.ServerCore.serve`, waiting up to `seconds` for a parked one), Python the
+        rest (`serve_raw`). (status code name, response bytes or message)."""
+        from_peer = not caller.startswith("worker ")  # (a worker may not send changes)
+        native = self.ranges.native.serve(
+            protocol.DATA_PLANE_METHODS[method], raw, from_peer, seconds
+        )
+        if native is None:
+            return self.serve_raw(method, raw, caller)
+        status, response = native
+        return _CODE_NAMES[status], response
 
     def serve_raw(self, method: str, raw: bytes, caller: str = "anyone") -> tuple[str, bytes]:
-        """Answers a Pull, Push, PullRanges, PushRanges or Replicate that came on the data
-        plane, as its gRPC call would be answered: (status code name, response bytes or
-        message). Its connection's token was checked when it connected (`authenticate`,
-        which named the `caller`); every role may call the first four."""
+        """Answers in Python a Pull, Push, PullRanges, PushRanges or Replicate that C++ left
+        to it: (status code name, response bytes or message). The caller's token was checked
+        (a data-plane connection's when it connected, `authenticate`, which named the
+        `caller`); every role may call the first four."""
         start = time.perf_counter()
         try:
             if method not in protocol.RAW_METHODS and caller != "anyone":
@@ -371,17 +416,14 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             except RequestError as e:
                 log.info("worker %d left; not recorded in range %d: %s", worker, range_id, e)
 
-    # Pull, Push and their *Ranges arrive as bytes and are answered with bytes (RAW_METHODS):
-    # parsed, gathered or applied, and encoded by one C++ call (`_core.PullMessage`,
-    # `PushMessage`); what is per request, not per key, stays here.
+    # Pull, Push and their *Ranges arrive as bytes and are answered with bytes: where C++
+    # does not answer them (`serve_data`), parsed, gathered or applied, and encoded by one
+    # C++ call (`_core.PullMessage`, `PushMessage`); what is per request, not per key, here.
 
-    @_rpc
-    def Pull(self, raw: bytes) -> bytes:
-        return self._pull(raw)
-
-    @_rpc
-    def PullRanges(self, raw: bytes) -> bytes:
-        return self._pull_ranges(raw)
+    Pull = _data_rpc("Pull")
+    PullRanges = _data_rpc("PullRanges")
+    Push = _data_rpc("Push")
+    PushRanges = _data_rpc("PushRanges")
 
     def _pull_ranges(self, raw: bytes) -> bytes:
         return _core.join_parts([self._pull(part) for part in _core.request_parts(raw)])
@@ -397,14 +439,6 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
         response = shard.pull(message, timeout, self._count_wait)
         self._count_load(message, len(raw) + len(response), cpu)
         return response
-
-    @_rpc
-    def Push(self, raw: bytes) -> bytes:
-        return self._push(raw)
-
-    @_rpc
-    def PushRanges(self, raw: bytes) -> bytes:
-        return self._push_ranges(raw)
 
     def _push_ranges(self, raw: bytes) -> bytes:
         return _core.join_parts([self._push(part) for part in _core.request_parts(raw)])
@@ -546,12 +580,10 @@ class Servicer(ps_pb2_grpc.ParameterServerServicer):
             )
         return self.replica
 
-    @_rpc
-    def Replicate(self, request: ps_pb2.ReplicateRequest) -> ps_pb2.ReplicateResponse:
-        return ps_pb2.ReplicateResponse(sequence=self._replica().on_replicate(request))
+    Replicate = _data_rpc("Replicate")
 
     def _replicate(self, raw: bytes) -> bytes:
-        """A Replicate on the data plane that its C++ side left to Python."""
+        """A Replicate that C++ left to Python."""
         try:
             request = ps_pb2.ReplicateRequest.FromString(raw)
         except DecodeError as e:
@@ -624,8 +656,8 @@ class _ByteCounter(grpc.GenericRpcHandler):
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1]
         parse, serialize = handler.request_deserializer, handler.response_serializer
-        if method in protocol.RAW_METHODS:
-            parse = serialize = _as_is
+        if method in protocol.DATA_PLANE_METHODS:  # (their handlers count their bytes)
+            return handler._replace(request_deserializer=_as_is, response_serializer=_as_is)
         count = self._servicer.count_bytes
         service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
         request_type = service.methods_by_name[method].input_type

@@ -54,11 +54,19 @@ WORKER_METHODS = frozenset(
 ROLES = ("worker", "admin")
 SERVICE = "elastic_emb.ps.v1.ParameterServer"
 MAX_MESSAGE_BYTES = 1 << 30  # pushes carry every table of a step
+MAX_GRPC_MESSAGE_BYTES = (1 << 31) - 1  # (gRPC's lengths are 32-bit signed)
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC's channel options for messages up to `max_message_bytes`, either way."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
 # Both ends (servers, clients, servers calling each other): large messages.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+GRPC_OPTIONS = message_options(MAX_MESSAGE_BYTES)
 
 
 def _read(path: Any, what: str) -> bytes:
