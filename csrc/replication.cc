@@ -91,14 +91,35 @@ int64_t Replication::applied_epoch() const {
   return applied_epoch_;
 }
 
-void Replication::SetApplied(std::optional<int64_t> sequence, int64_t epoch) {
+uint64_t ChangeDigest(std::string_view method, std::string_view request) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits
+  for (std::string_view part : {method, std::string_view("\0", 1), request}) {
+    for (char c : part) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  }
+  return h == 0 ? 1 : h;
+}
+
+void Replication::SetApplied(std::optional<int64_t> sequence, int64_t epoch, uint64_t digest) {
+  constexpr size_t kDigestsKept = 4096;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!sequence || epoch != applied_epoch_ || digest == 0) digests_.clear();
+    if (sequence && digest != 0) {
+      digests_[*sequence] = digest;
+      if (digests_.size() > kDigestsKept) digests_.erase(digests_.begin());
+    }
     applied_ = sequence;
     applied_epoch_ = epoch;
     applied_cv_.notify_all();
   }
   RunParked();
+}
+
+bool Replication::SameChange(int64_t sequence, int64_t epoch, uint64_t digest) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (epoch != applied_epoch_) return true;
+  auto it = digests_.find(sequence);
+  return it == digests_.end() || it->second == digest;
 }
 
 void Replication::WaitApplied(std::optional<int64_t> seen, double seconds) {
@@ -290,7 +311,14 @@ Turn Replication::TakeTurn(const wire::ReplicateRequest& change, Later later,
   if (change.sequence <= *applied_) {
     // The same change sent again; or, from another epoch, a replica that diverged (Python
     // says so).
-    return change.epoch == applied_epoch_ ? Turn::kDone : Turn::kPython;
+    if (change.epoch != applied_epoch_) return Turn::kPython;
+    auto it = digests_.find(change.sequence);
+    if (it != digests_.end() && it->second != ChangeDigest(change.method, change.request)) {
+      *refusal = role_->address + " applied another change " + std::to_string(change.sequence) +
+                 " of epoch " + std::to_string(change.epoch) + ": this replica has diverged";
+      return Turn::kDiverged;
+    }
+    return Turn::kDone;
   }
   if (parked_.count(change.sequence) > 0) return Turn::kPython;
   const auto deadline = After(kGapSeconds);

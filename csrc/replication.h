@@ -74,12 +74,16 @@ struct AcknowledgedChanges {
 
 // What to do with a change that came to a backup.
 enum class Turn {
-  kApply,   // it is next: apply it, then SetApplied()
-  kDone,    // applied already (sent again)
-  kWait,    // an earlier change is missing: parked until its turn
-  kRefuse,  // not from this backup's primary (ABORTED)
-  kPython,  // Python decides (it waits for a map it has not seen, or a diverged replica)
+  kApply,     // it is next: apply it, then SetApplied()
+  kDone,      // applied already (sent again)
+  kWait,      // an earlier change is missing: parked until its turn
+  kRefuse,    // not from this backup's primary (ABORTED)
+  kDiverged,  // its sequence was applied here as another change (DATA_LOSS)
+  kPython,    // Python decides (it waits for a map it has not seen, or a diverged replica)
 };
+
+// What tells changes of one sequence apart (their method and request bytes).
+uint64_t ChangeDigest(std::string_view method, std::string_view request);
 
 class Replication : public std::enable_shared_from_this<Replication> {
  public:
@@ -106,8 +110,12 @@ class Replication : public std::enable_shared_from_this<Replication> {
   std::optional<int64_t> applied() const;
   int64_t applied_epoch() const;
   // Sets them (a change applied, here or by Python, or a snapshot installed); runs the
-  // parked change that is next, if any.
-  void SetApplied(std::optional<int64_t> sequence, int64_t epoch);
+  // parked change that is next, if any. `digest`: the change's (ChangeDigest), 0 when not
+  // one change.
+  void SetApplied(std::optional<int64_t> sequence, int64_t epoch, uint64_t digest = 0);
+  // False when change `sequence` of epoch `epoch` was applied here as another change
+  // (remembered for the last kDigestsKept changes applied).
+  bool SameChange(int64_t sequence, int64_t epoch, uint64_t digest) const;
   // Waits until `applied` differs from `seen`, the role changes or `seconds` pass.
   void WaitApplied(std::optional<int64_t> seen, double seconds);
 
@@ -165,6 +173,10 @@ class Replication : public std::enable_shared_from_this<Replication> {
   std::shared_ptr<const ReplicaRole> role_ = std::make_shared<const ReplicaRole>();
   std::optional<int64_t> applied_ = 0;
   int64_t applied_epoch_ = 0;
+  // The digests of the last changes applied, by sequence, all of applied_epoch_: a change
+  // sent again must be the same change (an outsider's Replicate taking its sequence first
+  // shows at the primary's, not as a change silently skipped).
+  std::map<int64_t, uint64_t> digests_;
   uint64_t notified_ = 0;
   std::map<std::string, std::shared_ptr<data_plane::Connection>> connections_;  // by address
   std::map<std::pair<int64_t, std::string>, Sent> sent_;  // by (sequence, backup)

@@ -410,8 +410,27 @@ void BindShards(py::module_& m) {
           },
           "{(group, epoch): {changes, first_sequence, last_sequence, first_time, last_time}}: "
           "the changes this server acknowledged as a primary (times: Unix seconds).")
-      .def("set_applied", &Replication::SetApplied, py::arg("sequence"), py::arg("epoch"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_applied",
+          [](Replication& r, std::optional<int64_t> sequence, int64_t epoch,
+             const std::string& method, const py::bytes& request) {
+            const uint64_t digest =
+                method.empty() ? 0 : ChangeDigest(method, std::string_view(request));
+            py::gil_scoped_release release;
+            r.SetApplied(sequence, epoch, digest);
+          },
+          py::arg("sequence"), py::arg("epoch"), py::arg("method") = "",
+          py::arg("request") = py::bytes(),
+          "Sets the last change applied (`method`, `request`: that change's, remembered so "
+          "that another change sent as its sequence is refused).")
+      .def(
+          "same_change",
+          [](const Replication& r, int64_t sequence, int64_t epoch, const std::string& method,
+             const py::bytes& request) {
+            return r.SameChange(sequence, epoch, ChangeDigest(method, std::string_view(request)));
+          },
+          py::arg("sequence"), py::arg("epoch"), py::arg("method"), py::arg("request"),
+          "False when change `sequence` of `epoch` was applied here as another change.")
       .def("wait_applied", &Replication::WaitApplied, py::arg("seen"), py::arg("seconds"),
            py::call_guard<py::gil_scoped_release>(),
            "Waits until `applied` differs from `seen`, the role changes or `seconds` pass.");

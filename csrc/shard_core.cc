@@ -867,7 +867,8 @@ Served ServerCore::Change(const std::string& payload, const data_plane::Park& pa
   std::weak_ptr<ServerCore> self = weak_from_this();
   const std::string address = replication_->role()->address;
   // Applies it, in its turn; the answer.
-  auto apply = [self, prepared, sequence, epoch, received, start, address] {
+  const uint64_t digest = ChangeDigest(change.method, change.request);
+  auto apply = [self, prepared, sequence, epoch, received, start, address, digest] {
     data_plane::Answer a;
     std::string code;
     try {
@@ -879,7 +880,9 @@ Served ServerCore::Change(const std::string& payload, const data_plane::Park& pa
       a.payload = address + " could not apply change " + std::to_string(sequence) + ": " + e.what();
     }
     if (auto core = self.lock()) {
-      core->replication_->SetApplied(sequence, epoch);
+      // (a change not applied leaves the sequence: the next waits, and the primary drops
+      // this backup, never taking its answer for the change)
+      if (code.empty()) core->replication_->SetApplied(sequence, epoch, digest);
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       core->Record(kReplicate, seconds, code, received, code.empty() ? a.payload.size() : 0, 1);
@@ -902,8 +905,11 @@ Served ServerCore::Change(const std::string& payload, const data_plane::Park& pa
       a = apply();
       break;
     case Turn::kDone:
-    case Turn::kRefuse: {
-      const std::string code = turn == Turn::kDone ? "" : "ABORTED";
+    case Turn::kRefuse:
+    case Turn::kDiverged: {
+      const std::string code = turn == Turn::kDone     ? ""
+                               : turn == Turn::kRefuse ? "ABORTED"
+                                                       : "DATA_LOSS";
       a = code.empty() ? data_plane::Answer{0, wire::EncodeReplicateResponse(sequence)}
                        : data_plane::Answer{StatusNumber(code), refusal};
       const double seconds =

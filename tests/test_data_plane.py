@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import grpc
 import numpy as np
@@ -868,3 +869,156 @@ def test_a_backup_taking_over_refuses_its_old_primary_s_changes_on_the_plane():
         np.testing.assert_array_equal(table.pull(np.array([7])), reference.pull(np.array([7])))
     finally:
         backup.stop(1.0)
+
+
+def test_a_change_sent_as_a_sequence_applied_already_must_be_the_same_change():
+    """Without tokens anyone reaching a backup's port may send it a Replicate naming the
+    group's epoch and primary (docs/operations.md#security). What it changes is then the
+    backup's alone, so the primary's own change of that sequence is refused DATA_LOSS (the
+    primary drops the backup, which copies the group's state again), never skipped as sent
+    again; the primary's change sent again is still taken as done."""
+    table = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="rows")
+    shard = _core.ShardCore(lambda step, name, parts: None)
+    shard.set_tables([("rows", table.core_table(), 0.5)])
+    shard.clock.join(0, 1, ASYNC, -1)
+    core = _core.ServerCore()
+    core.put_range(0, shard)
+    core.replication.set_applied(0, 1)
+    core.set_enabled(True, pushes=False)
+    core.replication.set_role(
+        {"address": "127.0.0.1:2", "group": 0, "epoch": 1, "primary": "127.0.0.1:1",
+         "holds": ["127.0.0.1:2"], "deposed": "", "changes": False, "backups": []}
+    )  # fmt: skip
+    backup = _core.DataPlaneServer(
+        _core.DataPlaneOptions(), lambda *a: (INTERNAL, b"not for Python"),
+        lambda t, p: (True, "anyone"), core,
+    )  # fmt: skip
+    replicate = protocol.DATA_PLANE_METHODS["Replicate"]
+
+    def change(sequence: int, key: int) -> bytes:
+        push = _push([key], np.ones((1, 4)), step=sequence).SerializeToString()
+        return ps_pb2.ReplicateRequest(
+            group=0, epoch=1, sequence=sequence, method="Push", request=push,
+            primary="127.0.0.1:1",
+        ).SerializeToString()  # fmt: skip
+
+    try:
+        outsider = _core.DataPlaneConnection("127.0.0.1", backup.port, "", 5.0)
+        assert _call(outsider, replicate, change(1, key=7))[0] == OK
+        primary = _core.DataPlaneConnection("127.0.0.1", backup.port, "", 5.0)
+        status, answer = _call(primary, replicate, change(1, key=8))
+        assert status == grpc.StatusCode.DATA_LOSS.value[0]
+        assert answer.decode() == (
+            "127.0.0.1:2 applied another change 1 of epoch 1: this replica has diverged"
+        )
+        assert _call(outsider, replicate, change(1, key=7)) == (
+            OK, ps_pb2.ReplicateResponse(sequence=1).SerializeToString()
+        )  # fmt: skip
+        # Python's check (a change the plane leaves to it) reads the same record.
+        assert core.replication.same_change(1, 1, "Push", ps_pb2.ReplicateRequest.FromString(
+            change(1, key=7)).request)  # fmt: skip
+        assert not core.replication.same_change(1, 1, "Push", ps_pb2.ReplicateRequest.FromString(
+            change(1, key=8)).request)  # fmt: skip
+        assert core.replication.applied == 1
+    finally:
+        backup.stop(1.0)
+
+
+def _server_memory(pid: int, field: str) -> int:
+    """A /proc/PID/status field (VmRSS, VmHWM) in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _with_table(address: str, dim: int, mode: int = ps_pb2.ASYNC, workers: int = 1) -> Any:
+    stub = _stub(address)
+    config = json.dumps(ee.Table(dim, ee.optimizers.SGD(0.5), name="rows").config())
+    stub.CreateTables(
+        ps_pb2.CreateTablesRequest(tables=[ps_pb2.TableSpec(name="rows", config_json=config)]),
+        timeout=10,
+    )
+    for worker in range(workers):
+        stub.Join(
+            ps_pb2.JoinRequest(worker=worker, num_workers=workers, mode=mode, staleness=-1),
+            timeout=10,
+        )
+    return stub
+
+
+def _delta_keys(n: int) -> bytes:
+    """Keys 1..n delta-varint encoded: one byte each."""
+    return b"\x02" + b"\x01" * (n - 1)  # (zigzag: 1 is 2, then +1 steps)
+
+
+def test_a_pull_whose_rows_exceed_the_message_limit_is_refused_on_both_planes():
+    """A small request may not demand a huge answer: 200,000 delta-encoded keys (200 KB)
+    would answer 3.2 MB of rows, above --max-message-bytes 1 MiB: RESOURCE_EXHAUSTED,
+    the same on both transports, before any row is inserted; a pull that fits is served."""
+    with shards(1, ["--max-message-bytes", str(1 << 20)]) as (ps,):
+        stub = _with_table(ps.address, dim=4)
+        entry = ps_pb2.TableKeys(table="rows", keys=_delta_keys(200_000), key_encoding=1)
+        raw = ps_pb2.PullRequest(worker=0, step=1, train=True, tables=[entry]).SerializeToString()
+        status, message = _call(_data_connection(ps.address), PULL, raw)
+        assert status == RESOURCE_EXHAUSTED
+        assert message.decode() == (
+            "a pull answering 3200000 bytes of rows is above this server's limit of 1048576 "
+            "bytes a message; pull fewer keys per request"
+        )
+        with pytest.raises(grpc.RpcError) as through_grpc:
+            grpc.insecure_channel(ps.address).unary_unary(
+                "/elastic_emb.ps.v1.ParameterServer/Pull"
+            )(raw, timeout=10)
+        assert through_grpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert through_grpc.value.details() == message.decode()
+        described = stub.DescribeTables(ps_pb2.DescribeTablesRequest(), timeout=10)
+        assert [t.rows for t in described.tables] == [0]
+        ok = ps_pb2.TableKeys(table="rows", keys=_delta_keys(1000), key_encoding=1)
+        fits = ps_pb2.PullRequest(worker=0, step=1, train=True, tables=[ok])
+        assert _call(_data_connection(ps.address), PULL, fits.SerializeToString())[0] == OK
+
+
+def test_a_push_is_checked_against_its_gradient_bytes_before_its_buffer_is_sized():
+    """1,000,000 delta-encoded keys (1 MB) of a table of dim 64 and 4 bytes of gradients:
+    refused INVALID_ARGUMENT with the server's peak memory up by about the keys (8 MB),
+    not by the 256 MB their gradients would take."""
+    with shards(1) as (ps,):
+        _with_table(ps.address, dim=64)
+        pid = ps.process.pid
+        before = _server_memory(pid, "VmHWM")
+        entry = ps_pb2.TableGradients(
+            table="rows", keys=_delta_keys(1_000_000), key_encoding=1, gradients=b"\0" * 4
+        )
+        raw = ps_pb2.PushRequest(worker=0, step=1, tables=[entry]).SerializeToString()
+        status, message = _call(_data_connection(ps.address), PUSH, raw)
+        assert status == INVALID_ARGUMENT
+        assert b"`gradients of rows` has 4 bytes; 1000000 rows of dim 64" in message
+        assert _server_memory(pid, "VmHWM") - before < 64 << 20
+
+
+def test_parked_sync_pulls_are_freed_when_their_connection_closes(monkeypatch):
+    """Sync pulls of step 2 wait for worker 1's push of step 1; their connections close
+    first. What they held (1,000,000 keys each, 8 MB) is freed then, not when the step
+    completes."""
+    # (blocks of 1 MiB and more mapped on their own, so that freeing them shows in the RSS)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    with shards(1) as (ps,):
+        _with_table(ps.address, dim=4, mode=ps_pb2.SYNC, workers=2)
+        pid = ps.process.pid
+        push = _push([1], np.ones((1, 4)), step=1).SerializeToString()
+        entry = ps_pb2.TableKeys(table="rows", keys=_delta_keys(1_000_000), key_encoding=1)
+        pull = ps_pb2.PullRequest(worker=0, step=2, train=False, tables=[entry], timeout_ms=60_000)
+        first = _data_connection(ps.address)
+        assert _call(first, PUSH, push)[0] == OK  # worker 0's step 1: step 2 waits for worker 1
+        baseline = _server_memory(pid, "VmRSS")
+        connections = [_data_connection(ps.address) for _ in range(12)]
+        tickets = _core.data_plane_send(
+            connections, [PULL] * 12, [pull.SerializeToString()] * 12, 60.0
+        )
+        assert not _core.data_plane_wait(tickets, 1.0)  # parked
+        assert _server_memory(pid, "VmRSS") - baseline > 48 << 20  # their keys
+        del connections, tickets  # (the connections close)
+        deadline = time.monotonic() + 10
+        while _server_memory(pid, "VmRSS") - baseline > 24 << 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _server_memory(pid, "VmRSS") - baseline <= 24 << 20

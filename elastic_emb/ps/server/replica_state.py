@@ -100,11 +100,15 @@ class ReplicaState:
         epoch: int = self.replication.applied_epoch
         return epoch
 
-    def set_applied(self, sequence: int | None, epoch: int) -> None:
+    def set_applied(
+        self, sequence: int | None, epoch: int, change: tuple[str, bytes] | None = None
+    ) -> None:
         """Sets both (a change applied by Python, a snapshot installed, the state reset);
-        the data plane serves only a server with a state (`publish_serving`)."""
+        the data plane serves only a server with a state (`publish_serving`). `change`: the
+        (method, request bytes) of the change applied, told apart from another sent as its
+        sequence later."""
         had = self.replication.applied is not None
-        self.replication.set_applied(sequence, epoch)
+        self.replication.set_applied(sequence, epoch, *(change or ("", b"")))
         if had != (sequence is not None):
             with self.cond:
                 self.publish_serving()

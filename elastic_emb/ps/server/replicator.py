@@ -176,12 +176,12 @@ class Replicator:
         try:
             self._apply(request.method, message)
         except Exception as e:
+            # The sequence stays: the next change waits, and the primary drops this backup.
             log.exception("change %d (%s) failed on a backup", request.sequence, request.method)
             raise RequestError(
                 "DATA_LOSS", f"{state.address} could not apply change {request.sequence}: {e}"
             ) from e
-        finally:
-            state.set_applied(request.sequence, request.epoch)
+        state.set_applied(request.sequence, request.epoch, (request.method, request.request))
         return int(request.sequence)
 
     def _wait_for_turn(self, request: ps_pb2.ReplicateRequest) -> bool:
@@ -199,6 +199,14 @@ class Replicator:
                 if request.sequence == applied + 1:
                     return False
                 if request.sequence <= applied and request.epoch == applied_epoch:
+                    if not state.replication.same_change(
+                        request.sequence, request.epoch, request.method, request.request
+                    ):
+                        raise RequestError(
+                            "DATA_LOSS",
+                            f"{state.address} applied another change {request.sequence} of "
+                            f"epoch {request.epoch}: this replica has diverged",
+                        )
                     return True
                 if request.sequence <= applied:
                     raise RequestError(
