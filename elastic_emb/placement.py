@@ -48,6 +48,9 @@ ENV_COORDINATOR = "ELASTIC_EMB_COORDINATOR"
 # for every slot (its servers may still be starting, e.g. pods scheduled at once).
 PS_CONNECT_TIMEOUT = 5.0
 CLUSTER_CONNECT_TIMEOUT = 30.0
+# ... and, of those 5 s, how long a PS whose machine refuses the connection (nothing
+# listens on its port) is tried again before `ee.init` fails naming it.
+PS_REFUSED_TIMEOUT = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +136,16 @@ class InitOptions:
             self.mode, self.staleness, self.wire_dtype, worker_index, num_workers, self.timeout,
             self.wait_to_connect(), self.failover_timeout, self.read_from_backups, self.cache_rows,
             self.cache_staleness, self.worker_lease_seconds, self.data_plane,
+            self.wait_when_refused(),
         )  # fmt: skip
+
+    def wait_when_refused(self) -> float | None:
+        """Seconds a shard of `ps` that refuses connections is tried (None: as long as
+        `wait_to_connect`): a second by default; a `connect_timeout` given is waited whole
+        (servers that start after their workers)."""
+        if self.connect_timeout is not None or self.coordinator is not None:
+            return None
+        return PS_REFUSED_TIMEOUT
 
 
 def init(

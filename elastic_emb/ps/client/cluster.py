@@ -59,6 +59,7 @@ class ClusterOptions:
     cache_staleness: int = 0
     worker_lease_seconds: int = WORKER_LEASE_SECONDS
     data_plane: str = "native"
+    refused_timeout: float | None = None  # a shard refusing connections: fail after this
 
     def check(self, elastic: bool) -> None:
         """Raises ValueError for invalid options; `elastic`: with a coordinator."""
@@ -190,7 +191,7 @@ class Cluster:
     def _join(self, connect_timeout: float) -> int:
         """Connects, registers this worker (elastic) and joins every shard; their step."""
         options, routing = self.options, self.routing
-        self.shards.connect(connect_timeout)
+        self.shards.connect(connect_timeout, options.refused_timeout)
         if routing is not None:  # elastic: no step waits for this worker once it is gone
             routing.fix_mode(options.mode, options.staleness)  # (a clear error first)
             routing.register_worker(self.worker_index, options.worker_lease_seconds)

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -109,6 +110,23 @@ class ShardStats:
     seconds: float = 0.0
     max_seconds: float = 0.0
     overloaded: int = 0  # calls the server refused as overloaded, then sent again
+
+
+def _refused(address: str, seconds: float) -> bool:
+    """Whether every TCP connection to `address` is refused for `seconds` (False as soon
+    as one is taken, or an attempt gets no answer at all)."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+            return False
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.1)
+        except OSError:  # no answer, unreachable, unresolved: gRPC's wait says
+            return False
 
 
 class ShardClient:
@@ -206,14 +224,25 @@ class ShardClient:
     def num_shards(self) -> int:
         return len(self.addresses)
 
-    def connect(self, timeout: float) -> None:
+    def connect(self, timeout: float, refused_timeout: float | None = None) -> None:
         """Waits until every shard answers; closes and raises ConnectionError if one does not.
 
         Asks the standard health service (no token, no audit record), waiting for the
         connection: not `grpc.channel_ready_future`, whose polling thread outlives it and
-        fails on a channel closed soon after.
+        fails on a channel closed soon after. `refused_timeout`: a shard whose machine
+        refuses every connection for this long fails then (an address that drops them
+        waits `timeout`).
         """
         for address in self.addresses:
+            if refused_timeout is not None and _refused(address, refused_timeout):
+                self.close()
+                raise ConnectionError(
+                    f"elastic_emb: parameter server {address} refused the connection for "
+                    f"{refused_timeout:g} s: nothing listens on port "
+                    f"{address.rsplit(':', 1)[-1]} there. Does `elastic-emb serve` run "
+                    "there, on that port? For servers that start after their workers, wait "
+                    "longer: ee.init(connect_timeout=SECONDS)"
+                )
             check = self._channels[address].unary_unary(
                 f"/{HEALTH_SERVICE}/Check",
                 request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
