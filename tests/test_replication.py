@@ -223,6 +223,22 @@ def test_replicas_stay_identical_and_a_killed_primary_loses_nothing(cluster, mod
     assert [s["address"] for s in connection.stats()] == cluster.primaries()
 
 
+def test_a_worker_starting_as_a_primary_dies_joins_the_backup_promoted_in_its_place(cluster):
+    """`ee.init(coordinator=...)` just after a primary is SIGKILLed, its lease not yet
+    lapsed: the map the worker reads names the dead server. It reads the map again while
+    that server does not answer, joins the backup promoted in its place and trains: exact
+    rows."""
+    expected = reference_state(range(1, 21))  # (in-process: before ee.init)
+    victim = cluster.primaries()[0]
+    cluster.kill(victim)
+    assert victim in cluster.primaries()  # (the coordinator has not seen it die yet)
+    ee.init(coordinator=cluster.coordinator, mode="async", connect_timeout=15)
+    table = make_table("t")
+    train(table, range(1, 21))
+    assert victim not in cluster.primaries()
+    assert_same_state(cluster_state(cluster, "t"), expected)
+
+
 def test_keras_fit_survives_a_primary_killed_mid_epoch(cluster):
     """model.fit goes on by itself; tables and dense weights equal an unbroken in-process run."""
     rng = np.random.default_rng(0)

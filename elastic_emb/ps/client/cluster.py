@@ -40,6 +40,9 @@ log = logging.getLogger("elastic_emb")
 MODES = ("async", "sync")
 # With a coordinator: a worker that stops renewing its lease for this long has left.
 WORKER_LEASE_SECONDS = 3
+# ... and a worker starting waits this long for a primary to answer before it reads the
+# map again (the primary may have died; a backup takes its place).
+MAP_RECHECK_SECONDS = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +194,10 @@ class Cluster:
     def _join(self, connect_timeout: float) -> int:
         """Connects, registers this worker (elastic) and joins every shard; their step."""
         options, routing = self.options, self.routing
-        self.shards.connect(connect_timeout, options.refused_timeout)
+        if routing is None:
+            self.shards.connect(connect_timeout, options.refused_timeout)
+        else:
+            self._connect_to_primaries(routing, connect_timeout)
         if routing is not None:  # elastic: no step waits for this worker once it is gone
             routing.fix_mode(options.mode, options.staleness)  # (a clear error first)
             routing.register_worker(self.worker_index, options.worker_lease_seconds)
@@ -231,6 +237,30 @@ class Cluster:
                 raise RuntimeError(f"PS shards {self.addresses} are at different steps {steps}")
             self._router.broadcast("Leave", ps_pb2.LeaveRequest(worker=self.worker_index))
             time.sleep(min(0.05 * attempt, 1.0))
+
+    def _connect_to_primaries(self, routing: Routing, connect_timeout: float) -> None:
+        """Waits until every range's primary answers, reading the map again while one does
+        not: a primary that died as this worker started is replaced by the backup its
+        coordinator promotes. ConnectionError (closed) after `connect_timeout`."""
+        deadline = time.monotonic() + connect_timeout
+        while True:
+            layout = self._router.layout()
+            primaries = [routing.primary_of(r) for r in layout.ids]
+            left = deadline - time.monotonic()
+            why = (
+                "elastic_emb: a slot range has no primary in the coordinator's map (a "
+                "failover under way, or no server started?)"
+            )
+            if all(primaries):
+                attempt = min(max(left, 0.1), MAP_RECHECK_SECONDS)
+                found = self.shards.unreachable(primaries, attempt, waited=connect_timeout)
+                if found is None:
+                    return
+                why = found
+            if time.monotonic() >= deadline:
+                self.shards.close()
+                raise ConnectionError(why)
+            routing.wait_for_change(layout.version, 0.5)
 
     def _join_again(self, range_id: int) -> None:
         """A server no longer counts this worker (its lease lapsed, and the servers saw it

@@ -225,25 +225,42 @@ class ShardClient:
         return len(self.addresses)
 
     def connect(self, timeout: float, refused_timeout: float | None = None) -> None:
-        """Waits until every shard answers; closes and raises ConnectionError if one does not.
+        """Waits until every shard answers; closes and raises ConnectionError if one does not
+        (`unreachable`)."""
+        why = self.unreachable(self.addresses, timeout, refused_timeout)
+        if why is not None:
+            self.close()
+            raise ConnectionError(why)
+
+    def unreachable(
+        self,
+        addresses: list[str],
+        timeout: float,
+        refused_timeout: float | None = None,
+        waited: float | None = None,
+    ) -> str | None:
+        """Why the first of `addresses` that does not answer within `timeout` is unreachable
+        (its message says `waited` seconds, default `timeout`); None when all answer.
 
         Asks the standard health service (no token, no audit record), waiting for the
         connection: not `grpc.channel_ready_future`, whose polling thread outlives it and
         fails on a channel closed soon after. `refused_timeout`: a shard whose machine
-        refuses every connection for this long fails then (an address that drops them
-        waits `timeout`).
+        refuses every connection for this long is unreachable then (an address that drops
+        them waits `timeout`).
         """
-        for address in self.addresses:
+        for address in addresses:
+            port = address.rsplit(":", 1)[-1]
             if refused_timeout is not None and _refused(address, refused_timeout):
-                self.close()
-                raise ConnectionError(
+                return (
                     f"elastic_emb: parameter server {address} refused the connection for "
-                    f"{refused_timeout:g} s: nothing listens on port "
-                    f"{address.rsplit(':', 1)[-1]} there. Does `elastic-emb serve` run "
-                    "there, on that port? For servers that start after their workers, wait "
-                    "longer: ee.init(connect_timeout=SECONDS)"
+                    f"{refused_timeout:g} s: nothing listens on port {port} there. Does "
+                    "`elastic-emb serve` run there, on that port? For servers that start "
+                    "after their workers, wait longer: ee.init(connect_timeout=SECONDS)"
                 )
-            check = self._channels[address].unary_unary(
+            with self._lock:
+                self._stub(address)  # (its channel)
+                channel = self._channels[address]
+            check = channel.unary_unary(
                 f"/{HEALTH_SERVICE}/Check",
                 request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                 response_deserializer=health_pb2.HealthCheckResponse.FromString,
@@ -254,14 +271,14 @@ class ShardClient:
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                     continue  # an answer: the server is there
-                self.close()
-                raise ConnectionError(
-                    f"elastic_emb: parameter server {address} is unreachable (no answer "
-                    f"within {timeout:g} s): does `elastic-emb serve --port "
-                    f"{address.rsplit(':', 1)[-1]}` run there (TLS on both sides or neither)? "
-                    "For servers that start after their workers, wait longer: "
-                    "ee.init(connect_timeout=SECONDS)"
-                ) from None
+            return (
+                f"elastic_emb: parameter server {address} is unreachable (no answer "
+                f"within {timeout if waited is None else waited:g} s): does `elastic-emb "
+                f"serve --port {port}` run there (TLS on both sides or neither)? "
+                "For servers that start after their workers, wait longer: "
+                "ee.init(connect_timeout=SECONDS)"
+            )
+        return None
 
     def connect_data_plane(self) -> None:
         """Connects to the data plane of every shard that has one (else later calls do);
