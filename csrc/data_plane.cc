@@ -182,6 +182,8 @@ struct Server::Connection {
   std::string caller;                      // written before `greeted`, read after
   std::atomic<int> in_flight{0};
   std::unique_ptr<tls::Session> tls;  // with a TLS server (its own mutex)
+  bool tls_fed = false;               // (read_mu) bytes came: a plaintext hello is told apart
+  bool plaintext_hello = false;       // (read_mu) its first bytes were a frame's, not TLS
   std::mutex write_mu;
   std::string out;
   size_t out_sent = 0;
@@ -803,7 +805,19 @@ ssize_t Server::Receive(Connection* c, char* out, size_t room) {
       got = c->tls->Read(out, room);
     } catch (const std::runtime_error&) {
       counters_.tls_refused++;
-      SendTlsOutput(c);  // the alert saying why
+      if (c->plaintext_hello) {  // a plaintext client: told so in its own framing
+        Header refusal;
+        refusal.method = kHello;
+        refusal.status = kUnauthenticated;
+        const std::string why =
+            "data plane: this server speaks TLS on its data port: connect with TLS (`tls_ca`)";
+        refusal.length = static_cast<uint32_t>(why.size());
+        const std::string frame = Encode(refusal, why);
+        std::lock_guard<std::mutex> lock(c->write_mu);
+        if (!c->closed) (void)!send(c->fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      } else {
+        SendTlsOutput(c);  // the alert saying why
+      }
       errno = EPROTO;
       return -1;
     }
@@ -812,6 +826,12 @@ ssize_t Server::Receive(Connection* c, char* out, size_t room) {
     if (got < 0) return 0;                      // the peer ended the session
     ssize_t n = recv(c->fd, raw, sizeof(raw), 0);
     if (n <= 0) return n;  // nothing more now, the end, or an error
+    if (!c->tls_fed) {
+      uint32_t magic = 0;
+      std::memcpy(&magic, raw, std::min<size_t>(sizeof(magic), static_cast<size_t>(n)));
+      c->plaintext_hello = magic == kMagic;
+      c->tls_fed = true;
+    }
     c->tls->Feed(raw, static_cast<size_t>(n));
   }
 }
@@ -888,11 +908,18 @@ Connection::Connection(const std::string& host, int port, const std::string& tok
     fd_ = -1;
     // (a TLS record starts 0x15 (an alert) or 0x16 (a handshake))
     const bool speaks_tls = tls_ == nullptr && (answer[0] == 0x15 || answer[0] == 0x16);
-    throw std::runtime_error(
-        ok           ? message
-        : speaks_tls ? "data plane: " + where_ + " speaks TLS: connect with TLS (`tls_ca`)"
-                     : "data plane: " + where_ + " did not answer the hello (" +
-                           (errno ? std::strerror(errno) : "closed") + ")");
+    std::string why;
+    if (ok) {
+      why = message;
+    } else if (speaks_tls) {
+      why = "data plane: " + where_ + " speaks TLS: connect with TLS (`tls_ca`)";
+    } else if (!tls_error_.empty()) {
+      why = "data plane: " + where_ + " ended the TLS session: " + tls_error_;
+    } else {
+      why = "data plane: " + where_ + " did not answer the hello (" +
+            (errno ? std::strerror(errno) : "closed") + ")";
+    }
+    throw std::runtime_error(why);
   }
   timeval forever{0, 0};
   setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &forever, sizeof(forever));
@@ -937,8 +964,9 @@ bool Connection::Receive(char* out, size_t size) {
     long got;
     try {
       got = tls_->Read(out, size);
-    } catch (const std::runtime_error&) {
-      return false;  // a broken or forged record
+    } catch (const std::runtime_error& e) {
+      tls_error_ = e.what();  // a broken or forged record, or the server's alert
+      return false;
     }
     if (got < 0) return false;
     if (got > 0) {

@@ -298,6 +298,7 @@ class Connection {
   std::string failure_;
   std::string refusal_;                // the server's own message when it refused the connection
   std::unique_ptr<tls::Session> tls_;  // null: plaintext
+  std::string tls_error_;              // why the session broke (written by Receive's caller)
   std::thread reader_;
 };
 

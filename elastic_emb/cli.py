@@ -59,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"elastic-emb serve: listening on {args.host}:{port}", flush=True)
 
     def metrics_ready(port: int) -> None:
-        print(f"elastic-emb serve: metrics on http://{args.host}:{port}/metrics", flush=True)
+        scheme = "https" if args.tls_cert else "http"  # (TLS covers the metrics too)
+        print(f"elastic-emb serve: metrics on {scheme}://{args.host}:{port}/metrics", flush=True)
 
     fields = {f.name for f in dataclasses.fields(server.ServerOptions)}
     try:

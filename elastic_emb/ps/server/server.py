@@ -485,7 +485,8 @@ def _serve_metrics(
     except OSError as e:
         log.error("cannot serve metrics on %s:%d: %s", host, port, e)
         return False
-    log.info("metrics on http://%s:%d/metrics", host, metrics.server_port)
+    scheme = "https" if options.tls_cert else "http"
+    log.info("metrics on %s://%s:%d/metrics", scheme, host, metrics.server_port)
     if ready is not None:
         ready(metrics.server_port)
     return True
