@@ -184,6 +184,7 @@ struct Server::Connection {
   std::unique_ptr<tls::Session> tls;  // with a TLS server (its own mutex)
   bool tls_fed = false;               // (read_mu) bytes came: a plaintext hello is told apart
   bool plaintext_hello = false;       // (read_mu) its first bytes were a frame's, not TLS
+  bool tls_drained = false;           // (read_mu) its last socket read emptied the socket
   std::mutex write_mu;
   std::string out;
   size_t out_sent = 0;
@@ -824,6 +825,13 @@ ssize_t Server::Receive(Connection* c, char* out, size_t room) {
     if (got > 0) return got;
     if (c->tls->HasOutput()) SendTlsOutput(c);  // the handshake's messages
     if (got < 0) return 0;                      // the peer ended the session
+    if (c->tls_drained) {
+      // A short read emptied the socket: no need to ask it again (the connection is
+      // re-armed level-triggered, so bytes arriving meanwhile are not missed).
+      c->tls_drained = false;
+      errno = EAGAIN;
+      return -1;
+    }
     ssize_t n = recv(c->fd, raw, sizeof(raw), 0);
     if (n <= 0) return n;  // nothing more now, the end, or an error
     if (!c->tls_fed) {
@@ -833,6 +841,7 @@ ssize_t Server::Receive(Connection* c, char* out, size_t room) {
       c->tls_fed = true;
     }
     c->tls->Feed(raw, static_cast<size_t>(n));
+    c->tls_drained = static_cast<size_t>(n) < sizeof(raw);
   }
 }
 
