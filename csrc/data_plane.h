@@ -31,6 +31,11 @@
 // Options::max_hello_bytes (a token), and one that has not sent a whole hello within
 // Options::hello_seconds of its accept is closed.
 //
+// TLS (ServerOptions::tls, a client Connection's `tls`): every byte of a connection goes
+// through a tls::Session (csrc/tls.h) under the same framing; the handshake comes first, within
+// hello_seconds of the accept, and then the hello. A TLS server refuses plaintext connections
+// (a plaintext hello is answered UNAUTHENTICATED, saying the port speaks TLS).
+//
 // Client: one connection per server, a reader thread per connection completing waiting
 // calls (no thread per call, no polling). `Connection::Send` and `Wait` are thread-safe;
 // `Wait` blocks until the answers or the deadline.

@@ -656,7 +656,7 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         choices=("native", "grpc"),
         default="native",
         help="native (default): Pull and Push also on a C++ data-plane port of their own; "
-        "grpc: gRPC only. A server with TLS has none (its data goes through gRPC)",
+        "grpc: gRPC only. With TLS the data port is TLS too (a build without OpenSSL has none)",
     )
     serve.add_argument(
         "--data-port",
