@@ -67,6 +67,47 @@ def cuda_decision(mode: str, nvcc: str | None) -> str:
     return f"elastic_emb: compiling the CUDA kernels with {nvcc} (minutes; {why})"
 
 
+def find_openssl() -> tuple[list[str], list[str], list[str]] | None:
+    """(include dirs, library dirs, libraries) of OpenSSL's libssl and libcrypto, from
+    pkg-config or the standard places; None if it is not installed (headers and libraries)."""
+    if os.environ.get("ELASTIC_EMB_TLS", "auto").strip().lower() == "0":
+        return None
+    try:
+        flags = subprocess.run(
+            ["pkg-config", "--cflags", "--libs", "openssl"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        includes = [f[2:] for f in flags if f.startswith("-I")]
+        lib_dirs = [f[2:] for f in flags if f.startswith("-L")]
+        libraries = [f[2:] for f in flags if f.startswith("-l")]
+        if {"ssl", "crypto"} <= set(libraries):
+            return includes, lib_dirs, libraries
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    for root in ("/usr", "/usr/local", "/opt/homebrew/opt/openssl"):
+        header = Path(root) / "include" / "openssl" / "ssl.h"
+        libs = [Path(root) / d for d in ("lib", "lib64", "lib/x86_64-linux-gnu", "lib/aarch64-linux-gnu")]
+        found = [d for d in libs if any(d.glob("libssl.so*")) or (d / "libssl.a").exists()]
+        if header.is_file() and found:
+            return [str(Path(root) / "include")], [str(found[0])], ["ssl", "crypto"]
+    return None
+
+
+def tls_decision(found: tuple[list[str], list[str], list[str]] | None) -> str:
+    """The one line the build prints about TLS on the data plane: compiled in or not, and why."""
+    if found is not None:
+        return "elastic_emb: compiling TLS for the data plane in (OpenSSL: -lssl -lcrypto)"
+    why = (
+        "ELASTIC_EMB_TLS=0"
+        if os.environ.get("ELASTIC_EMB_TLS", "auto").strip().lower() == "0"
+        else "OpenSSL's headers and libraries were not found; install libssl-dev"
+    )
+    return (
+        f"elastic_emb: building without TLS on the data plane ({why}): "
+        "servers with TLS serve their data through gRPC"
+    )
+
+
 class BuildExt(build_ext):
     """Compiles csrc/*.cu with nvcc (when ELASTIC_EMB_CUDA allows) and links them into _core."""
 
@@ -75,6 +116,15 @@ class BuildExt(build_ext):
         if mode == "1" and nvcc is None:
             raise RuntimeError("ELASTIC_EMB_CUDA=1, but nvcc was not found (set CUDA_HOME)")
         print(cuda_decision(mode, nvcc), flush=True)
+        openssl = find_openssl()
+        print(tls_decision(openssl), flush=True)
+        if openssl is not None:
+            includes, lib_dirs, libraries = openssl
+            for ext in self.extensions:
+                ext.include_dirs += includes
+                ext.library_dirs += lib_dirs
+                ext.libraries += libraries
+                ext.define_macros.append(("EE_WITH_TLS", "1"))
         objects: list[str] = []
         link_args: list[str] = []
         if mode != "0" and nvcc is not None:

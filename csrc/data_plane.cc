@@ -89,6 +89,19 @@ bool RecvAll(int fd, char* out, size_t size) {
   return true;
 }
 
+// Writes `size` bytes to a blocking socket (through EINTR and short writes); how many were
+// written (fewer on an error).
+size_t SendRaw(int fd, const char* data, size_t size) {
+  size_t written = 0;
+  while (written < size) {
+    ssize_t sent = send(fd, data + written, size - written, MSG_NOSIGNAL);
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent <= 0) break;
+    written += static_cast<size_t>(sent);
+  }
+  return written;
+}
+
 }  // namespace
 
 void EncodeHeader(const Header& header, char* out) {
@@ -171,6 +184,10 @@ struct Server::Connection {
   std::mutex parked_mu;
   std::map<uint64_t, Abandon> parked;  // its parked requests' (by a number of the server's)
   uint64_t next_parked = 0;            // guarded by parked_mu
+  std::unique_ptr<tls::Session> tls;   // with a TLS server (its own mutex)
+  bool tls_fed = false;                // (read_mu) bytes came: a plaintext hello is told apart
+  bool plaintext_hello = false;        // (read_mu) its first bytes were a frame's, not TLS
+  bool tls_drained = false;            // (read_mu) its last socket read emptied the socket
   std::mutex write_mu;
   std::string out;
   size_t out_sent = 0;
@@ -360,6 +377,15 @@ void Server::Accept() {
     SetNoDelay(fd);
     auto c = std::make_shared<Connection>();
     c->fd = fd;
+    if (options_.tls != nullptr) {
+      try {
+        c->tls = std::make_unique<tls::Session>(options_.tls, "");
+      } catch (const std::runtime_error&) {
+        counters_.tls_refused++;
+        close(fd);
+        continue;
+      }
+    }
     char host[INET6_ADDRSTRLEN] = "?";
     if (address.ss_family == AF_INET) {
       auto* in = reinterpret_cast<sockaddr_in*>(&address);
@@ -523,7 +549,7 @@ bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* fram
       target = &c->body[c->body_have];
       room = c->header.length - c->body_have;
     }
-    ssize_t got = recv(c->fd, target, room, 0);
+    ssize_t got = Receive(c.get(), target, room);
     if (got < 0 && errno == EINTR) continue;
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
     if (got <= 0) {
@@ -533,7 +559,8 @@ bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* fram
     c->last_activity = now;
     // A short read emptied the socket: no need to ask again (the connection is re-armed
     // level-triggered, so bytes arriving meanwhile are not missed).
-    const bool drained = static_cast<size_t>(got) < room;
+    // (With TLS a short read says nothing of the socket: it is read until EAGAIN.)
+    const bool drained = c->tls == nullptr && static_cast<size_t>(got) < room;
     if (c->draining_until > 0) {  // refused: discard until closed
       if (drained) return true;
       continue;
@@ -701,6 +728,27 @@ void Server::Reply(const std::shared_ptr<Connection>& c, const Header& request, 
   EncodeHeader(header, encoded);
   std::lock_guard<std::mutex> lock(c->write_mu);
   if (c->closed) return;
+  if (c->tls != nullptr) {
+    // Encrypted, then queued behind what waits (records leave in the order they were made).
+    if (c->out.size() == c->out_sent) {
+      c->out.clear();
+      c->out_sent = 0;
+    }
+    try {
+      if (answer.payload.size() < 16384) {
+        answer.payload.insert(0, encoded, kHeaderBytes);  // one record
+        c->tls->Write(answer.payload.data(), answer.payload.size());
+      } else {
+        c->tls->Write(encoded, kHeaderBytes);
+        c->tls->Write(answer.payload.data(), answer.payload.size());
+      }
+    } catch (const std::runtime_error&) {
+      return;  // the session broke: its reader closes the connection
+    }
+    c->tls->TakeOutput(&c->out);
+    SendQueued(c.get());
+    return;
+  }
   size_t sent = 0;  // of the frame, written straight from here (nothing queued before it)
   if (c->out.size() == c->out_sent) {
     c->out.clear();
@@ -777,11 +825,74 @@ void Server::SweepIdle() {
   }
 }
 
+// TLS on a server's connection: the socket's bytes go through its session.
+
+ssize_t Server::Receive(Connection* c, char* out, size_t room) {
+  if (c->tls == nullptr) return recv(c->fd, out, room, 0);
+  // Input is fed a socket read at a time and decrypted before more is read: a peer not
+  // authenticated yet holds at most a record's worth here.
+  char raw[16384];
+  while (true) {
+    long got;
+    try {
+      got = c->tls->Read(out, room);
+    } catch (const std::runtime_error&) {
+      counters_.tls_refused++;
+      if (c->plaintext_hello) {  // a plaintext client: told so in its own framing
+        Header refusal;
+        refusal.method = kHello;
+        refusal.status = kUnauthenticated;
+        const std::string why =
+            "data plane: this server speaks TLS on its data port: connect with TLS (`tls_ca`)";
+        refusal.length = static_cast<uint32_t>(why.size());
+        const std::string frame = Encode(refusal, why);
+        std::lock_guard<std::mutex> lock(c->write_mu);
+        if (!c->closed) (void)!send(c->fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      } else {
+        SendTlsOutput(c);  // the alert saying why
+      }
+      errno = EPROTO;
+      return -1;
+    }
+    if (got > 0) return got;
+    if (c->tls->HasOutput()) SendTlsOutput(c);  // the handshake's messages
+    if (got < 0) return 0;                      // the peer ended the session
+    if (c->tls_drained) {
+      // A short read emptied the socket: no need to ask it again (the connection is
+      // re-armed level-triggered, so bytes arriving meanwhile are not missed).
+      c->tls_drained = false;
+      errno = EAGAIN;
+      return -1;
+    }
+    ssize_t n = recv(c->fd, raw, sizeof(raw), 0);
+    if (n <= 0) return n;  // nothing more now, the end, or an error
+    if (!c->tls_fed) {
+      uint32_t magic = 0;
+      std::memcpy(&magic, raw, std::min<size_t>(sizeof(magic), static_cast<size_t>(n)));
+      c->plaintext_hello = magic == kMagic;
+      c->tls_fed = true;
+    }
+    c->tls->Feed(raw, static_cast<size_t>(n));
+    c->tls_drained = static_cast<size_t>(n) < sizeof(raw);
+  }
+}
+
+void Server::SendTlsOutput(Connection* c) {
+  std::lock_guard<std::mutex> lock(c->write_mu);
+  if (c->closed) return;
+  if (c->out.size() == c->out_sent) {
+    c->out.clear();
+    c->out_sent = 0;
+  }
+  c->tls->TakeOutput(&c->out);
+  SendQueued(c);
+}
+
 // ---------------------------------------------------------------------------------------
 // Client.
 
 Connection::Connection(const std::string& host, int port, const std::string& token,
-                       double connect_timeout_seconds)
+                       double connect_timeout_seconds, std::shared_ptr<tls::Context> tls)
     : where_(host + ":" + std::to_string(port)) {
   addrinfo* found = Resolve(host, port, false);
   std::string why = "no address";
@@ -814,30 +925,118 @@ Connection::Connection(const std::string& host, int port, const std::string& tok
   SetNoDelay(fd_);
   timeval limit{timeout_ms / 1000, (timeout_ms % 1000) * 1000};
   setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+  if (tls != nullptr) Handshake(std::move(tls), host);
   Header hello;
   hello.method = kHello;
   hello.length = static_cast<uint32_t>(token.size());
   std::string frame = Encode(hello, token);
-  char answer[kHeaderBytes];
+  char answer[kHeaderBytes] = {};
   Header header;
   std::string message;
-  bool ok =
-      send(fd_, frame.data(), frame.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(frame.size()) &&
-      RecvAll(fd_, answer, kHeaderBytes) && DecodeHeader(answer, &header);
+  errno = 0;
+  bool ok;
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    ok = SendAll(frame.data(), frame.size()) == frame.size();  // (a hello is small)
+  }
+  ok = ok && Receive(answer, kHeaderBytes) && DecodeHeader(answer, &header);
   if (ok && header.length > 0 && header.length < (1u << 20)) {
     message.resize(header.length);
-    ok = RecvAll(fd_, &message[0], header.length);
+    ok = Receive(&message[0], header.length);
   }
   if (!ok || header.status != kOk) {
     close(fd_);
     fd_ = -1;
-    throw std::runtime_error(ok ? message
-                                : "data plane: " + where_ + " did not answer the hello (" +
-                                      (errno ? std::strerror(errno) : "closed") + ")");
+    // (a TLS record starts 0x15 (an alert) or 0x16 (a handshake))
+    const bool speaks_tls = tls_ == nullptr && (answer[0] == 0x15 || answer[0] == 0x16);
+    std::string why;
+    if (ok) {
+      why = message;
+    } else if (speaks_tls) {
+      why = "data plane: " + where_ + " speaks TLS: connect with TLS (`tls_ca`)";
+    } else if (!tls_error_.empty()) {
+      why = "data plane: " + where_ + " ended the TLS session: " + tls_error_;
+    } else {
+      why = "data plane: " + where_ + " did not answer the hello (" +
+            (errno ? std::strerror(errno) : "closed") + ")";
+    }
+    throw std::runtime_error(why);
   }
   timeval forever{0, 0};
   setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &forever, sizeof(forever));
   reader_ = std::thread([this] { ReadLoop(); });
+}
+
+void Connection::Handshake(std::shared_ptr<tls::Context> context, const std::string& host) {
+  std::string why;
+  try {
+    tls_ = std::make_unique<tls::Session>(std::move(context), host);
+    char raw[16384];
+    while (true) {
+      const bool done = tls_->Handshake();
+      std::string records;
+      tls_->TakeOutput(&records);
+      if (SendRaw(fd_, records.data(), records.size()) < records.size()) {
+        why = std::string("cannot send: ") + std::strerror(errno);
+        break;
+      }
+      if (done) return;
+      ssize_t got = recv(fd_, raw, sizeof(raw), 0);
+      if (got <= 0) {
+        why = got == 0 ? "the server closed the connection (not TLS, or it refused this client)"
+                       : std::string(errno == EAGAIN ? "timed out" : std::strerror(errno));
+        break;
+      }
+      tls_->Feed(raw, static_cast<size_t>(got));
+    }
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  tls_.reset();
+  close(fd_);
+  fd_ = -1;
+  throw std::runtime_error("data plane: no TLS session with " + where_ + ": " + why);
+}
+
+bool Connection::Receive(char* out, size_t size) {
+  if (tls_ == nullptr) return RecvAll(fd_, out, size);
+  char raw[16384];
+  while (size > 0) {
+    long got;
+    try {
+      got = tls_->Read(out, size);
+    } catch (const std::runtime_error& e) {
+      tls_error_ = e.what();  // a broken or forged record, or the server's alert
+      return false;
+    }
+    if (got < 0) return false;
+    if (got > 0) {
+      out += got;
+      size -= static_cast<size_t>(got);
+      continue;
+    }
+    ssize_t n;
+    do {
+      n = recv(fd_, raw, sizeof(raw), 0);
+    } while (n < 0 && errno == EINTR);
+    if (n <= 0) return false;
+    tls_->Feed(raw, static_cast<size_t>(n));
+  }
+  return true;
+}
+
+size_t Connection::SendAll(const char* data, size_t size) {
+  if (tls_ == nullptr) return SendRaw(fd_, data, size);
+  std::string records;
+  try {
+    tls_->Write(data, size);
+  } catch (const std::runtime_error&) {
+    errno = EPROTO;
+    return 0;
+  }
+  tls_->TakeOutput(&records);
+  const size_t sent = SendRaw(fd_, records.data(), records.size());
+  return sent == records.size() ? size : sent == 0 ? 0 : 1;  // (1: some left, not all)
 }
 
 Connection::~Connection() {
@@ -866,12 +1065,12 @@ void Connection::ReadLoop() {
   char encoded[kHeaderBytes];
   while (true) {
     Header header;
-    if (!RecvAll(fd_, encoded, kHeaderBytes) || !DecodeHeader(encoded, &header)) {
+    if (!Receive(encoded, kHeaderBytes) || !DecodeHeader(encoded, &header)) {
       Fail("data plane: the connection to " + where_ + " was closed");
       return;
     }
     std::string payload(header.length, '\0');
-    if (!RecvAll(fd_, &payload[0], header.length)) {
+    if (!Receive(&payload[0], header.length)) {
       Fail("data plane: the connection to " + where_ + " broke in an answer");
       return;
     }
@@ -936,6 +1135,19 @@ Connection::Ticket Connection::Send(const std::shared_ptr<Connection>& c, uint8_
   const size_t total = kHeaderBytes + payload.size();
   size_t written = 0;
   std::lock_guard<std::mutex> lock(c->write_mu_);
+  if (c->tls_ != nullptr) {
+    // Encrypted: a small frame in one record, a large one's header apart (no copy of it).
+    std::string frame;
+    if (payload.size() < 16384) frame = Encode(header, payload);
+    const bool whole = !frame.empty();
+    size_t sent =
+        whole ? c->SendAll(frame.data(), frame.size()) : c->SendAll(encoded, kHeaderBytes);
+    bool ok = sent == (whole ? frame.size() : kHeaderBytes);
+    if (ok && !whole) ok = c->SendAll(payload.data(), payload.size()) == payload.size();
+    ticket.sent = ok || sent > 0;  // (false: none of its records left)
+    if (!ok) c->Fail("data plane: cannot send to " + c->where_ + ": " + std::strerror(errno));
+    return ticket;
+  }
   while (written < total) {
     iovec rest[2];
     int count = 0;

@@ -32,10 +32,17 @@
 // Options::max_hello_bytes (a token), and one that has not sent a whole hello within
 // Options::hello_seconds of its accept is closed.
 //
+// TLS (ServerOptions::tls, a client Connection's `tls`): every byte of a connection goes
+// through a tls::Session (csrc/tls.h) under the same framing; the handshake comes first, within
+// hello_seconds of the accept, and then the hello. A TLS server refuses plaintext connections
+// (a plaintext hello is answered UNAUTHENTICATED, saying the port speaks TLS).
+//
 // Client: one connection per server, a reader thread per connection completing waiting
 // calls (no thread per call, no polling). `Connection::Send` and `Wait` are thread-safe;
 // `Wait` blocks until the answers or the deadline.
 #pragma once
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <chrono>
@@ -50,6 +57,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "tls.h"
 
 namespace elastic_emb {
 namespace data_plane {
@@ -133,6 +142,9 @@ struct ServerOptions {
   int max_threads = 2048;               // handler threads (a request waiting holds one)
   int max_active = 0;          // requests handled at once before refusing more (0: no limit)
   int max_per_connection = 0;  // requests in flight on one connection (0: no limit)
+  // A server context (tls::Context::Server): every connection is TLS, its handshake within
+  // hello_seconds of the accept, before its hello. Null: plaintext.
+  std::shared_ptr<tls::Context> tls;
 };
 
 // The counters a server keeps (read by the metrics).
@@ -143,6 +155,7 @@ struct ServerCounters {
   std::atomic<uint64_t> frames_refused{0};  // malformed, too large, before a kHello
   std::atomic<uint64_t> requests{0};
   std::atomic<uint64_t> refused_overloaded{0};  // RESOURCE_EXHAUSTED with a retry hint
+  std::atomic<uint64_t> tls_refused{0};  // connections closed for a failed handshake or record
 };
 
 class Server {
@@ -192,6 +205,10 @@ class Server {
   void Close(const std::shared_ptr<Connection>& c);
   void SweepIdle();
   bool Shed();
+  // TLS: up to `room` of a connection's decrypted bytes, as recv would give them (with
+  // c->read_mu held); and its records waiting to be sent, sent (without c->write_mu).
+  ssize_t Receive(Connection* c, char* out, size_t room);
+  void SendTlsOutput(Connection* c);
 
   ServerOptions options_;
   std::shared_ptr<Life> life_ = std::make_shared<Life>();
@@ -231,10 +248,11 @@ class Server {
 //   Connection::Wait({t}, deadline);  // then t.pending->answer
 class Connection {
  public:
-  // Connects to host:port and says kHello with `token`. Throws std::runtime_error
-  // (connection refused, timeout, a refused token: the message says which).
+  // Connects to host:port and says kHello with `token`; with `tls` (a client context), over
+  // TLS, the server's certificate checked against `host`. Throws std::runtime_error
+  // (connection refused, timeout, a refused certificate or token: the message says which).
   Connection(const std::string& host, int port, const std::string& token,
-             double connect_timeout_seconds);
+             double connect_timeout_seconds, std::shared_ptr<tls::Context> tls = nullptr);
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -273,6 +291,13 @@ class Connection {
  private:
   void ReadLoop();
   void Fail(const std::string& why);
+  // The TLS handshake on the connected socket (fd_ closed and std::runtime_error if it fails).
+  void Handshake(std::shared_ptr<tls::Context> context, const std::string& host);
+  // Exactly `size` bytes of the server's frames (decrypted with TLS); false once closed.
+  bool Receive(char* out, size_t size);
+  // Sends `size` bytes with write_mu_ held (encrypted first with TLS); the bytes of them
+  // that left, or of their records.
+  size_t SendAll(const char* data, size_t size);
 
   int fd_ = -1;
   std::string where_;
@@ -283,7 +308,9 @@ class Connection {
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
   uint64_t next_id_ = 1;
   std::string failure_;
-  std::string refusal_;  // the server's own message when it refused the connection
+  std::string refusal_;                // the server's own message when it refused the connection
+  std::unique_ptr<tls::Session> tls_;  // null: plaintext
+  std::string tls_error_;              // why the session broke (written by Receive's caller)
   std::thread reader_;
 };
 

@@ -112,6 +112,25 @@ class PyServer {
 }  // namespace
 
 void BindDataPlane(py::module_& m) {
+  m.attr("with_tls") = tls::Available();
+  py::class_<tls::Context, std::shared_ptr<tls::Context>>(
+      m, "TlsContext", "Certificates and verification of data-plane TLS (csrc/tls.h).")
+      .def_static(
+          "server",
+          [](const py::bytes& cert, const py::bytes& key, const py::bytes& client_ca) {
+            return tls::Context::Server(cert, key, client_ca);
+          },
+          py::arg("cert"), py::arg("key"), py::arg("client_ca") = py::bytes(),
+          "A server's: its PEM certificate chain and key; with `client_ca`, clients must "
+          "present a certificate it signed. ValueError if they are not usable.")
+      .def_static(
+          "client",
+          [](const py::bytes& ca, const py::bytes& cert, const py::bytes& key) {
+            return tls::Context::Client(ca, cert, key);
+          },
+          py::arg("ca"), py::arg("cert") = py::bytes(), py::arg("key") = py::bytes(),
+          "A client's: the CA it trusts, and for mutual TLS its certificate and key.");
+
   py::class_<data_plane::ServerOptions>(m, "DataPlaneOptions")
       .def(py::init<>())
       .def_readwrite("host", &data_plane::ServerOptions::host)
@@ -123,7 +142,9 @@ void BindDataPlane(py::module_& m) {
       .def_readwrite("hello_seconds", &data_plane::ServerOptions::hello_seconds)
       .def_readwrite("max_threads", &data_plane::ServerOptions::max_threads)
       .def_readwrite("max_active", &data_plane::ServerOptions::max_active)
-      .def_readwrite("max_per_connection", &data_plane::ServerOptions::max_per_connection);
+      .def_readwrite("max_per_connection", &data_plane::ServerOptions::max_per_connection)
+      .def_readwrite("tls", &data_plane::ServerOptions::tls,
+                     "A server's TlsContext: every connection is TLS; None: plaintext.");
 
   py::class_<PyServer>(m, "DataPlaneServer")
       .def(py::init<data_plane::ServerOptions, py::function, py::function,
@@ -144,15 +165,18 @@ void BindDataPlane(py::module_& m) {
         out["frames_refused"] = c.frames_refused.load();
         out["requests"] = c.requests.load();
         out["refused_overloaded"] = c.refused_overloaded.load();
+        out["tls_refused"] = c.tls_refused.load();
         return out;
       });
 
   using data_plane::Connection;
   py::class_<Connection, std::shared_ptr<Connection>>(m, "DataPlaneConnection")
-      .def(py::init<const std::string&, int, const std::string&, double>(), py::arg("host"),
-           py::arg("port"), py::arg("token"), py::arg("connect_timeout"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Connects and says hello; RuntimeError if it cannot (the message says why).")
+      .def(py::init<const std::string&, int, const std::string&, double,
+                    std::shared_ptr<tls::Context>>(),
+           py::arg("host"), py::arg("port"), py::arg("token"), py::arg("connect_timeout"),
+           py::arg("tls") = nullptr, py::call_guard<py::gil_scoped_release>(),
+           "Connects and says hello, over TLS with `tls` (a client's TlsContext); RuntimeError "
+           "if it cannot (the message says why).")
       .def_property_readonly("alive", &Connection::alive);
 
   py::class_<Connection::Ticket>(m, "DataPlaneTicket")

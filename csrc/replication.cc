@@ -34,6 +34,11 @@ void Replication::Configure(Drop drop, std::string token) {
   token_ = std::move(token);
 }
 
+void Replication::SetTls(std::shared_ptr<tls::Context> tls) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tls_ = std::move(tls);
+}
+
 std::shared_ptr<const ReplicaRole> Replication::role() const {
   std::lock_guard<std::mutex> lock(mu_);
   return role_;
@@ -134,6 +139,7 @@ std::optional<std::vector<std::shared_ptr<data_plane::Connection>>> Replication:
   std::vector<std::shared_ptr<data_plane::Connection>> out;
   for (const Backup& b : role.backups) {
     std::string token;
+    std::shared_ptr<tls::Context> tls;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = connections_.find(b.address);
@@ -144,10 +150,11 @@ std::optional<std::vector<std::shared_ptr<data_plane::Connection>>> Replication:
       auto down = unreachable_.find(b.address);
       if (down != unreachable_.end() && Clock::now() < down->second) return std::nullopt;
       token = token_;
+      tls = tls_;
     }
     std::shared_ptr<data_plane::Connection> made;
     try {
-      made = std::make_shared<data_plane::Connection>(b.host, b.port, token, kConnectSeconds);
+      made = std::make_shared<data_plane::Connection>(b.host, b.port, token, kConnectSeconds, tls);
     } catch (const std::runtime_error&) {
       std::lock_guard<std::mutex> lock(mu_);
       unreachable_[b.address] = After(kReconnectSeconds);

@@ -100,6 +100,9 @@ class Replication : public std::enable_shared_from_this<Replication> {
 
   // How to drop a backup, and the token this server's connections to the others give.
   void Configure(Drop drop, std::string token);
+  // The TLS (a client context: the peer CA, this server's certificate) of this server's
+  // connections to the others' data planes; null: plaintext. Thread-safe.
+  void SetTls(std::shared_ptr<tls::Context> tls);
   std::mutex& order() { return order_; }
 
   std::shared_ptr<const ReplicaRole> role() const;
@@ -170,6 +173,7 @@ class Replication : public std::enable_shared_from_this<Replication> {
   std::condition_variable applied_cv_;
   Drop drop_;
   std::string token_;
+  std::shared_ptr<tls::Context> tls_;
   std::shared_ptr<const ReplicaRole> role_ = std::make_shared<const ReplicaRole>();
   std::optional<int64_t> applied_ = 0;
   int64_t applied_epoch_ = 0;

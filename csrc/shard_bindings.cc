@@ -339,6 +339,9 @@ void BindShards(py::module_& m) {
           py::arg("drop"), py::arg("token"),
           "drop(backup, why) -> bool: removes a backup that did not apply a change (False: "
           "it could not); `token`: what this server's connections to the others give.")
+      .def("set_tls", &Replication::SetTls, py::arg("tls"),
+           "The TlsContext (a client's) of this server's connections to the other servers' "
+           "data planes; None: plaintext.")
       .def(
           "lock_order", [](Replication& r) { r.order().lock(); },
           py::call_guard<py::gil_scoped_release>())

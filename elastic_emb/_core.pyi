@@ -7,6 +7,7 @@ import numpy as np
 
 cxx_flags: str
 with_cuda: bool
+with_tls: bool  # OpenSSL found at build time: TLS on the data plane
 
 class InvalidArgument(ValueError): ...
 
@@ -267,7 +268,14 @@ class DataPlaneOptions:
     max_threads: int
     max_active: int
     max_per_connection: int
+    tls: TlsContext | None
     def __init__(self) -> None: ...
+
+class TlsContext:
+    @staticmethod
+    def server(cert: bytes, key: bytes, client_ca: bytes = b"") -> TlsContext: ...
+    @staticmethod
+    def client(ca: bytes, cert: bytes = b"", key: bytes = b"") -> TlsContext: ...
 
 class DataPlaneServer:
     port: int
@@ -332,6 +340,7 @@ class Replication:
     applied: int | None
     applied_epoch: int
     def set_role(self, role: dict[str, Any]) -> None: ...
+    def set_tls(self, tls: TlsContext | None) -> None: ...
     def role(self) -> dict[str, Any]: ...
     def set_applied(
         self, sequence: int | None, epoch: int, method: str = "", request: bytes = b""
@@ -359,7 +368,14 @@ class ServerCore:
 
 class DataPlaneConnection:
     alive: bool
-    def __init__(self, host: str, port: int, token: str, connect_timeout: float) -> None: ...
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        connect_timeout: float,
+        tls: TlsContext | None = None,
+    ) -> None: ...
 
 class DataPlaneTicket:
     sent: bool

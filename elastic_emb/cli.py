@@ -59,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"elastic-emb serve: listening on {args.host}:{port}", flush=True)
 
     def metrics_ready(port: int) -> None:
-        print(f"elastic-emb serve: metrics on http://{args.host}:{port}/metrics", flush=True)
+        scheme = "https" if args.tls_cert else "http"  # (TLS covers the metrics too)
+        print(f"elastic-emb serve: metrics on {scheme}://{args.host}:{port}/metrics", flush=True)
 
     fields = {f.name for f in dataclasses.fields(server.ServerOptions)}
     try:
@@ -663,7 +664,7 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         choices=("native", "grpc"),
         default="native",
         help="native (default): Pull and Push also on a C++ data-plane port of their own; "
-        "grpc: gRPC only. A server with TLS has none (its data goes through gRPC)",
+        "grpc: gRPC only. With TLS the data port is TLS too (a build without OpenSSL has none)",
     )
     serve.add_argument(
         "--data-port",

@@ -114,9 +114,10 @@ def connected_shards(n: int, mode: str = "sync") -> Iterator[list[Shard]]:
             ee.shutdown()
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of `/metrics`: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(url, timeout=10) as response:
+def scrape(url: str, context=None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of `/metrics`: (name, sorted labels) -> value; `context`: an
+    `ssl.SSLContext` trusting an HTTPS server's CA."""
+    with urllib.request.urlopen(url, timeout=10, context=context) as response:
         text = response.read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value

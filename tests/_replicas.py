@@ -13,9 +13,11 @@ from elastic_emb.ps.wire import protocol
 from elastic_emb.tables.table import TableState
 
 
-def export(address: str, table: str) -> dict[str, np.ndarray]:
-    """A replica's rows, optimizer slots and metadata (all its ranges), sorted by key."""
-    with grpc.insecure_channel(address) as channel:
+def export(address: str, table: str, security=None) -> dict[str, np.ndarray]:
+    """A replica's rows, optimizer slots and metadata (all its ranges), sorted by key;
+    `security`: a `ClientSecurity` for a server with TLS or tokens."""
+    secured = security is not None
+    with security.channel(address, []) if secured else grpc.insecure_channel(address) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         states = []
         for range_id in stub.Health(ps_pb2.HealthRequest(), timeout=10).ranges:

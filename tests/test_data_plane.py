@@ -576,8 +576,14 @@ def test_tls_servers_have_no_plaintext_data_port(tmp_path):
     with shards(1, ["--tls-cert", str(cert), "--tls-key", str(key)]) as (ps,):
         credentials = grpc.ssl_channel_credentials(pki["ca"].read_bytes())
         stub = ps_pb2_grpc.ParameterServerStub(grpc.secure_channel(ps.address, credentials))
-        assert stub.Health(ps_pb2.HealthRequest(), timeout=10).data_port == 0
-        assert any("data plane: off with TLS" in line for line in ps.output)
+        port = stub.Health(ps_pb2.HealthRequest(), timeout=10).data_port
+        if not _core.with_tls:  # a build without OpenSSL: the data goes through gRPC
+            assert port == 0
+            assert any("data plane: off with TLS" in line for line in ps.output)
+            return
+        # Its data port is TLS (tests/test_data_plane_tls.py): plaintext is refused.
+        with pytest.raises(RuntimeError, match="speaks TLS"):
+            _core.DataPlaneConnection("127.0.0.1", port, "", 5.0)
 
 
 def test_tokens_are_checked_per_data_plane_connection(tmp_path):

@@ -144,7 +144,8 @@ class ShardClient:
         security: TLS and a token (`elastic_emb.ps.wire.security`); None: plaintext.
         data_plane: "native": Pull and Push (and their range forms) go on a server's
             C++ data plane where it has one (`elastic_emb.ps.server.data_plane`),
-            else through gRPC; "grpc": always through gRPC. With TLS, gRPC.
+            else through gRPC; "grpc": always through gRPC. With TLS, the data plane's
+            connections are TLS with the same certificates (gRPC in a build without TLS).
 
     Raises:
         ValueError: malformed addresses.
@@ -168,7 +169,11 @@ class ShardClient:
         self._options = CLIENT_OPTIONS if retry else NO_RETRY_OPTIONS
         self._retry = retry
         self._security = security
-        self._native = data_plane == "native" and (security is None or security.ca is None)
+        # With TLS, the data plane's connections are TLS too (gRPC where this build has none).
+        self._data_tls = None if security is None else _data_plane_tls(security)
+        self._native = data_plane == "native" and (
+            security is None or security.ca is None or self._data_tls is not None
+        )
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}  # by address; guarded by _lock
         # Data-plane connections by address, and when to ask again a server that had none
@@ -435,7 +440,9 @@ class ShardClient:
             if port == 0:
                 return None
             token = "" if self._security is None else (self._security.token or "")
-            connection = _core.DataPlaneConnection(address.rpartition(":")[0], port, token, wait)
+            connection = _core.DataPlaneConnection(
+                address.rpartition(":")[0], port, token, wait, self._data_tls
+            )
         except (grpc.RpcError, RuntimeError, ValueError):
             return None  # gRPC carries the call, and says what is wrong if anything is
         with self._lock:
@@ -564,6 +571,15 @@ class ShardClient:
     def reset_stats(self) -> None:
         with self._stats_lock:
             self._stats = [ShardStats(a) for a in self.addresses]
+
+
+def _data_plane_tls(security: ClientSecurity) -> Any:
+    """`security`'s data-plane TLS; None without TLS, or where it cannot be made (gRPC then
+    carries the data, and says what is wrong with the certificates)."""
+    try:
+        return security.data_plane_tls()
+    except ValueError:
+        return None
 
 
 def error_of(address: str, method: str, e: grpc.RpcError) -> Exception:

@@ -9,9 +9,11 @@ csrc/shard_core.h: the shards' step clocks, slots and tables, no Python and no G
 request; on a coordinated server where the replica's last snapshot says it serves the
 range, its pushes sent to the backups' data planes and applied there in sequence,
 csrc/replication.h, the load metered for the balancer); the others are decided by the
-`Servicer`'s own Python code, the same as their gRPC calls. Both ways give the same
-answers, statuses and metrics. A server with TLS has no data plane: its data goes through
-gRPC, encrypted (never a plaintext port beside TLS).
+`Servicer`'s own Python code. The same methods arriving over gRPC take the same way
+(`Servicer.serve_data`: gRPC only carries their bytes), so both transports give the same
+answers, statuses and metrics. A server with TLS serves its data plane over TLS with the
+same certificates (`tls`: never a plaintext port beside TLS); a build without TLS
+(`_core.with_tls` False) has no data plane on such a server: its data goes through gRPC.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class DataPlane:
     its connection, is refused before anything is done, RESOURCE_EXHAUSTED with a retry
     hint, and the client sends it again after it (`ShardClient`); a primary's changes to
     its backups are never refused so. What `serve_natively` let C++ answer is answered
-    there; the rest by the servicer's Python.
+    there; the rest by the servicer's Python. `tls`: a server `_core.TlsContext`
+    (`security.data_plane_server_tls`): every connection is TLS; None: plaintext.
 
     Raises:
         RuntimeError: the port cannot be bound.
@@ -112,6 +115,7 @@ class DataPlane:
         max_frame_bytes: int = MAX_MESSAGE_BYTES,
         max_active: int = 0,
         max_per_connection: int = 256,
+        tls: Any = None,
     ) -> None:
         raise_open_files_limit(max_connections + OTHER_OPEN_FILES)
         options = _core.DataPlaneOptions()
@@ -119,6 +123,7 @@ class DataPlane:
         options.max_active, options.max_per_connection = max_active, max_per_connection
         options.idle_seconds, options.max_connections = idle_seconds, max_connections
         options.max_frame_bytes = max_frame_bytes
+        options.tls = tls
         self._servicer = servicer
         self._server = _core.DataPlaneServer(
             options, self._handle, self._authenticate, servicer.ranges.native
@@ -141,7 +146,8 @@ class DataPlane:
 
     def counters(self) -> dict[str, int]:
         """The plane's own counts: connections accepted, refused and closed idle, frames
-        refused, requests, requests refused as overloaded."""
+        refused, requests, requests refused as overloaded, connections closed for a failed
+        TLS handshake or record."""
         return dict(self._server.counters())
 
     def stop(self, grace_seconds: float = 0.0) -> None:

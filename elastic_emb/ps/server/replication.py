@@ -107,6 +107,9 @@ class Replica:
         # The data plane's changes: a backup that fails one is dropped as in Python.
         token = security.token if security is not None and security.token else ""
         state.replication.configure(self._drop_quietly, token)
+        # Over TLS where the cluster has TLS (peer CA, this server's certificate).
+        if security is not None:
+            state.replication.set_tls(security.data_plane_tls())
         self._incoming = IncomingRanges(state, ranges, apply)
         self._copier = SnapshotCopy(
             state, ranges, self._replicator, channels, self._change_map, self._drop,

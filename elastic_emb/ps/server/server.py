@@ -34,6 +34,7 @@ from elastic_emb.ps.wire.security import (
     MAX_MESSAGE_BYTES,
     SERVICE,
     Tokens,
+    data_plane_server_tls,
     message_options,
     peer_security,
     server_credentials,
@@ -302,13 +303,27 @@ def serve(
 
 
 def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
-    """The server's data plane, listening (`--data-plane native`); None without one (gRPC
-    carries the data: `--data-plane grpc`, or TLS); False (logged) if it cannot listen."""
+    """The server's data plane, listening (`--data-plane native`), over TLS with the gRPC
+    server's certificates when it has TLS; None without one (gRPC carries the data:
+    `--data-plane grpc`, or TLS in a build without it); False (logged) if it cannot listen."""
     if options.data_plane != "native":
         return None
+    context = None
     if tls:
-        log.info("data plane: off with TLS (Pull and Push go through gRPC, encrypted)")
-        return None
+        assert options.tls_cert and options.tls_key  # (tls: they make the credentials)
+        try:
+            context = data_plane_server_tls(
+                options.tls_cert, options.tls_key, options.tls_client_ca
+            )
+        except ValueError as e:
+            log.error("data plane: %s", e)
+            return False
+        if context is None:
+            log.info(
+                "data plane: off with TLS, this build has none (OpenSSL was not found when "
+                "elastic_emb was built): Pull and Push go through gRPC, encrypted"
+            )
+            return None
     from elastic_emb.ps.server.data_plane import DataPlane, default_max_active
 
     max_active = options.max_active_requests
@@ -319,7 +334,7 @@ def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
             servicer, options.host, options.data_port, options.threads,
             max_active=max_active,
             max_per_connection=options.max_requests_per_connection,
-            max_frame_bytes=options.max_message_bytes,
+            max_frame_bytes=options.max_message_bytes, tls=context,
         )  # fmt: skip
     except RuntimeError as e:
         log.error("%s. Use another --data-port, or 0 for a free one", e)
@@ -328,7 +343,9 @@ def _data_plane(options: ServerOptions, servicer: Servicer, tls: bool) -> Any:
         data.port if options.advertise_data_port is None else (options.advertise_data_port)
     )
     servicer.data_plane_counters = data.counters
-    log.info("data plane (Pull, Push) on %s:%d", options.host, data.port)
+    log.info(
+        "data plane (Pull, Push) on %s:%d%s", options.host, data.port, " over TLS" if tls else ""
+    )
     return data
 
 
@@ -479,7 +496,8 @@ def _serve_metrics(
     except OSError as e:
         log.error("cannot serve metrics on %s:%d: %s", host, port, e)
         return False
-    log.info("metrics on http://%s:%d/metrics", host, metrics.server_port)
+    scheme = "https" if options.tls_cert else "http"
+    log.info("metrics on %s://%s:%d/metrics", scheme, host, metrics.server_port)
     if ready is not None:
         ready(metrics.server_port)
     return True

@@ -34,6 +34,8 @@ from typing import Any
 
 import grpc
 
+from elastic_emb import _core
+
 __all__ = [
     "GRPC_OPTIONS",
     "ROLES",
@@ -42,6 +44,7 @@ __all__ = [
     "ClientSecurity",
     "Tokens",
     "channel",
+    "data_plane_server_tls",
     "peer_security",
     "server_credentials",
 ]
@@ -97,6 +100,24 @@ def server_credentials(
     ca = None if client_ca is None else _read_pem(client_ca, "client CA certificate")
     return grpc.ssl_server_credentials(
         [pair], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def data_plane_server_tls(
+    cert: str | os.PathLike[str], key: str | os.PathLike[str], client_ca: Any = None
+) -> Any:
+    """The data plane's TLS with the certificates of `server_credentials` (a
+    `_core.TlsContext`: the same chain and key, the same client CA required); None when
+    this build has no TLS (`_core.with_tls`: OpenSSL was not found when it was built).
+
+    Raises:
+        ValueError: a file cannot be read, is not PEM, or the key is not the certificate's.
+    """
+    if not _core.with_tls:
+        return None
+    ca = b"" if client_ca is None else _read_pem(client_ca, "client CA certificate")
+    return _core.TlsContext.server(
+        _read_pem(cert, "TLS certificate"), _read_pem(key, "TLS key"), ca
     )
 
 
@@ -192,6 +213,18 @@ class ClientSecurity:
             key=None if tls_key is None else _read_pem(tls_key, "TLS client key"),
             token=token,
         )
+
+    def data_plane_tls(self) -> Any:
+        """The data plane's TLS with this security's certificates (a `_core.TlsContext`:
+        trusting `ca`, presenting `cert` for mutual TLS; the server's name checked as gRPC
+        does); None without TLS, or when this build has none (`_core.with_tls`).
+
+        Raises:
+            ValueError: the certificate and key are not a pair.
+        """
+        if self.ca is None or not _core.with_tls:
+            return None
+        return _core.TlsContext.client(self.ca, self.cert or b"", self.key or b"")
 
     def channel(self, address: str, options: Any) -> grpc.Channel:
         """A channel to `address` with this security."""
