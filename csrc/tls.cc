@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <vector>
 #endif
 
@@ -87,6 +88,64 @@ void Present(SSL_CTX* ctx, const std::string& cert_pem, const std::string& key_p
   }
 }
 
+}  // namespace
+
+// The BIO under a Session's SSL: it reads the ciphertext fed and appends the records made
+// to the session's own strings (no copy through OpenSSL's memory BIOs, no zero-filling).
+struct Buffers {
+  static Session* Of(BIO* bio) { return static_cast<Session*>(BIO_get_data(bio)); }
+  static int Write(BIO* bio, const char* data, int size) {
+    Of(bio)->output_.append(data, static_cast<size_t>(size));
+    return size;
+  }
+  static int Read(BIO* bio, char* out, int room) {
+    Session* s = Of(bio);
+    BIO_clear_retry_flags(bio);
+    const size_t left = s->input_.size() - s->input_at_;
+    if (left == 0) {
+      BIO_set_retry_read(bio);  // more later: not the end
+      return -1;
+    }
+    const size_t take = std::min(left, static_cast<size_t>(room));
+    std::memcpy(out, s->input_.data() + s->input_at_, take);
+    s->input_at_ += take;
+    if (s->input_at_ == s->input_.size()) {
+      s->input_.clear();
+      s->input_at_ = 0;
+    }
+    return static_cast<int>(take);
+  }
+  static long Control(BIO* bio, int command, long, void*) {
+    switch (command) {
+      case BIO_CTRL_FLUSH:
+        return 1;
+      case BIO_CTRL_PENDING:
+        return static_cast<long>(Of(bio)->input_.size() - Of(bio)->input_at_);
+      case BIO_CTRL_WPENDING:
+        return static_cast<long>(Of(bio)->output_.size());
+      default:
+        return 0;
+    }
+  }
+  static int Create(BIO* bio) {
+    BIO_set_init(bio, 1);
+    return 1;
+  }
+  static BIO_METHOD* Method() {
+    static BIO_METHOD* method = [] {
+      BIO_METHOD* m = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "elastic_emb");
+      BIO_meth_set_write(m, Write);
+      BIO_meth_set_read(m, Read);
+      BIO_meth_set_ctrl(m, Control);
+      BIO_meth_set_create(m, Create);
+      return m;
+    }();
+    return method;
+  }
+};
+
+namespace {
+
 SSL_CTX* NewCtx(bool server) {
   SSL_CTX* ctx = SSL_CTX_new(server ? TLS_server_method() : TLS_client_method());
   if (ctx == nullptr) throw std::runtime_error("TLS: cannot make a context: " + LastError());
@@ -135,14 +194,14 @@ Session::Session(std::shared_ptr<Context> context, const std::string& peer_host)
     : context_(std::move(context)) {
   SSL* ssl = SSL_new(Ctx(*context_));
   if (ssl == nullptr) throw std::runtime_error("TLS: cannot make a session: " + LastError());
-  BIO* in = BIO_new(BIO_s_mem());
-  BIO* out = BIO_new(BIO_s_mem());
-  BIO_set_mem_eof_return(in, -1);  // empty: "wait for more", not the end
-  BIO_set_mem_eof_return(out, -1);
-  SSL_set_bio(ssl, in, out);
+  BIO* bio = BIO_new(Buffers::Method());
+  if (bio == nullptr) {
+    SSL_free(ssl);
+    throw std::runtime_error("TLS: cannot make a session: " + LastError());
+  }
+  BIO_set_data(bio, this);
+  SSL_set_bio(ssl, bio, bio);  // (one BIO both ways: SSL takes it once)
   ssl_ = ssl;
-  in_ = in;
-  out_ = out;
   if (context_->server()) {
     SSL_set_accept_state(ssl);
     return;
@@ -165,6 +224,7 @@ Session::Session(std::shared_ptr<Context> context, const std::string& peer_host)
   }
   if (!ok) {
     SSL_free(ssl);
+    ERR_clear_error();
     throw std::invalid_argument("TLS: cannot check the server's name against '" + host + "'");
   }
   SSL_set_connect_state(ssl);
@@ -185,12 +245,7 @@ std::string Session::Error(const char* what) {
 
 void Session::Feed(const char* data, size_t size) {
   std::lock_guard<std::mutex> lock(mu_);
-  while (size > 0) {
-    int chunk = static_cast<int>(std::min<size_t>(size, INT_MAX));
-    BIO_write(static_cast<BIO*>(in_), data, chunk);
-    data += chunk;
-    size -= static_cast<size_t>(chunk);
-  }
+  input_.append(data, size);
 }
 
 bool Session::Handshake() {
@@ -207,6 +262,7 @@ bool Session::Handshake() {
 long Session::Read(char* out, size_t room) {
   std::lock_guard<std::mutex> lock(mu_);
   SSL* ssl = static_cast<SSL*>(ssl_);
+  if (input_.size() == input_at_ && SSL_pending(ssl) == 0) return 0;  // nothing to read
   ERR_clear_error();
   int rc = SSL_read(ssl, out, static_cast<int>(std::min<size_t>(room, INT_MAX)));
   if (rc > 0) return rc;
@@ -230,19 +286,19 @@ void Session::Write(const char* data, size_t size) {
 
 bool Session::TakeOutput(std::string* out) {
   std::lock_guard<std::mutex> lock(mu_);
-  BIO* bio = static_cast<BIO*>(out_);
-  size_t pending = BIO_ctrl_pending(bio);
-  if (pending == 0) return false;
-  size_t at = out->size();
-  out->resize(at + pending);
-  int got = BIO_read(bio, &(*out)[at], static_cast<int>(pending));
-  out->resize(at + static_cast<size_t>(std::max(got, 0)));
-  return got > 0;
+  if (output_.empty()) return false;
+  if (out->empty()) {
+    out->swap(output_);
+  } else {
+    out->append(output_);
+  }
+  output_.clear();
+  return true;
 }
 
 bool Session::HasOutput() {
   std::lock_guard<std::mutex> lock(mu_);
-  return BIO_ctrl_pending(static_cast<BIO*>(out_)) > 0;
+  return !output_.empty();
 }
 
 #else  // without OpenSSL: no TLS

@@ -84,12 +84,14 @@ class Session {
   bool HasOutput();
 
  private:
+  friend struct Buffers;  // (the BIO over input_ and output_)
   std::string Error(const char* what);
   std::mutex mu_;
   std::shared_ptr<Context> context_;
-  void* ssl_ = nullptr;  // SSL, guarded by mu_
-  void* in_ = nullptr;   // BIO the ciphertext read goes into (owned by ssl_)
-  void* out_ = nullptr;  // BIO the records to send come out of (owned by ssl_)
+  void* ssl_ = nullptr;  // SSL, guarded by mu_; its BIO reads input_ and appends to output_
+  std::string input_;    // ciphertext fed, from input_at_ on not read yet (mu_)
+  size_t input_at_ = 0;
+  std::string output_;  // records to send (mu_)
 };
 
 }  // namespace tls
