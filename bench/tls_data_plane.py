@@ -1,21 +1,24 @@
-"""What TLS costs a server per small step: plaintext data plane, TLS data plane, TLS via gRPC.
+"""What TLS costs a server per small step: the data plane and gRPC, plaintext and TLS.
 
-Three `elastic-emb serve` processes on 127.0.0.1, side by side in one run: plaintext (its
-data plane), `--tls-cert/--tls-key` (its data plane over TLS) and the same with
-`--data-plane grpc` (Pull and Push through Python gRPC, encrypted: what a TLS server did
-before). Certificates are made at run time (tests/_certs.py, ECDSA P-256). A small step
-is 26 tables x 64 keys (dim 16, Adagrad, async), a pull and a push per table through
-`ee.Table`; the 1-key figure is one pull and one push of 1 key. Figure: the server
+Four `elastic-emb serve` processes on 127.0.0.1, side by side in one run: plaintext (its
+data plane), `--tls-cert/--tls-key` (its data plane over TLS), and each of them with
+`--data-plane grpc` (Pull and Push carried by gRPC into the same C++ handling). Certificates
+are made at run time (tests/_certs.py, ECDSA P-256). A small step is 26 tables x 64 keys
+(dim 16, Adagrad, async), a pull and a push per table through `ee.Table`; the 1-key figure
+is one pull and one push of 1 key; `model.fit` is the DLRM model of `step_overhead.py`
+(26 `ee.Embedding` features, Zipf ids, dim 16, Adagrad) at batch 64. Figure: the server
 process's CPU seconds (/proc/PID/stat utime + stime) per step, and the worker's wall time
 per step; windows of `--steps` steps alternate between the servers (order reversed every
 other round), medians over `--rounds`.
 
-    python bench/tls_data_plane.py [--steps 100] [--one-key-steps 1000] [--rounds 3]
+    python bench/tls_data_plane.py [--steps 100] [--one-key-steps 1000] [--fit-steps 100]
+        [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -34,7 +37,8 @@ from _common import machine, markdown_table  # noqa: E402
 from remote_bench import cpu_seconds  # noqa: E402
 
 TABLES, KEYS, DIM = 26, 64, 16
-SERVERS = ("plaintext data plane", "TLS data plane", "TLS via gRPC")
+SERVERS = ("plaintext data plane", "TLS data plane", "plaintext via gRPC", "TLS via gRPC")
+FIT = "model.fit, batch 64 x 26 features"
 
 
 def steps(tables: list, keys: np.ndarray, count: int) -> None:
@@ -53,7 +57,7 @@ def measure(server, security: dict, keys: np.ndarray, count: int, num_tables: in
     ee.init(ps=[server.address], mode="async", **security)
     try:
         tables = [
-            ee.Table(DIM, ee.optimizers.Adagrad(0.05), name=f"e{i}", seed=i)
+            ee.Table(DIM, ee.optimizers.Adagrad(0.05), name=f"t{i}", seed=i)
             for i in range(num_tables)
         ]
         steps(tables, keys, 10)
@@ -65,10 +69,29 @@ def measure(server, security: dict, keys: np.ndarray, count: int, num_tables: in
         ee.shutdown()
 
 
+def measure_fit(server, security: dict, data, count: int):
+    """(server CPU s, worker wall s) per `model.fit` step over `count` steps."""
+    from step_overhead import NUM_FEATURES, build
+
+    import elastic_emb as ee
+
+    ee.init(ps=[server.address], mode="async", **security)
+    try:
+        model = build("ee", NUM_FEATURES)  # its tables: the server's, as left
+        model.fit(data, epochs=1, steps_per_epoch=5, verbose=0)
+        cpu, wall = cpu_seconds(server.process.pid), time.perf_counter()
+        model.fit(data, epochs=1, steps_per_epoch=count, verbose=0)
+        wall = time.perf_counter() - wall
+        return (cpu_seconds(server.process.pid) - cpu) / count, wall / count
+    finally:
+        ee.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=100, help="small steps per window")
     p.add_argument("--one-key-steps", type=int, default=1000, help="1-key steps per window")
+    p.add_argument("--fit-steps", type=int, default=100, help="model.fit steps per window")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     from elastic_emb import _core
@@ -78,29 +101,32 @@ def main() -> None:
     pki = make_pki(Path(tempfile.mkdtemp(prefix="tls-bench-")))
     cert, key = map(str, pki["server"])
     tls = ["--tls-cert", cert, "--tls-key", key]
-    arguments = {SERVERS[0]: [], SERVERS[1]: tls, SERVERS[2]: [*tls, "--data-plane", "grpc"]}
-    security = {
-        SERVERS[0]: {},
-        SERVERS[1]: {"tls_ca": pki["ca"]},
-        SERVERS[2]: {"tls_ca": pki["ca"]},
-    }
+    grpc = ["--data-plane", "grpc"]
+    arguments = {SERVERS[0]: [], SERVERS[1]: tls, SERVERS[2]: grpc, SERVERS[3]: [*tls, *grpc]}
+    security = {s: {"tls_ca": pki["ca"]} if "TLS" in s else {} for s in SERVERS}
     workloads = {
         f"{TABLES} tables x {KEYS} keys": (TABLES, KEYS, args.steps),
         "1 key": (1, 1, args.one_key_steps),
+        FIT: (0, 0, args.fit_steps),
     }
     rng = np.random.default_rng(0)
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    with (
-        shards(1, arguments[SERVERS[0]]) as (plain,),
-        shards(1, arguments[SERVERS[1]]) as (secure,),
-        shards(1, arguments[SERVERS[2]]) as (grpc_tls,),
-    ):
-        servers = dict(zip(SERVERS, (plain, secure, grpc_tls), strict=True))
+    with contextlib.ExitStack() as stack:
+        servers = {s: stack.enter_context(shards(1, arguments[s]))[0] for s in SERVERS}
         for name, (num_tables, num_keys, count) in workloads.items():
-            keys = rng.choice(1 << 20, num_keys, replace=False).astype(np.int64)
+            if name == FIT:
+                import tensorflow as tf
+                from step_overhead import make_data
+
+                x, y = make_data(64, count)
+                data = tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(64).repeat()
+            keys = rng.choice(1 << 20, max(num_keys, 1), replace=False).astype(np.int64)
             for r in range(args.rounds):
                 for s in SERVERS if r % 2 == 0 else SERVERS[::-1]:
-                    figure = measure(servers[s], security[s], keys, count, num_tables)
+                    if name == FIT:
+                        figure = measure_fit(servers[s], security[s], data, count)
+                    else:
+                        figure = measure(servers[s], security[s], keys, count, num_tables)
                     results.setdefault((name, s), []).append(figure)
     rows = []
     for name in workloads:
