@@ -1,6 +1,7 @@
 #include "replication.h"
 
 #include <algorithm>
+#include <sstream>
 #include <stdexcept>
 #include <utility>
 
@@ -307,6 +308,55 @@ Turn Replication::Check(const wire::ReplicateRequest& change, std::string* refus
     return Turn::kRefuse;
   }
   return change.epoch == r.epoch ? Turn::kApply : Turn::kPython;
+}
+
+Turn Replication::WaitTurn(const wire::ReplicateRequest& change, double seconds,
+                           std::string* refusal) {
+  const auto deadline = After(seconds);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    if (Check(change, refusal) == Turn::kRefuse) return Turn::kRefuse;
+    const bool current = change.epoch == role_->epoch;  // (newer: a map not seen yet)
+    if (current && applied_) {
+      if (change.sequence == *applied_ + 1) return Turn::kApply;
+      if (change.sequence <= *applied_) {
+        if (change.epoch == applied_epoch_) {
+          auto it = digests_.find(change.sequence);
+          if (it == digests_.end() || it->second == ChangeDigest(change.method, change.request)) {
+            return Turn::kDone;
+          }
+          *refusal = role_->address + " applied another change " + std::to_string(change.sequence) +
+                     " of epoch " + std::to_string(change.epoch) + ": this replica has diverged";
+          return Turn::kDiverged;
+        }
+        *refusal = role_->address + " applied change " + std::to_string(*applied_) + " of epoch " +
+                   std::to_string(applied_epoch_) + "; epoch " + std::to_string(change.epoch) +
+                   " sends " + std::to_string(change.sequence) + ": this replica has diverged";
+        return Turn::kDiverged;
+      }
+    }
+    if (Clock::now() >= deadline) {
+      std::ostringstream waited;
+      waited << seconds;
+      *refusal = role_->address + " waited " + waited.str() + " s for change " +
+                 std::to_string(applied_.value_or(0) + 1) + " before " +
+                 std::to_string(change.sequence);
+      return Turn::kDiverged;
+    }
+    applied_cv_.wait_until(lock, deadline);  // (woken when a change is applied or the role
+                                             // changes)
+  }
+}
+
+std::string Replication::CheckSender(int32_t group, int64_t epoch,
+                                     const std::string& primary) const {
+  wire::ReplicateRequest change;
+  change.group = group;
+  change.epoch = epoch;
+  change.primary = primary;
+  std::string refusal;
+  std::lock_guard<std::mutex> lock(mu_);
+  return Check(change, &refusal) == Turn::kRefuse ? refusal : "";
 }
 
 Turn Replication::TakeTurn(const wire::ReplicateRequest& change, Later later,

@@ -78,7 +78,8 @@ enum class Turn {
   kDone,      // applied already (sent again)
   kWait,      // an earlier change is missing: parked until its turn
   kRefuse,    // not from this backup's primary (ABORTED)
-  kDiverged,  // its sequence was applied here as another change (DATA_LOSS)
+  kDiverged,  // its sequence was applied here as another change, or (WaitTurn) the change
+              // before it never came (DATA_LOSS)
   kPython,    // Python decides (it waits for a map it has not seen, or a diverged replica)
 };
 
@@ -145,6 +146,13 @@ class Replication : public std::enable_shared_from_this<Replication> {
 
   // The backup's side: whether `change` is applied now, later (`later` is kept) or not.
   Turn TakeTurn(const wire::ReplicateRequest& change, Later later, std::string* refusal);
+  // The same for a caller that waits on its thread (a change TakeTurn left to Python): up to
+  // `seconds` for this server to see the change's epoch and the changes before it; kApply,
+  // kDone, kRefuse or kDiverged (with why: also when the earlier change did not come).
+  Turn WaitTurn(const wire::ReplicateRequest& change, double seconds, std::string* refusal);
+  // Why a change (or a snapshot) from `primary` at `epoch` of group `group` is refused by
+  // this backup ("": it is not).
+  std::string CheckSender(int32_t group, int64_t epoch, const std::string& primary) const;
 
  private:
   struct Sent {  // a change sent to one backup, not yet applied there

@@ -427,6 +427,35 @@ void BindShards(py::module_& m) {
           "Sets the last change applied (`method`, `request`: that change's, remembered so "
           "that another change sent as its sequence is refused).")
       .def(
+          "wait_turn",
+          [](Replication& r, int32_t group, int64_t epoch, int64_t sequence,
+             const std::string& method, const py::bytes& request, const std::string& primary,
+             double seconds) {
+            wire::ReplicateRequest change;
+            change.group = group;
+            change.epoch = epoch;
+            change.sequence = sequence;
+            change.method = method;
+            const std::string_view bytes(request);
+            change.request = bytes;
+            change.primary = primary;
+            std::string why;
+            Turn turn;
+            {
+              py::gil_scoped_release release;
+              turn = r.WaitTurn(change, seconds, &why);
+            }
+            const char* names[] = {"apply", "done", "wait", "refuse", "diverged", "python"};
+            return py::make_tuple(names[static_cast<int>(turn)], why);
+          },
+          py::arg("group"), py::arg("epoch"), py::arg("sequence"), py::arg("method"),
+          py::arg("request"), py::arg("primary"), py::arg("seconds"),
+          "A backup's turn for a change, waiting up to `seconds`: (\"apply\" | \"done\" | "
+          "\"refuse\" | \"diverged\", why).")
+      .def("check_sender", &Replication::CheckSender, py::arg("group"), py::arg("epoch"),
+           py::arg("primary"),
+           "Why this backup refuses a change or snapshot from `primary` (\"\": it does not).")
+      .def(
           "same_change",
           [](const Replication& r, int64_t sequence, int64_t epoch, const std::string& method,
              const py::bytes& request) {

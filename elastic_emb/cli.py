@@ -654,7 +654,8 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         default=1 << 30,
         metavar="BYTES",
         help="the largest request or answer, on both planes; a pull whose rows would be larger "
-        "is refused RESOURCE_EXHAUSTED before anything is read or inserted (default: 1 GiB, 1073741824)",
+        "is refused RESOURCE_EXHAUSTED before anything is read or inserted "
+        "(default: 1 GiB, 1073741824)",
     )
     serve.add_argument(
         "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time for in-flight requests"

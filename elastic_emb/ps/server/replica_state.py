@@ -245,19 +245,8 @@ class ReplicaState:
             )
 
     def check_sender(self, group_id: int, epoch: int, primary: str) -> None:
-        """Raises `aborted` for a change (or snapshot) from anyone but this backup's primary."""
-        with self.cond:
-            group = self.map.group_of(self.address)
-            deposed = self._deposed(group)
-        if group is None or group.id != group_id or self.address == group.primary:
-            raise aborted(f"{self.address} is not a backup of group {group_id}")
-        if epoch < group.epoch or (epoch == group.epoch and primary != group.primary):
-            raise aborted(
-                f"{primary} sent epoch {epoch}; group {group_id} is at epoch {group.epoch} "
-                f"with primary {group.primary}"
-            )
-        if epoch == group.epoch and primary == deposed:
-            raise aborted(
-                f"{self.address} is taking over group {group_id} from {primary} "
-                f"(its epoch {epoch} is over)"
-            )
+        """Raises `aborted` for a change (or snapshot) from anyone but this backup's primary
+        (the rule the data plane applies, on the role `publish_serving` gave it)."""
+        why = self.replication.check_sender(group_id, epoch, primary)
+        if why:
+            raise aborted(why)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,7 +40,6 @@ WORKER_CHANGES = REPLICATED_METHODS[:7]
 FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
 DROP_CHECK_SECONDS = 0.05  # how often a primary waiting for a backup looks if it was dropped
 GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
-MAP_CHECK_SECONDS = 0.05  # how often a backup waiting for a change looks at the map
 
 
 class Sent(NamedTuple):
@@ -187,41 +185,14 @@ class Replicator:
     def _wait_for_turn(self, request: ps_pb2.ReplicateRequest) -> bool:
         """Waits until `request` is the next change to apply (False), or returns True for
         one applied already. Raises `aborted` for a sender that is not the primary, and
-        DATA_LOSS for a replica that diverged or an earlier change missing too long."""
-        state = self._state
-        deadline = time.monotonic() + GAP_TIMEOUT
-        while True:
-            with state.cond:
-                state.check_sender(request.group, request.epoch, request.primary)
-                applied, applied_epoch = state.applied, state.applied_epoch
-                epoch = state.map.group(request.group).epoch
-            if applied is not None and request.epoch == epoch:
-                if request.sequence == applied + 1:
-                    return False
-                if request.sequence <= applied and request.epoch == applied_epoch:
-                    if not state.replication.same_change(
-                        request.sequence, request.epoch, request.method, request.request
-                    ):
-                        raise RequestError(
-                            "DATA_LOSS",
-                            f"{state.address} applied another change {request.sequence} of "
-                            f"epoch {request.epoch}: this replica has diverged",
-                        )
-                    return True
-                if request.sequence <= applied:
-                    raise RequestError(
-                        "DATA_LOSS",
-                        f"{state.address} applied change {applied} of epoch "
-                        f"{applied_epoch}; epoch {request.epoch} sends "
-                        f"{request.sequence}: this replica has diverged",
-                    )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RequestError(
-                    "DATA_LOSS",
-                    f"{state.address} waited {GAP_TIMEOUT:g} s for change "
-                    f"{(applied or 0) + 1} before {request.sequence}",
-                )
-            # Woken when a change is applied (here or by the data plane) or the map changes
-            # (looked at again at least every MAP_CHECK_SECONDS).
-            state.replication.wait_applied(applied, min(left, MAP_CHECK_SECONDS))
+        DATA_LOSS for a replica that diverged or an earlier change missing too long: the
+        data plane's own rules (`_core.Replication.wait_turn`)."""
+        turn, why = self._state.replication.wait_turn(
+            request.group, request.epoch, request.sequence, request.method,
+            request.request, request.primary, GAP_TIMEOUT,
+        )  # fmt: skip
+        if turn == "refuse":
+            raise aborted(why)
+        if turn == "diverged":
+            raise RequestError("DATA_LOSS", why)
+        return turn == "done"
