@@ -10,7 +10,25 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
+SANITIZERS = ("address", "undefined")
+
+
+def sanitize_flags() -> list[str]:
+    """ELASTIC_EMB_SANITIZE: comma-separated sanitizers ("address,undefined") to build the
+    extension with, for fuzzing (docs/operations.md#fuzzing-the-data-port); empty: none."""
+    chosen = [s.strip() for s in os.environ.get("ELASTIC_EMB_SANITIZE", "").split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SANITIZERS))
+    if unknown:
+        raise RuntimeError(f"ELASTIC_EMB_SANITIZE: {unknown} not among {list(SANITIZERS)}")
+    if not chosen:
+        return []
+    return [f"-fsanitize={','.join(chosen)}", "-fno-omit-frame-pointer", "-g"]
+
+
+SANITIZE_FLAGS = sanitize_flags()
+# A sanitized build is optimized less, so that its reports name the right lines.
+CXX_FLAGS = ["-O1" if SANITIZE_FLAGS else "-O3", "-fno-math-errno", "-fvisibility=hidden"]
+CXX_FLAGS += SANITIZE_FLAGS
 
 
 CUDA_ARCHS = ["80", "90"]  # A100, H100/H200; PTX of the last for newer GPUs
@@ -113,6 +131,12 @@ class BuildExt(build_ext):
 
     def build_extensions(self) -> None:
         mode, nvcc = cuda_mode(), find_nvcc()
+        if SANITIZE_FLAGS and mode != "0":
+            raise RuntimeError("ELASTIC_EMB_SANITIZE needs ELASTIC_EMB_CUDA=0 (CPU code only)")
+        if SANITIZE_FLAGS:
+            print(f"elastic_emb: building with {' '.join(SANITIZE_FLAGS)}", flush=True)
+            for ext in self.extensions:
+                ext.extra_link_args += SANITIZE_FLAGS
         if mode == "1" and nvcc is None:
             raise RuntimeError("ELASTIC_EMB_CUDA=1, but nvcc was not found (set CUDA_HOME)")
         print(cuda_decision(mode, nvcc), flush=True)

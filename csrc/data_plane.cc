@@ -533,6 +533,16 @@ bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* fram
   // small request takes it whole.
   char buffer[4096];
   const double now = Now();
+  // Makes room in the body for `more` bytes past those it has: at least doubled, at most to
+  // the announced length, so that a connection holds about twice what its peer sent, never
+  // what its header claims (a header costs 24 bytes to send; 1 GiB costs the server).
+  auto grow_body = [&](size_t more) {
+    const size_t need = c->body_have + more;
+    if (c->body.size() >= need) return;
+    constexpr size_t kFirstBodyBytes = 64 << 10;
+    const size_t grown = std::max({need, 2 * c->body.size(), kFirstBodyBytes});
+    c->body.resize(std::min<size_t>(grown, c->header.length));
+  };
   auto refuse = [&](uint8_t status, const std::string& why) {
     counters_.frames_refused++;
     std::string message = "data plane: " + why;
@@ -546,8 +556,9 @@ bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* fram
     char* target = buffer;
     size_t room = sizeof(buffer);
     if (c->in_body && c->header.length - c->body_have >= sizeof(buffer)) {
+      grow_body(sizeof(buffer));
       target = &c->body[c->body_have];
-      room = c->header.length - c->body_have;
+      room = c->body.size() - c->body_have;
     }
     ssize_t got = Receive(c.get(), target, room);
     if (got < 0 && errno == EINTR) continue;
@@ -612,11 +623,14 @@ bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* fram
           return true;
         }
         c->in_body = true;
-        c->body.assign(c->header.length, '\0');  // allocated only once the length passed
+        c->body = std::string();  // grown as its bytes come (grow_body), not to the length
         c->body_have = 0;
       }
       size_t take = std::min(left, c->header.length - c->body_have);
-      if (take > 0) std::memcpy(&c->body[c->body_have], p, take);
+      if (take > 0) {
+        grow_body(take);
+        std::memcpy(&c->body[c->body_have], p, take);
+      }
       c->body_have += take;
       p += take;
       left -= take;

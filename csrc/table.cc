@@ -46,7 +46,7 @@ int StorageWords(RowDtype dtype, int n) { return dtype == RowDtype::kFloat32 ? n
 
 void Encode(RowDtype dtype, int n, const float* in, float* storage) {
   if (dtype == RowDtype::kFloat32) {
-    std::memcpy(storage, in, sizeof(float) * n);
+    if (n > 0) std::memcpy(storage, in, sizeof(float) * n);  // (n 0: `in` maybe null)
     return;
   }
   auto* out = reinterpret_cast<unsigned char*>(storage);
@@ -66,7 +66,8 @@ void Round(RowDtype dtype, int n, float* values) {
 
 void Decode(RowDtype dtype, int n, const float* storage, float* out) {
   if (dtype == RowDtype::kFloat32) {
-    std::memcpy(out, storage, sizeof(float) * n);
+    // (n is 0 for the slots of an optimizer without any, `out` then maybe null: no memcpy)
+    if (n > 0) std::memcpy(out, storage, sizeof(float) * n);
     return;
   }
   const auto* in = reinterpret_cast<const unsigned char*>(storage);

@@ -271,6 +271,30 @@ def test_a_hello_announcing_a_large_body_is_refused_before_anything_is_allocated
         assert _call(echo.connect("s3cret"), PULL, b"in") == (OK, b"\x01in|caller-s3cret")
 
 
+def test_a_frame_announcing_a_large_body_holds_about_what_was_sent_not_its_length():
+    """Found by bench/fuzz_data_port.py: four greeted peers (a worker's token, or no token
+    on a server without tokens) each announce a 256 MiB request and send 1000 bytes of it
+    (was: 1 GiB allocated and zeroed, held while the connections stay open). A body sent
+    whole, in pieces, still arrives intact."""
+    with Echo() as echo:
+        before = _rss_bytes()
+        peers = [echo.greeted_socket() for _ in range(4)]
+        for peer in peers:
+            peer.sendall(HEADER.pack(0x50444545, 256 << 20, 2, 0, PULL, 0, 0) + b"x" * 1000)
+        time.sleep(0.5)
+        assert _rss_bytes() - before < 64 << 20
+        assert echo.seen == []
+        whole = bytes(random.Random(3).randbytes(3 << 20))
+        sock = echo.greeted_socket()
+        message = _frame(PULL, whole)
+        for at in range(0, len(message), 100_003):  # pieces across the body's growth steps
+            sock.sendall(message[at : at + 100_003])
+        sock.settimeout(10)
+        assert _read_frame(sock) == (OK, b"\x01" + whole + b"|caller-")
+        for peer in peers:
+            peer.close()
+
+
 def test_a_connection_without_a_whole_hello_is_closed_after_hello_seconds():
     with Echo(hello_seconds=1.0) as echo:
         silent = socket.create_connection(("127.0.0.1", echo.port), timeout=5)
