@@ -539,8 +539,9 @@ bool Server::Read(const std::shared_ptr<Connection>& c, std::vector<Frame>* fram
   auto grow_body = [&](size_t more) {
     const size_t need = c->body_have + more;
     if (c->body.size() >= need) return;
-    constexpr size_t kFirstBodyBytes = 64 << 10;
-    const size_t grown = std::max({need, 2 * c->body.size(), kFirstBodyBytes});
+    // (a hello, before its peer is known, holds only what came)
+    const size_t first = c->greeted ? size_t{64} << 10 : 0;
+    const size_t grown = std::max({need, 2 * c->body.size(), first});
     c->body.resize(std::min<size_t>(grown, c->header.length));
   };
   auto refuse = [&](uint8_t status, const std::string& why) {

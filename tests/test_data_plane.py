@@ -271,6 +271,24 @@ def test_a_hello_announcing_a_large_body_is_refused_before_anything_is_allocated
         assert _call(echo.connect("s3cret"), PULL, b"in") == (OK, b"\x01in|caller-s3cret")
 
 
+def test_hellos_not_finished_hold_only_what_their_peers_sent():
+    """400 peers without a token each announce a hello just under the bound and send 1,000
+    bytes of it: the server holds about what came (was: 64 KiB each, 25 MiB in all, until
+    the hello deadline)."""
+    with Echo(tokens=("s3cret",)) as echo:
+        before = _rss_bytes()
+        peers = [socket.create_connection(("127.0.0.1", echo.port), timeout=5) for _ in range(400)]
+        for peer in peers:
+            peer.sendall(HEADER.pack(0x50444545, 65535, 0, 0, 0, 0, 0) + b"x" * 1000)
+        deadline = time.monotonic() + 10
+        while echo.server.counters()["connections_accepted"] < 400 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # (the bytes read)
+        assert _rss_bytes() - before < 8 << 20
+        for peer in peers:
+            peer.close()
+
+
 def test_a_frame_announcing_a_large_body_holds_about_what_was_sent_not_its_length():
     """Found by bench/fuzz_data_port.py: four greeted peers (a worker's token, or no token
     on a server without tokens) each announce a 256 MiB request and send 1000 bytes of it
