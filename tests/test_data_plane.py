@@ -870,10 +870,9 @@ def test_a_push_its_backup_refused_is_acknowledged_only_once_the_backup_is_dropp
         backup.stop(1.0)
 
 
-def test_a_backup_taking_over_refuses_its_old_primary_s_changes_on_the_plane():
-    """From the moment a backup decides to take over (`Failover.take_over`: the role's
-    `deposed`), its plane applies no change of the old primary's epoch; until then, and
-    again once the take-over is called off, it does."""
+def _backup_core() -> tuple[ee.Table, Any]:
+    """An in-process table "rows" (dim 4, SGD 0.5) and a `ServerCore` over it, as a
+    coordinated backup's at epoch 1 with nothing applied yet (its role still to set)."""
     table = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="rows")
     shard = _core.ShardCore(lambda step, name, parts: None)
     shard.set_tables([("rows", table.core_table(), 0.5)])
@@ -882,6 +881,14 @@ def test_a_backup_taking_over_refuses_its_old_primary_s_changes_on_the_plane():
     core.put_range(0, shard)
     core.replication.set_applied(0, 1)
     core.set_enabled(True, pushes=False)
+    return table, core
+
+
+def test_a_backup_taking_over_refuses_its_old_primary_s_changes_on_the_plane():
+    """From the moment a backup decides to take over (`Failover.take_over`: the role's
+    `deposed`), its plane applies no change of the old primary's epoch; until then, and
+    again once the take-over is called off, it does."""
+    table, core = _backup_core()
     role = {"address": "127.0.0.1:2", "group": 0, "epoch": 1, "primary": "127.0.0.1:1",
             "holds": ["127.0.0.1:2"], "changes": False, "backups": []}  # fmt: skip
     backup = _core.DataPlaneServer(
@@ -925,14 +932,7 @@ def test_a_change_sent_as_a_sequence_applied_already_must_be_the_same_change():
     backup's alone, so the primary's own change of that sequence is refused DATA_LOSS (the
     primary drops the backup, which copies the group's state again), never skipped as sent
     again; the primary's change sent again is still taken as done."""
-    table = ee.Table(4, ee.optimizers.SGD(0.5), initializer="zeros", name="rows")
-    shard = _core.ShardCore(lambda step, name, parts: None)
-    shard.set_tables([("rows", table.core_table(), 0.5)])
-    shard.clock.join(0, 1, ASYNC, -1)
-    core = _core.ServerCore()
-    core.put_range(0, shard)
-    core.replication.set_applied(0, 1)
-    core.set_enabled(True, pushes=False)
+    _table, core = _backup_core()
     core.replication.set_role(
         {"address": "127.0.0.1:2", "group": 0, "epoch": 1, "primary": "127.0.0.1:1",
          "holds": ["127.0.0.1:2"], "deposed": "", "changes": False, "backups": []}
