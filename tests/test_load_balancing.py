@@ -321,7 +321,7 @@ def test_a_primary_serving_two_ranges_killed_while_training_loses_nothing(tmp_pa
                 step += 1
                 train(table, step)
             assert c.map().group(1).primary != victim
-            state = cluster_state(c, "t")
+            state = _settled_state(c, "t")
         finally:
             ee.shutdown()
     reference = make_table("t")
