@@ -107,7 +107,8 @@ std::shared_ptr<const PlaneTables> ShardCore::tables() const {
 
 namespace {
 
-bool Outside(const wire::PullRequest& request, const std::optional<SlotBounds>& slots) {
+template <typename Request>  // a PullRequest or a PushRequest
+bool Outside(const Request& request, const std::optional<SlotBounds>& slots) {
   if (!slots) return false;
   return std::any_of(request.tables.begin(), request.tables.end(), [&](const auto& t) {
     return wire::KeysOutside(t.keys, slots->num_slots, slots->begin, slots->end);
@@ -193,12 +194,7 @@ std::string ShardCore::Rows(const wire::PullRequest& request, const PlanePull& p
 }
 
 bool ShardCore::PreparePush(wire::PushRequest& request, std::vector<PlaneTable>* tables_out) {
-  const std::optional<SlotBounds> bounds = slots();
-  if (bounds && std::any_of(request.tables.begin(), request.tables.end(), [&](const auto& t) {
-        return wire::KeysOutside(t.keys, bounds->num_slots, bounds->begin, bounds->end);
-      })) {
-    return false;  // Python refuses it
-  }
+  if (Moved(request)) return false;  // Python refuses it
   const auto all = tables();
   std::vector<int> dims;
   for (const auto& part : request.tables) {
@@ -217,6 +213,10 @@ bool ShardCore::PreparePush(wire::PushRequest& request, std::vector<PlaneTable>*
     if (!wire::NonfiniteProblem(part.keys, part.gradients, dims[i]).empty()) return false;
   }
   return true;
+}
+
+bool ShardCore::Moved(const wire::PushRequest& request) const {
+  return Outside(request, slots());
 }
 
 std::string ShardCore::ApplyPush(wire::PushRequest& request,
@@ -769,6 +769,11 @@ Served ServerCore::ReplicatedPushes(uint8_t method, const std::string& payload,
   if (!backups) return Served::kPython;
   std::unique_lock<std::mutex> order(replication.order());
   if (replication.role() != role || !replication.applied()) return Served::kPython;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    // A cutover (which holds the order) shrank the range since it was prepared: Python
+    // refuses it, and the worker sends those keys to their new group.
+    if (p.shards[i]->Moved(p.requests[i])) return Served::kPython;
+  }
 
   // From here the plane answers: once every backup applied the changes made.
   auto outcome = std::make_shared<Outcome>();

@@ -93,6 +93,9 @@ class ShardCore {
   std::string Rows(const wire::PullRequest& request, const PlanePull& pull);
   // A push the plane applies: its tables found, gradients decoded and finite.
   bool PreparePush(wire::PushRequest& request, std::vector<PlaneTable>* tables);
+  // Whether some of its keys' slots are not this range's now (a cutover shrank it after
+  // PreparePush).
+  bool Moved(const wire::PushRequest& request) const;
   // Applies it (SYNC: queues it); the PushResponse. Throws Refusal.
   std::string ApplyPush(wire::PushRequest& request, const std::vector<PlaneTable>& tables);
 

@@ -803,9 +803,10 @@ def _add_serve(sub: Any) -> None:  # (long: one statement per flag)
         "its group's slots to the other groups, for up to this long (0: leave at once, "
         "backups take over)",
     )
-    serve.add_argument(  # fault tests: a window to kill a server in the middle of a move
-        "--move-pause", type=float, default=0.0, help=argparse.SUPPRESS
-    )
+    # Fault tests: windows to kill a server in the middle of a move, after its snapshot
+    # and after its cutover.
+    serve.add_argument("--move-pause", type=float, default=0.0, help=argparse.SUPPRESS)
+    serve.add_argument("--cutover-pause", type=float, default=0.0, help=argparse.SUPPRESS)
     serve.set_defaults(run=_serve)
 
 

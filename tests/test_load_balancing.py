@@ -240,8 +240,22 @@ def _settled_state(c: LocalCluster, name: str) -> dict[str, np.ndarray]:
                 state["keys"]
             ):
                 return state
-        assert time.monotonic() < deadline, before.describe()
+        assert time.monotonic() < deadline, _where_keys_are(c, name)
         time.sleep(0.1)
+
+
+def _where_keys_are(c: LocalCluster, name: str) -> str:
+    """The map, and each primary's ranges and the slots of its keys (a failure's report)."""
+    m = c.map()
+    time.sleep(1)
+    lines = [f"move {m.move}, ranges {[(r.id, r.slots, r.group) for r in m.ranges]}, "
+             f"revision {m.revision}, a second later {c.map().revision}"]  # fmt: skip
+    for g in m.groups:
+        slots = sharding.slot_of(export(g.primary, name)["keys"])
+        keys = {r.id: int(((slots >= r.slot_begin) & (slots < r.slot_end)).sum()) for r in m.ranges}
+        lines.append(f"group {g.id} at {g.primary} holds ranges {list(health(g.primary).ranges)}"
+                     f", keys by the map's range: {keys}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _pulls_served(address: str) -> int:

@@ -82,7 +82,9 @@ def _holds_only_its_slots(c: LocalCluster) -> None:
 @pytest.mark.parametrize("mode", ["sync", "async"])  # async: one worker, so deterministic
 def test_scale_out_then_in_while_training_ends_bit_identical(tmp_path, mode):
     expected = reference_state(range(1, 61))
-    with LocalCluster(2, 1, tmp_path / "cluster") as c:
+    # Each cutover holds the group's changes 1 s: the worker's pushes split by the map
+    # before it wait for it, and must be refused there, not applied to the slots that left.
+    with LocalCluster(2, 1, tmp_path / "cluster", server_args=["--cutover-pause", "1"]) as c:
         ee.init(coordinator=c.coordinator, mode=mode)
         try:
             table = make_table("t")
@@ -91,7 +93,9 @@ def test_scale_out_then_in_while_training_ends_bit_identical(tmp_path, mode):
             drained = threading.Thread(target=drain_server, args=(c.coordinator, newcomer, 120))
 
             def on_step(step: int) -> None:
-                if step == 30:  # the move ran during steps 11-30 (or ends now)
+                if step == 12:  # the next steps' pushes reach its cutover
+                    c.wait_until(lambda: _moving(c.map()), 60, "a slot range starts moving")
+                if step == 30:  # the move ran during steps 13-30 (or ends now)
                     c.wait_until(
                         lambda: (
                             (g := c.map().group_of(newcomer)) is not None
@@ -121,15 +125,18 @@ def test_scale_out_then_in_while_training_ends_bit_identical(tmp_path, mode):
 
 
 @pytest.mark.parametrize(
-    "victim, fault", [("source", "kill"), ("target", "kill"), ("source", "pause")]
+    "victim, fault",
+    [("source", "kill"), ("target", "kill"), ("source", "pause"), ("source", "cut over, kill")],
 )
 def test_a_server_killed_in_the_middle_of_a_slot_move_loses_nothing(tmp_path, victim, fault):
     """R=2: two new servers form a third group; a primary of the move dies during its copy,
-    or is paused (SIGSTOP) past its lease, replaced, and woken."""
+    or is paused (SIGSTOP) past its lease, replaced, and woken; or the source primary dies
+    after committing the move, before its backup learnt that the range shrank."""
     expected = reference_state(range(1, 51))
     woken: threading.Timer | None = None  # SIGCONT of the paused server
     paused: list[tuple[int, str]] = []  # (group, its primary then)
-    with LocalCluster(2, 2, tmp_path / "cluster", server_args=["--move-pause", "3"]) as c:
+    pauses = ["--move-pause", "3", "--cutover-pause", "3" if fault == "cut over, kill" else "0"]
+    with LocalCluster(2, 2, tmp_path / "cluster", server_args=pauses) as c:
         ee.init(coordinator=c.coordinator, mode="sync", failover_timeout=120)
         try:
             table = make_table("t")
@@ -144,9 +151,12 @@ def test_a_server_killed_in_the_middle_of_a_slot_move_loses_nothing(tmp_path, vi
                     source = m.range(m.move.range).group
                     group = m.group(source if victim == "source" else m.move.to)
                     c.wait_until(lambda: len(c.map().group(group.id).replicas) == 2, 60, "R=2")
-                    time.sleep(1.5)  # the snapshot is sent; the move pauses 3 s before the rest
+                    if fault == "cut over, kill":  # the map names the new group: 3 s to kill
+                        c.wait_until(lambda: not _moving(c.map()), 60, "the cutover")
+                    else:
+                        time.sleep(1.5)  # the snapshot is sent; the move pauses 3 s
                     primary = c.map().group(group.id).primary
-                    if fault == "kill":
+                    if fault != "pause":
                         c.kill(primary)
                         return
                     c.servers[primary].send_signal(signal.SIGSTOP)

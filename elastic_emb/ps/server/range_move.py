@@ -52,6 +52,8 @@ class RangeMover:
         balancers: plan moves of slots away (for memory, for load), asked in order until
             one plans a move.
         move_pause: seconds a move waits after sending its snapshot (fault tests).
+        cutover_pause: seconds a move holds its group's changes at the cutover, before
+            committing the map and again after, before it gives the slots up (fault tests).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class RangeMover:
         change_map: MapEditor,
         balancers: list[LoadBalancer | MemoryBalancer],
         move_pause: float,
+        cutover_pause: float = 0.0,
     ) -> None:
         self._state = state
         self._ranges = ranges
@@ -75,6 +78,7 @@ class RangeMover:
         self._change_map = change_map
         self._balancers = balancers
         self._move_pause = move_pause
+        self._cutover_pause = cutover_pause
 
     def run(self) -> None:
         """Acts on each new map (and retries a move that failed) until the replica stops."""
@@ -127,13 +131,19 @@ class RangeMover:
             log.warning("group %d gave away every range and dissolved", gid)
 
     def _drop_moved(self, m: ClusterMap, group: Group) -> None:
-        """Drops the ranges this group holds that the map gives to another group (a move
-        whose source primary died before its DropRange)."""
+        """Drops the ranges this group holds that the map gives to another group, and
+        shrinks those whose upper slots it gave away (a move whose source primary died
+        after the cutover, before its DropRange or ShrinkRange reached this replica)."""
         incoming = self._incoming.ids()
-        for rid, _ in self._ranges.items():
+        for rid, shard in self._ranges.items():
             now = m.range(rid)
-            if rid not in incoming and (now is None or now.group != group.id):
+            if rid in incoming:
+                continue
+            if now is None or now.group != group.id:
                 self._replicator.replicate_own("DropRange", ps_pb2.DropRangeRequest(range=rid))
+            elif shard.slots is not None and shard.slots[0] < now.slot_end < shard.slots[1]:
+                shrink = ps_pb2.ShrinkRangeRequest(range=rid, slot=now.slot_end)
+                self._replicator.replicate_own("ShrinkRange", shrink)
 
     def _move(self, move: Move, m: ClusterMap) -> None:
         """Moves range `move.range`'s slots [move.slot, end) to group `move.to`: a snapshot,
@@ -221,8 +231,10 @@ class RangeMover:
                 return None
             return current.moved()
 
+        time.sleep(self._cutover_pause)  # (fault tests: changes arriving wait meanwhile)
         if self._change_map(commit, as_primary=True).move == move:
             raise aborted(f"group {target.id} changed its primary during the move")
+        time.sleep(self._cutover_pause)  # (the map names the new group, the rows are here)
         if move.slot == source.slot_begin:
             return None
         # Before any later change: the keys of the moved slots are gone.

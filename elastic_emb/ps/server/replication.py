@@ -66,6 +66,8 @@ class Replica:
         lease_seconds: TTL of this server's lease.
         prefix: the cluster's key prefix in etcd.
         move_pause: seconds a range move waits after sending its snapshot (fault tests).
+        cutover_pause: seconds a range move holds its changes before and after its cutover
+            (fault tests).
         security: how to call the other servers (TLS, a token); None: plaintext.
         load: the server's per-slot load, published to the coordinator; None: not measured.
         balance: when this server, as the most loaded primary, moves slots away
@@ -86,6 +88,7 @@ class Replica:
         lease_seconds: int = 2,
         prefix: str = DEFAULT_PREFIX,
         move_pause: float = 0.0,
+        cutover_pause: float = 0.0,
         security: ClientSecurity | None = None,
         load: LoadMeter | None = None,
         balance: Policy | None = None,
@@ -128,7 +131,7 @@ class Replica:
             balancers.append(LoadBalancer(etcd, prefix, load, balance, self._change_map))
         self._mover = RangeMover(
             state, ranges, apply, self._replicator, self._incoming, channels, self._change_map,
-            balancers, move_pause,
+            balancers, move_pause, cutover_pause,
         )  # fmt: skip
         self._reporter = None
         if load is not None:

@@ -89,6 +89,7 @@ class ServerOptions:
     advertise: str | None = None
     lease_seconds: int = 2
     move_pause: float = 0.0
+    cutover_pause: float = 0.0
     metrics_port: int | None = None
     audit_log: str | None = None
     tls_cert: str | None = None
@@ -476,8 +477,8 @@ def _replica(
     replica = Replica(
         servicer.ranges, servicer.apply_change, Etcd(coordinator),
         options.advertised(bound), options.replicas, options.lease_seconds,
-        move_pause=options.move_pause, security=peers, load=servicer.load,
-        balance=options.balance, usage=servicer.usage,
+        move_pause=options.move_pause, cutover_pause=options.cutover_pause, security=peers,
+        load=servicer.load, balance=options.balance, usage=servicer.usage,
         memory_high_water=options.memory_high_water,
     )  # fmt: skip
     replica.worker_gone = servicer.worker_gone
