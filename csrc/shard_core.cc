@@ -215,9 +215,7 @@ bool ShardCore::PreparePush(wire::PushRequest& request, std::vector<PlaneTable>*
   return true;
 }
 
-bool ShardCore::Moved(const wire::PushRequest& request) const {
-  return Outside(request, slots());
-}
+bool ShardCore::Moved(const wire::PushRequest& request) const { return Outside(request, slots()); }
 
 std::string ShardCore::ApplyPush(wire::PushRequest& request,
                                  const std::vector<PlaneTable>& tables) {
