@@ -1,0 +1,84 @@
+"""Several JAX processes in sync data parallelism (`jax.distributed`, DataParallel), each an
+elastic_emb worker on real `elastic-emb serve` shards: they train as one process with the
+global batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from _cluster import shards
+from _process_worker import LOCAL_BATCH, STEPS, global_batches
+from _small_model import small_model, sorted_rows
+
+WORKER = Path(__file__).with_name("_process_worker.py")
+PROCESSES = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_processes(ps: str, out: Path, devices_each: int) -> None:
+    """Runs the JAX processes of _process_worker.py to the end (killed after 120 s)."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(PROCESSES), coordinator, ps, str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(PROCESSES)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=120)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, output in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, output[-4000:]
+
+
+def test_two_processes_train_as_one_process_with_the_global_batch(tmp_path):
+    out = tmp_path / "processes.npz"
+    with shards(2) as ps:  # two devices each: a process's callback takes both devices' ids
+        _run_processes(",".join(s.address for s in ps), out, devices_each=2)
+    got = np.load(out)
+    # Each process pulls each table and pushes once per step, on each shard.
+    steps = 2 * STEPS
+    assert got["Pull"].tolist() == [2 * PROCESSES * steps] * 2
+    assert got["Push"].tolist() == [PROCESSES * steps] * 2
+
+    # One process, in-process tables, the global batches.
+    x, y = global_batches(PROCESSES)
+    model = small_model("jax_procs")
+    history = model.fit(
+        x, y, batch_size=LOCAL_BATCH * PROCESSES, epochs=2, shuffle=False, verbose=0
+    )
+
+    np.testing.assert_allclose(got["loss"], history.history["loss"], rtol=1e-5)
+    for name in ("jax_procs_a", "jax_procs_b"):
+        table = model.get_layer(name).table
+        assert got[f"{name}_iterations"] == table.iterations == steps
+        keys, rows = sorted_rows(table)
+        np.testing.assert_array_equal(got[f"{name}_keys"], keys)
+        np.testing.assert_allclose(got[f"{name}_rows"], rows, rtol=1e-5, atol=1e-6)
+    for i, weight in enumerate(model.layers[-1].get_weights()):
+        np.testing.assert_allclose(got[f"dense_{i}"], weight, rtol=1e-5, atol=1e-6)
