@@ -129,6 +129,13 @@ def _data_parallel_mesh(layer_name: str, cluster: Any) -> tuple[Mesh, str]:
             "then the processes), or pass ee.init(worker_index=jax.process_index(), "
             "num_workers=jax.process_count())."
         )
+    if jax.default_backend() == "cpu" and _cpu_collectives() in (None, "none"):
+        raise ValueError(
+            f"elastic_emb.Embedding {layer_name!r} runs in {jax.process_count()} JAX processes "
+            "on CPUs without cross-process collectives. Call "
+            'jax.config.update("jax_cpu_collectives_implementation", "gloo") before '
+            "jax.distributed.initialize."
+        )
     distribution = keras.distribution.distribution()
     mesh = getattr(distribution, "device_mesh", None)
     if not isinstance(distribution, keras.distribution.DataParallel) or mesh is None:
@@ -140,8 +147,16 @@ def _data_parallel_mesh(layer_name: str, cluster: Any) -> tuple[Mesh, str]:
         )
     by_name = {f"{d.platform}:{d.id}": d for d in jax.devices()}
     devices = [d if isinstance(d, jax.Device) else by_name[str(d)] for d in mesh.devices.flat]
-    axis = distribution.batch_dim_name
-    return Mesh(np.array(devices).reshape(mesh.devices.shape), tuple(mesh.axis_names)), axis
+    (axis,) = mesh.axis_names  # (DataParallel's mesh: the batch axis only)
+    return Mesh(np.array(devices), (axis,)), axis
+
+
+def _cpu_collectives() -> str | None:
+    """`jax_cpu_collectives_implementation` ("none" by default in older JAX, "gloo" in newer)."""
+    try:
+        return str(jax.config.read("jax_cpu_collectives_implementation"))
+    except AttributeError:  # (newer JAX reads options with a context manager this way)
+        return getattr(jax.config, "jax_cpu_collectives_implementation", None)
 
 
 def _devices_by_process(mesh: Mesh) -> list[list[int]]:

@@ -29,6 +29,7 @@ def main(index: int, count: int, coordinator: str, ps: str, out: str) -> None:
     sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: _small_model
     import jax
 
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # (JAX 0.5: no default)
     jax.distributed.initialize(coordinator, count, index)
     # After initialize: Keras lists the devices of every process.
     import keras
@@ -45,9 +46,8 @@ def main(index: int, count: int, coordinator: str, ps: str, out: str) -> None:
     cluster = ee.init(ps=ps.split(","), mode="sync", **workers)
     assert cluster is not None
     assert (cluster.worker_index, cluster.num_workers) == (index, count)
-    distribution = keras.distribution.DataParallel()
-    distribution.auto_shard_dataset = False  # each process passes its own part
-    keras.distribution.set_distribution(distribution)
+    # Each process passes its own part of the data.
+    keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
     model = small_model("jax_procs")
     history = model.fit(
         x[part], y[part], batch_size=LOCAL_BATCH, epochs=2, shuffle=False, verbose=0

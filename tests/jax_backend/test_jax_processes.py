@@ -4,13 +4,16 @@ global batch."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import keras
 import numpy as np
+import pytest
 from _cluster import shards
 from _process_worker import LOCAL_BATCH, STEPS, global_batches
 from _small_model import small_model, sorted_rows
@@ -56,6 +59,11 @@ def _run_processes(ps: str, out: Path, devices_each: int) -> None:
         assert proc.returncode == 0, output[-4000:]
 
 
+@pytest.mark.skipif(
+    "auto_shard_dataset" not in inspect.signature(keras.distribution.DataParallel).parameters,
+    reason=f"Keras {keras.__version__} takes only a tf.data.Dataset (TensorFlow) in several "
+    "processes; DataParallel(auto_shard_dataset=False) takes arrays (keras-team/keras#21430)",
+)
 def test_two_processes_train_as_one_process_with_the_global_batch(tmp_path):
     out = tmp_path / "processes.npz"
     with shards(2) as ps:  # two devices each: a process's callback takes both devices' ids
@@ -82,3 +90,34 @@ def test_two_processes_train_as_one_process_with_the_global_batch(tmp_path):
         np.testing.assert_allclose(got[f"{name}_rows"], rows, rtol=1e-5, atol=1e-6)
     for i, weight in enumerate(model.layers[-1].get_weights()):
         np.testing.assert_allclose(got[f"dense_{i}"], weight, rtol=1e-5, atol=1e-6)
+
+
+def test_what_cannot_train_as_one_process_is_refused_naming_the_fix(monkeypatch):
+    """Checked as the layer's callbacks are traced in each of several processes (here one
+    process that JAX says is one of two)."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from elastic_emb.keras import jax_processes
+    from elastic_emb.keras.jax_processes import _data_parallel_mesh
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"in-process table.*ee.init\(ps="):
+        _data_parallel_mesh("t", None)
+    one_worker = SimpleNamespace(mode="sync", routing=None, num_workers=1)
+    with pytest.raises(ValueError, match=r"num_workers=1.*jax.distributed.initialize before"):
+        _data_parallel_mesh("t", one_worker)
+    two_workers = SimpleNamespace(mode="sync", routing=None, num_workers=2)
+    monkeypatch.setattr(jax_processes, "_cpu_collectives", lambda: "none")  # (JAX 0.5's default)
+    with pytest.raises(ValueError, match=r'update\("jax_cpu_collectives_implementation", "gloo"'):
+        _data_parallel_mesh("t", two_workers)
+    monkeypatch.setattr(jax_processes, "_cpu_collectives", lambda: "gloo")
+    with pytest.raises(ValueError, match=r"without a data-parallel.*DataParallel\(\)"):
+        _data_parallel_mesh("t", two_workers)
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        mesh, axis = _data_parallel_mesh("t", two_workers)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert list(mesh.devices) == jax.devices() and mesh.axis_names == (axis,)
