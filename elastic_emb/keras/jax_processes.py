@@ -45,8 +45,9 @@ def host_callback(
     `args` are batch-major (all of length n). `result` is `(n, ...)` (rows: each device
     gets its block), or with `summed` any shape (a push's trigger gradient: summed over
     the processes). In one process, the plain ordered `io_callback`. `cluster`: the
-    table's (None: in-process)."""
-    if jax.process_count() == 1:
+    table's (None: in-process). Called outside a jitted step (a layer called on
+    concrete ids), the ids are this process's own: the plain callback too."""
+    if jax.process_count() == 1 or not isinstance(args[0], jax.core.Tracer):
         return io_callback(callback, result, *args, ordered=True)
     mesh, axis = _data_parallel_mesh(layer_name, cluster)
     devices = mesh.devices.size

@@ -64,6 +64,9 @@ def main(index: int, count: int, coordinator: str, ps: str, out: str) -> None:
             table = model.get_layer(name).table
             arrays[f"{name}_keys"], arrays[f"{name}_rows"] = sorted_rows(table)
             arrays[f"{name}_iterations"] = np.array(table.iterations)
+        # Called outside a step, a layer looks its ids up in this process alone.
+        keys = arrays["jax_procs_a_keys"][:3]
+        arrays["looked_up"] = np.asarray(model.get_layer("jax_procs_a")(keys, training=False))
         for i, weight in enumerate(model.layers[-1].get_weights()):  # the Dense layer
             arrays[f"dense_{i}"] = weight
         np.savez(out, **arrays)

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import keras
@@ -29,34 +30,37 @@ def _free_port() -> int:
 
 
 def _run_processes(ps: str, out: Path, devices_each: int) -> None:
-    """Runs the JAX processes of _process_worker.py to the end (killed after 120 s)."""
+    """Runs the JAX processes of _process_worker.py to the end (all killed after 120 s, or
+    once one fails)."""
     env = {
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}",
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
     coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(PROCESSES), coordinator, ps, str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(PROCESSES)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=120)[0])
+    logs = [out.with_name(f"process_{i}.log") for i in range(PROCESSES)]
+    procs = []
+    for i, log in enumerate(logs):
+        with log.open("w") as sink:  # (a file, never a full pipe)
+            command = [sys.executable, str(WORKER), str(i), str(PROCESSES), coordinator, ps]
+            procs.append(
+                subprocess.Popen(
+                    [*command, str(out)], env=env, stdout=sink, stderr=subprocess.STDOUT
+                )
+            )
+    deadline = time.monotonic() + 120
+    try:  # (one process failing leaves the others waiting for it: stop at the first)
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() for p in procs):
+                break
+            time.sleep(0.1)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for proc, output in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, output[-4000:]
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.returncode == 0, log.read_text()[-4000:]
 
 
 @pytest.mark.skipif(
@@ -90,6 +94,7 @@ def test_two_processes_train_as_one_process_with_the_global_batch(tmp_path):
         np.testing.assert_allclose(got[f"{name}_rows"], rows, rtol=1e-5, atol=1e-6)
     for i, weight in enumerate(model.layers[-1].get_weights()):
         np.testing.assert_allclose(got[f"dense_{i}"], weight, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got["looked_up"], got["jax_procs_a_rows"][:3])
 
 
 def test_what_cannot_train_as_one_process_is_refused_naming_the_fix(monkeypatch):
