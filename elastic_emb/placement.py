@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from elastic_emb.tables import registry
@@ -191,7 +192,8 @@ def init(
         wire_dtype: "float32", "float16" or "bfloat16": encoding of pulled
             rows and pushed gradients (the PS optimizer runs in float32).
         worker_index, num_workers: this worker's place; default from
-            `TF_CONFIG` (task index, number of "worker"/"chief" tasks), else 0 of 1.
+            `TF_CONFIG` (task index, number of "worker"/"chief" tasks); after
+            `jax.distributed.initialize`, the JAX process index and count; else 0 of 1.
             With a coordinator, workers are elastic: any index >= 0 joins
             (and leaves when its process ends; docs/fault-tolerance.md), and
             without an index or `TF_CONFIG` a worker takes an index no live
@@ -334,7 +336,7 @@ def _connect_cluster(options: InitOptions) -> Cluster:
         worker_index is None and coordinator is not None and not os.environ.get("TF_CONFIG")
     )
     if worker_index is None or num_workers is None:
-        index, count = _tf_config_worker()
+        index, count = _tf_config_worker() if os.environ.get("TF_CONFIG") else _jax_worker()
         worker_index = index if worker_index is None else worker_index
         num_workers = count if num_workers is None else num_workers
     if num_workers > 1 and _keras_backend() == "tensorflow":
@@ -397,6 +399,16 @@ def install() -> None:
     """The first table, or the first ask for the connection, connects from the
     environment (`elastic_emb/__init__.py` calls this once)."""
     registry.connect_from_environment(_from_environment)
+
+
+def _jax_worker() -> tuple[int, int]:
+    """(process index, process count) once `jax.distributed.initialize` has run (where JAX
+    has `jax.distributed.is_initialized`), else (0, 1). Starts no JAX backend."""
+    jax: Any = sys.modules.get("jax")
+    is_initialized = getattr(getattr(jax, "distributed", None), "is_initialized", None)
+    if is_initialized is None or not is_initialized():
+        return 0, 1
+    return int(jax.process_index()), int(jax.process_count())
 
 
 def _tf_config_worker() -> tuple[int, int]:

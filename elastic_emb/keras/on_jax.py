@@ -30,6 +30,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from elastic_emb.keras.base import FLOAT_MANTISSA_BITS, EmbeddingBase
+from elastic_emb.keras.jax_processes import host_callback
 from elastic_emb.keras_range import require
 from elastic_emb.tables.string_keys import EMPTY_STRING_KEY, string_keys
 
@@ -215,7 +216,7 @@ def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
     train = training if layer.trainable else False  # frozen: no rows added, none trained
     insert, expects_push = bool(train), train is not False
     fusion = layer.table.step_fusion()
-    name = layer.name
+    name, cluster = layer.name, layer.table.cluster
     rows_shape = jax.ShapeDtypeStruct((ids.shape[0], layer.output_dim), jnp.float32)
 
     def pull(host_ids: Any) -> np.ndarray:
@@ -225,7 +226,7 @@ def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
         return fusion.lookup(keys, insert, expects_push)
 
     def looked_up_rows(ids: Any) -> Any:
-        return io_callback(pull, rows_shape, ids, ordered=True)
+        return host_callback(name, cluster, pull, rows_shape, ids)
 
     if not expects_push:
         return looked_up_rows(ids)
@@ -244,12 +245,14 @@ def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
         def push(host_ids: Any, grads: Any) -> np.ndarray:
             return step.push(fusion, host_keys(name, host_ids), np.asarray(grads, np.float32))
 
-        trigger_grad = io_callback(
+        trigger_grad = host_callback(
+            name,
+            cluster,
             push,
             jax.ShapeDtypeStruct((1,), jnp.float32),
             ids,
             upstream.astype(jnp.float32),
-            ordered=True,
+            summed=True,
         )
         return None, trigger_grad
 
