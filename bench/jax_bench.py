@@ -16,8 +16,9 @@ window by window (`_common.interleave` over pipes):
 - `tf ee`: `ee.Embedding` on the TensorFlow backend (`--tf-python`, a Python with
   TensorFlow and elastic_emb), the same model and ids.
 
-Figures are medians over rounds; ratios are medians of per-round ratios, on wall
-time and on CPU time (each variant is one process). Where the stock table does not
+Figures are medians over rounds; ratios (to `jax stock`, and to `tf ee` where it runs)
+are medians of per-round ratios, on wall time and on CPU time (each variant is one
+process). Where the stock table does not
 fit (26 × vocab × 16 floats and Adagrad's as many), `--huge-ids` runs `jax ee` alone
 on ids spread over 2**40 to show it keeps working. Prints a Markdown table.
 
@@ -179,6 +180,7 @@ def main() -> None:
             for runner in runners.values():
                 runner.close()
         reference = results.get("jax stock")
+        tf_ee = results.get("tf ee")
         rows = []
         for name, r in results.items():
             ratios = ["", ""]
@@ -187,25 +189,24 @@ def main() -> None:
                     c.fmt_ratio(c.paired_ratio(r, reference)),
                     c.fmt_ratio(paired_cpu_ratio(r, reference)),
                 ]
+            if tf_ee is not None:
+                ratios += (
+                    ["", ""]
+                    if r is tf_ee
+                    else [
+                        c.fmt_ratio(c.paired_ratio(r, tf_ee)),
+                        c.fmt_ratio(paired_cpu_ratio(r, tf_ee)),
+                    ]
+                )
             rows.append(
                 [name, batch, c.fmt_rate(r.examples_per_s), c.fmt_rate(r.examples_per_cpu_s),
                  *ratios, f"{100 * r.spread:.0f}%", f"{r.loss:.4f}"]
             )  # fmt: skip
-        print(
-            c.markdown_table(
-                [
-                    "variant",
-                    "batch",
-                    "ex/s",
-                    "ex per CPU-s",
-                    "vs jax stock (wall)",
-                    "vs jax stock (CPU)",
-                    "spread",
-                    "loss",
-                ],
-                rows,
-            )
-        )
+        headers = ["variant", "batch", "ex/s", "ex per CPU-s"]
+        headers += ["vs jax stock (wall)", "vs jax stock (CPU)"]
+        if tf_ee is not None:
+            headers += ["vs tf ee (wall)", "vs tf ee (CPU)"]
+        print(c.markdown_table([*headers, "spread", "loss"], rows))
         print()
 
 

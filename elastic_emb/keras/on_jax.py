@@ -23,8 +23,10 @@ refuses to be built. Neither TensorFlow nor `elastic_emb.keras.layers` is import
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -235,6 +237,52 @@ class _Lookup:
     insert: bool  # training: unseen ids get rows
     expects_push: bool  # a gradient of these ids is pushed in this step
 
+    def flags(self) -> tuple[bool, bool]:
+        return self.insert, self.expects_push
+
+
+def _by_table(indices: list[int], requests: list[_Lookup]) -> list[list[int]]:
+    """`indices` grouped by table, each group in its order (a layer called twice)."""
+    groups: dict[int, list[int]] = {}
+    for i in indices:
+        groups.setdefault(id(requests[i].fusion), []).append(i)
+    return list(groups.values())
+
+
+# Threads that share the tables' work of a fused callback with XLA's thread running it.
+_WORKERS = min(4, os.cpu_count() or 1)
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()  # guards _pool's creation
+
+
+def _in_parallel(groups: list[list[int]], work: Callable[[int], None], keys: Any) -> None:
+    """`work(i)` for every index of every group, each group's in its order, the groups
+    spread over this thread and `_WORKERS - 1` others by their number of keys (the
+    tables' C++ calls release the GIL; a table's calls stay in one thread, in order)."""
+    global _pool
+    parts: list[list[int]] = [[] for _ in range(min(_WORKERS, len(groups)))]
+    weights = [0] * len(parts)
+    for group in sorted(groups, key=lambda g: -sum(len(keys[i]) for i in g)):
+        lightest = weights.index(min(weights))
+        parts[lightest] += group
+        weights[lightest] += sum(len(keys[i]) for i in group)
+
+    def run(part: list[int]) -> None:
+        for i in part:
+            work(i)
+
+    if len(parts) < 2:
+        return run(parts[0]) if parts else None
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(_WORKERS - 1, "ee-jax-tables")
+    others = [_pool.submit(run, part) for part in parts[1:]]
+    try:
+        run(parts[0])
+    finally:
+        for future in others:
+            future.result()
+
 
 def _rows_of(lookups: list[tuple[Embedding, Any]], training: bool | None) -> list[Any]:
     """The float32 `(n, dim)` rows of each layer's flat ids `(n,)`, in one ordered callback
@@ -250,16 +298,21 @@ def _rows_of(lookups: list[tuple[Embedding, Any]], training: bool | None) -> lis
         for r, i in zip(requests, ids, strict=True)
     ]
 
+    local = _by_table([i for i, r in enumerate(requests) if not r.fusion.two_phase], requests)
+    remote = [i for i, r in enumerate(requests) if r.fusion.two_phase]
+
     def pull(*host_ids: Any) -> list[np.ndarray]:
         keys = [host_keys(r.layer.name, i) for r, i in zip(requests, host_ids, strict=True)]
-        tickets = [
-            r.fusion.submit(k, r.insert, r.expects_push) if r.fusion.two_phase else None
-            for r, k in zip(requests, keys, strict=True)
-        ]
-        return [
-            r.fusion.lookup(k, r.insert, r.expects_push) if t is None else r.fusion.collect(t)
-            for r, k, t in zip(requests, keys, tickets, strict=True)
-        ]
+        out: list[np.ndarray] = [np.empty(0)] * len(requests)
+        tickets = [(i, requests[i].fusion.submit(keys[i], *requests[i].flags())) for i in remote]
+
+        def look_up(i: int) -> None:
+            out[i] = requests[i].fusion.lookup(keys[i], *requests[i].flags())
+
+        _in_parallel(local, look_up, keys)
+        for i, ticket in tickets:
+            out[i] = requests[i].fusion.collect(ticket)
+        return out
 
     def looked_up(ids: tuple[Any, ...]) -> list[Any]:
         return list(io_callback(pull, shapes, *ids, ordered=True))
@@ -267,6 +320,8 @@ def _rows_of(lookups: list[tuple[Embedding, Any]], training: bool | None) -> lis
     pushing = [i for i, r in enumerate(requests) if r.expects_push]
     if not pushing:
         return looked_up(ids)
+    pushing_local = _by_table([i for i in pushing if not requests[i].fusion.two_phase], requests)
+    pushing_remote = [i for i in pushing if requests[i].fusion.two_phase]
 
     @jax.custom_vjp
     def pushed_rows(ids: tuple[Any, ...], triggers: tuple[Any, ...]) -> list[Any]:
@@ -281,15 +336,23 @@ def _rows_of(lookups: list[tuple[Embedding, Any]], training: bool | None) -> lis
         step = [_trace.backward(requests[i].layer, requests[i].fusion) for i in pushing][-1]
 
         def push(*arrays: Any) -> np.ndarray:
-            finite = True
-            for i, host_ids, grads in zip(
-                pushing, arrays[: len(pushing)], arrays[len(pushing) :], strict=True
-            ):
-                r = requests[i]
-                keys = host_keys(r.layer.name, host_ids)
-                trigger = step.push(r.fusion, keys, np.asarray(grads, np.float32))
-                finite = finite and not np.isnan(trigger).any()
-            return np.full((1,), 0.0 if finite else np.nan, np.float32)
+            n = len(pushing)
+            keys = {
+                i: host_keys(requests[i].layer.name, a)
+                for i, a in zip(pushing, arrays[:n], strict=True)
+            }
+            grads = dict(zip(pushing, arrays[n:], strict=True))
+            finite: dict[int, bool] = {}
+
+            def push_one(i: int) -> None:
+                trigger = step.push(requests[i].fusion, keys[i], np.asarray(grads[i], np.float32))
+                finite[i] = not np.isnan(trigger).any()
+
+            # The local tables in parallel; the remote ones (queued, sent as one) here.
+            _in_parallel(pushing_local, push_one, keys)
+            for i in pushing_remote:
+                push_one(i)
+            return np.full((1,), 0.0 if all(finite.values()) else np.nan, np.float32)
 
         trigger_grad = io_callback(
             push,
