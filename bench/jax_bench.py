@@ -14,15 +14,18 @@ window by window (`_common.interleave` over pipes):
   jitted step; the tables' Adagrad touches the batch's rows only);
 - `jax floor`: layers that output zeros: the dense network alone, the ceiling;
 - `tf ee`: `ee.Embedding` on the TensorFlow backend (`--tf-python`, a Python with
-  TensorFlow and elastic_emb), the same model and ids.
+  TensorFlow and elastic_emb), the same model and ids;
+- `jax ee (baseline)`: `jax ee` with elastic_emb from another checkout
+  (`--baseline-src DIR`), to measure a change side by side.
 
-Figures are medians over rounds; ratios are medians of per-round ratios, on wall
-time and on CPU time (each variant is one process). Where the stock table does not
+Figures are medians over rounds; ratios (to `jax stock`, and to `tf ee` where it runs)
+are medians of per-round ratios, on wall time and on CPU time (each variant is one
+process). Where the stock table does not
 fit (26 × vocab × 16 floats and Adagrad's as many), `--huge-ids` runs `jax ee` alone
 on ids spread over 2**40 to show it keeps working. Prints a Markdown table.
 
     python bench/jax_bench.py [--jax-python P] [--tf-python P] [--batches 4096,512]
-        [--rounds 5] [--steps 10] [--vocab 100000]
+        [--rounds 5] [--steps 10] [--vocab 100000] [--baseline-src DIR]
 """
 
 from __future__ import annotations
@@ -101,13 +104,17 @@ def child(variant: str, batch: int, vocab: int, huge_ids: bool) -> None:
 class Variant:
     """A child process training one variant, a window per request."""
 
-    def __init__(self, python: str, backend: str, variant: str, args: Any, batch: int) -> None:
+    def __init__(
+        self, python: str, backend: str, variant: str, args: Any, batch: int, source: str = ""
+    ) -> None:
         env = {
             **os.environ,
             "KERAS_BACKEND": backend,
             "JAX_ENABLE_X64": "1",
             "TF_CPP_MIN_LOG_LEVEL": "3",
-            "PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p),
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (HERE, source, os.environ.get("PYTHONPATH")) if p
+            ),
         }
         command = [python, os.path.abspath(__file__), "--child", variant, "--batch", str(batch)]
         command += ["--vocab", str(args.vocab)] + (["--huge-ids"] if args.huge_ids else [])
@@ -149,12 +156,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="batches per timed window")
     p.add_argument("--vocab", type=int, default=100_000, help="ids per feature")
     p.add_argument("--huge-ids", action="store_true", help="jax ee alone, ids over 2**40")
+    p.add_argument(
+        "--baseline-src",
+        help="a checkout of elastic_emb (its built package importable): adds `jax ee "
+        "(baseline)`, the same variant with elastic_emb imported from there",
+    )
     args = p.parse_args()
     if args.child:
         child(args.child, args.batch, args.vocab, args.huge_ids)
         return
 
     variants = {"jax stock": "jax stock", "jax ee": "jax ee", "jax floor": "jax floor"}
+    if args.baseline_src:
+        variants["jax ee (baseline)"] = "jax ee"
     if args.huge_ids:
         variants = {"jax ee (ids over 2**40)": "jax ee"}
     elif args.tf_python:
@@ -167,7 +181,8 @@ def main() -> None:
                 backend, variant = spec.split()
                 backend = "tensorflow" if backend.startswith("t") else "jax"
                 python = args.tf_python if backend == "tensorflow" else args.jax_python
-                runners[name] = Variant(python, backend, variant, args, batch)
+                source = args.baseline_src if name.endswith("(baseline)") else ""
+                runners[name] = Variant(python, backend, variant, args, batch, source)
             results = c.interleave(
                 runners,
                 steps=args.steps,
@@ -179,6 +194,7 @@ def main() -> None:
             for runner in runners.values():
                 runner.close()
         reference = results.get("jax stock")
+        tf_ee = results.get("tf ee")
         rows = []
         for name, r in results.items():
             ratios = ["", ""]
@@ -187,25 +203,24 @@ def main() -> None:
                     c.fmt_ratio(c.paired_ratio(r, reference)),
                     c.fmt_ratio(paired_cpu_ratio(r, reference)),
                 ]
+            if tf_ee is not None:
+                ratios += (
+                    ["", ""]
+                    if r is tf_ee
+                    else [
+                        c.fmt_ratio(c.paired_ratio(r, tf_ee)),
+                        c.fmt_ratio(paired_cpu_ratio(r, tf_ee)),
+                    ]
+                )
             rows.append(
                 [name, batch, c.fmt_rate(r.examples_per_s), c.fmt_rate(r.examples_per_cpu_s),
                  *ratios, f"{100 * r.spread:.0f}%", f"{r.loss:.4f}"]
             )  # fmt: skip
-        print(
-            c.markdown_table(
-                [
-                    "variant",
-                    "batch",
-                    "ex/s",
-                    "ex per CPU-s",
-                    "vs jax stock (wall)",
-                    "vs jax stock (CPU)",
-                    "spread",
-                    "loss",
-                ],
-                rows,
-            )
-        )
+        headers = ["variant", "batch", "ex/s", "ex per CPU-s"]
+        headers += ["vs jax stock (wall)", "vs jax stock (CPU)"]
+        if tf_ee is not None:
+            headers += ["vs tf ee (wall)", "vs tf ee (CPU)"]
+        print(c.markdown_table([*headers, "spread", "loss"], rows))
         print()
 
 

@@ -208,6 +208,7 @@ FORBIDDEN = {
     "elastic_emb.keras": {"grpc"},
     # What every Keras backend shares; the JAX layer, in venvs without TensorFlow.
     "elastic_emb.keras.base": {"tensorflow", "jax"},
+    "elastic_emb.keras.model_lookups": {"tensorflow", "jax"},
     "elastic_emb.keras.on_jax": {"tensorflow"},
     "elastic_emb.keras.jax_processes": {"tensorflow"},
     "elastic_emb.serving": {"grpc"},

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elastic_emb.keras import loss_scaling
+from elastic_emb.keras import loss_scaling, model_lookups
 from elastic_emb.tables.table import StepFusion
 
 if TYPE_CHECKING:
@@ -220,20 +219,6 @@ def _depends_on(op: tf.Operation, targets: set[Any]) -> bool:
 # A Functional model's lookups, fused.
 
 
-@dataclasses.dataclass
-class _Plan:
-    """The `ee.Embedding` calls of a Functional model, and the sub-model of their ids."""
-
-    layers: list[Embedding]
-    ids: keras.Function  # model inputs -> each call's ids, in the order Keras runs the calls
-
-
-_PLANS: weakref.WeakKeyDictionary[Any, _Plan | None] = weakref.WeakKeyDictionary()
-# Per thread (each replica of a strategy calls the model in its own): rows
-# looked up for layers not called yet, innermost model last.
-_pending = threading.local()
-
-
 def fused_call(
     layer_type: type[Embedding],
     model: Any,
@@ -247,11 +232,11 @@ def fused_call(
     `predict`), and only where it is exact: the model calls at least two
     `ee.Embedding` layers, each on one positional input, and no id depends
     on a layer with state (weights, random seeds) or on another lookup's
-    rows. Otherwise every layer looks up on its own.
+    rows (`model_lookups.plan_of`). Otherwise every layer looks up on its own.
     """
     if tf.executing_eagerly():
         return call()
-    plan = _plan_of(model, layer_type)
+    plan = model_lookups.plan_of(model, layer_type)
     if (
         plan is None
         or len(plan.layers) < 2  # nothing to fuse
@@ -260,30 +245,12 @@ def fused_call(
         return call()
     keys = _keys_of(plan, model, inputs)
     rows = rows_of(list(zip(plan.layers, keys, strict=True)), training)
-    waiting: dict[int, collections.deque[tf.Tensor]] = collections.defaultdict(collections.deque)
-    for layer, r in zip(plan.layers, rows, strict=True):
-        waiting[id(layer)].append(r)
-    stack = _pending.__dict__.setdefault("stack", [])
-    stack.append(waiting)
-    try:
-        outputs = call()
-    finally:
-        stack.pop()
-    if any(waiting.values()):
-        raise RuntimeError(
-            f"elastic_emb: model {model.name!r} did not call its ee.Embedding layers as "
-            "its graph says (a fused lookup went unused). Please report this."
-        )
-    return outputs
+    return model_lookups.run_with_rows(model, plan, rows, call)
 
 
 def take(layer: Embedding) -> tf.Tensor | None:
     """The rows `fused_call` looked up for this call of `layer`, if it did."""
-    for waiting in reversed(getattr(_pending, "stack", [])):
-        rows = waiting.get(id(layer))
-        if rows:
-            return rows.popleft()
-    return None
+    return model_lookups.take(layer)
 
 
 def lookahead(layer_type: type[Embedding], dataset: tf.data.Dataset, model: Any) -> Any:
@@ -297,7 +264,7 @@ def lookahead(layer_type: type[Embedding], dataset: tf.data.Dataset, model: Any)
             "ee.lookahead needs a Functional or Sequential Keras model (it runs the part of "
             f"the model that computes the ids). Received: {type(model).__name__}"
         )
-    plan = _plan_of(model, layer_type)
+    plan = model_lookups.plan_of(model, layer_type)
     if plan is None:
         raise ValueError(
             f"Model {model.name!r} has no ee.Embedding call whose ids ee.lookahead can "
@@ -329,48 +296,7 @@ def lookahead(layer_type: type[Embedding], dataset: tf.data.Dataset, model: Any)
     return dataset.map(tap).prefetch(1)
 
 
-def _keys_of(plan: _Plan, model: Any, inputs: Any) -> list[tf.Tensor]:
+def _keys_of(plan: model_lookups.Plan, model: Any, inputs: Any) -> list[tf.Tensor]:
     """Each planned call's flat int64 keys, computed from the model's `inputs`."""
-    ids = plan.ids._run_through_graph(model._standardize_inputs(inputs), lambda op: op)
+    ids = model_lookups.ids_of(plan, model, inputs)
     return [layer.flat_keys(x) for layer, x in zip(plan.layers, ids, strict=True)]
-
-
-def _plan_of(model: Any, layer_type: type[Embedding]) -> _Plan | None:
-    if model not in _PLANS:
-        _PLANS[model] = _plan(model, layer_type)
-    return _PLANS[model]
-
-
-def _plan(model: Any, layer_type: type[Embedding]) -> _Plan | None:
-    if not hasattr(model, "_nodes_by_depth"):  # (another Keras: each layer looks up alone)
-        return None
-    nodes = [
-        node
-        for depth in sorted(model._nodes_by_depth, reverse=True)  # Keras' own order
-        for node in model._nodes_by_depth[depth]
-        if isinstance(node.operation, layer_type)
-    ]
-    # A subclass with its own lookup is left to it.
-    fusable = all(
-        node.operation.fusable and len(node.arguments.args) == 1 and not node.arguments.kwargs
-        for node in nodes
-    )
-    if not nodes or not fusable:
-        return None
-    ids = keras.Function(model.inputs, [node.arguments.args[0] for node in nodes])
-    for op in ids.operations:
-        if isinstance(op, keras.layers.InputLayer):
-            continue
-        # Ids computed from state, random numbers or rows: run in Keras' order.
-        if isinstance(op, layer_type | keras.Model) or _has_state(op):
-            return None
-    return _Plan([node.operation for node in nodes], ids)
-
-
-def _has_state(op: Any) -> bool:
-    """Weights or random seeds: running the op twice could change what it computes."""
-    return (
-        bool(getattr(op, "weights", None))
-        or bool(getattr(op, "_seed_generators", None))
-        or any(isinstance(v, keras.random.SeedGenerator) for v in vars(op).values())
-    )

@@ -1,14 +1,18 @@
 """`Embedding` on Keras' JAX backend: the table reached by host callbacks in the jitted step.
 
 Forward: the ids go to the host through an ordered `io_callback`, which looks
-their rows up (inserting unseen ids while training) and hands them back: one
-pull per call. Backward (a `jax.custom_vjp`): an ordered `io_callback` hands the
-table the rows' gradient, one row per id, as on TensorFlow, and its output is
-the gradient of the layer's push trigger (zero), so Keras' train step keeps it.
-Ordered, the callbacks run as traced: a step's pushes after its pulls, and the
-next step's pulls (several steps per execution) after them. A table looked up by several
-calls in one step sums their gradients into one push, as on TensorFlow: the
-backward passes traced together for a step count them.
+their rows up (inserting unseen ids while training) and hands them back. A
+Functional (or Sequential) model makes one such callback for all its layers'
+calls, ahead of them (`_fused_call`, through `model_lookups`: the part of the
+model that computes the ids runs first), as on TensorFlow; a layer called
+elsewhere makes its own. Backward (a `jax.custom_vjp` over the same lookups):
+one ordered `io_callback` hands the tables the rows' gradient, one row per id,
+as on TensorFlow, and its output is the gradient of the layers' push triggers
+(zero), so Keras' train step keeps it. Ordered, the callbacks run as traced:
+a step's pushes after its pulls, and the next step's pulls (several steps per
+execution) after them. A table looked up by several calls in one step sums
+their gradients into one push, as on TensorFlow: the backward passes traced
+together for a step count them.
 
 JAX holds int64 ids only with 64-bit types on (`JAX_ENABLE_X64=1`, or
 `jax.config.update("jax_enable_x64", True)` before the model is built); without
@@ -19,8 +23,12 @@ refuses to be built. Neither TensorFlow nor `elastic_emb.keras.layers` is import
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import dataclasses
 import functools
+import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,6 +37,7 @@ import keras
 import numpy as np
 from jax.experimental import io_callback
 
+from elastic_emb.keras import model_lookups, patches
 from elastic_emb.keras.base import FLOAT_MANTISSA_BITS, EmbeddingBase
 from elastic_emb.keras.jax_processes import host_callback
 from elastic_emb.keras_range import require
@@ -56,6 +65,7 @@ class Embedding(EmbeddingBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require_x64()
         _hold_loss_scaled_gradients()
+        patches.fuse_functional_lookups(_fused_call)
         super().__init__(*args, **kwargs)
         # Ids given as NumPy arrays stay ids (Keras before 3.4 casts them to the compute
         # dtype otherwise, as Keras's own preprocessing layers avoid in the same way).
@@ -79,7 +89,9 @@ class Embedding(EmbeddingBase):
                 "With a `combiner`, dense ids must have shape (batch, k). "
                 f"Received: shape={ids.shape}"
             )
-        rows = _rows(self, jnp.reshape(ids, (-1,)), training)
+        rows = model_lookups.take(self)  # looked up with the model's others
+        if rows is None:
+            rows = _rows_of([(self, jnp.reshape(ids, (-1,)))], training)[0]
         rows = jnp.reshape(rows, (*ids.shape, self.output_dim))
         if self.combiner is not None:
             summed = jnp.sum(rows, axis=1)
@@ -90,6 +102,12 @@ class Embedding(EmbeddingBase):
                 summed = summed / jnp.sqrt(jnp.float32(k))
             rows = summed
         return rows.astype(self.compute_dtype) if self.compute_dtype != "float32" else rows
+
+    @property
+    def fusable(self) -> bool:
+        """Whether a model may look this layer's rows up with its others' (`_fused_call`):
+        not if a subclass has a `call` of its own."""
+        return type(self).call is Embedding.call
 
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero:
@@ -211,54 +229,176 @@ class _StepTrace(threading.local):
 _trace = _StepTrace()
 
 
-def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
-    """float32 `(n, dim)` rows of flat ids `(n,)`; their gradient, if computed, is pushed."""
-    train = training if layer.trainable else False  # frozen: no rows added, none trained
-    insert, expects_push = bool(train), train is not False
-    fusion = layer.table.step_fusion()
-    name, cluster = layer.name, layer.table.cluster
-    rows_shape = jax.ShapeDtypeStruct((ids.shape[0], layer.output_dim), jnp.float32)
+@dataclasses.dataclass
+class _Lookup:
+    """One layer call's lookup: its table, and whether it inserts ids and is pushed."""
 
-    def pull(host_ids: Any) -> np.ndarray:
-        keys = host_keys(name, host_ids)
-        if fusion.two_phase:
-            return fusion.collect(fusion.submit(keys, insert, expects_push))
-        return fusion.lookup(keys, insert, expects_push)
+    layer: Embedding
+    fusion: Any  # the table's StepFusion
+    insert: bool  # training: unseen ids get rows
+    expects_push: bool  # a gradient of these ids is pushed in this step
 
-    def looked_up_rows(ids: Any) -> Any:
-        return host_callback(name, cluster, pull, rows_shape, ids)
+    def flags(self) -> tuple[bool, bool]:
+        return self.insert, self.expects_push
 
-    if not expects_push:
-        return looked_up_rows(ids)
+
+def _by_table(indices: list[int], requests: list[_Lookup]) -> list[list[int]]:
+    """`indices` grouped by table, each group in its order (a layer called twice)."""
+    groups: dict[int, list[int]] = {}
+    for i in indices:
+        groups.setdefault(id(requests[i].fusion), []).append(i)
+    return list(groups.values())
+
+
+# Threads that share the tables' work of a fused callback with XLA's thread running it.
+_WORKERS = min(4, os.cpu_count() or 1)
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()  # guards _pool's creation
+
+
+def _in_parallel(groups: list[list[int]], work: Callable[[int], None], keys: Any) -> None:
+    """`work(i)` for every index of every group, each group's in its order, the groups
+    spread over this thread and `_WORKERS - 1` others by their number of keys (the
+    tables' C++ calls release the GIL; a table's calls stay in one thread, in order)."""
+    global _pool
+    parts: list[list[int]] = [[] for _ in range(min(_WORKERS, len(groups)))]
+    weights = [0] * len(parts)
+    for group in sorted(groups, key=lambda g: -sum(len(keys[i]) for i in g)):
+        lightest = weights.index(min(weights))
+        parts[lightest] += group
+        weights[lightest] += sum(len(keys[i]) for i in group)
+
+    def run(part: list[int]) -> None:
+        for i in part:
+            work(i)
+
+    if len(parts) < 2:
+        return run(parts[0]) if parts else None
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(_WORKERS - 1, "ee-jax-tables")
+    others = [_pool.submit(run, part) for part in parts[1:]]
+    try:
+        run(parts[0])
+    finally:
+        for future in others:
+            future.result()
+
+
+def _rows_of(lookups: list[tuple[Embedding, Any]], training: bool | None) -> list[Any]:
+    """The float32 `(n, dim)` rows of each layer's flat ids `(n,)`, in one ordered callback
+    (remote tables: all submitted, then collected, so a cluster pulls them at once); their
+    gradients, where computed, go to the tables in one more."""
+    requests = []
+    for layer, _ in lookups:
+        train = training if layer.trainable else False  # frozen: no rows added, none trained
+        requests.append(_Lookup(layer, layer.table.step_fusion(), bool(train), train is not False))
+    ids = tuple(i for _, i in lookups)
+    shapes = [
+        jax.ShapeDtypeStruct((i.shape[0], r.layer.output_dim), jnp.float32)
+        for r, i in zip(requests, ids, strict=True)
+    ]
+
+    local = _by_table([i for i, r in enumerate(requests) if not r.fusion.two_phase], requests)
+    remote = [i for i, r in enumerate(requests) if r.fusion.two_phase]
+
+    def pull(*host_ids: Any) -> list[np.ndarray]:
+        keys = [host_keys(r.layer.name, i) for r, i in zip(requests, host_ids, strict=True)]
+        out: list[np.ndarray] = [np.empty(0)] * len(requests)
+        tickets = [(i, requests[i].fusion.submit(keys[i], *requests[i].flags())) for i in remote]
+
+        def look_up(i: int) -> None:
+            out[i] = requests[i].fusion.lookup(keys[i], *requests[i].flags())
+
+        _in_parallel(local, look_up, keys)
+        for i, ticket in tickets:
+            out[i] = requests[i].fusion.collect(ticket)
+        return out
+
+    def _callback(callback: Callable[..., Any], result: Any, *args: Any, summed: bool) -> Any:
+        """One layer's lookup: the callback of each JAX process (`host_callback`);
+        several, fused (one process only): one ordered callback."""
+        if len(requests) > 1:
+            return io_callback(callback, result, *args, ordered=True)
+        layer = requests[0].layer
+        return host_callback(layer.name, layer.table.cluster, callback, result, *args,
+                             summed=summed)  # fmt: skip
+
+    def looked_up(ids: tuple[Any, ...]) -> list[Any]:
+        if len(requests) == 1:
+            first = functools.wraps(pull)(lambda host_ids: pull(host_ids)[0])
+            return [_callback(first, shapes[0], ids[0], summed=False)]
+        return list(_callback(pull, shapes, *ids, summed=False))
+
+    pushing = [i for i, r in enumerate(requests) if r.expects_push]
+    if not pushing:
+        return looked_up(ids)
+    pushing_local = _by_table([i for i in pushing if not requests[i].fusion.two_phase], requests)
+    pushing_remote = [i for i in pushing if requests[i].fusion.two_phase]
 
     @jax.custom_vjp
-    def pushed_rows(ids: Any, trigger: Any) -> Any:
-        return looked_up_rows(ids)
+    def pushed_rows(ids: tuple[Any, ...], triggers: tuple[Any, ...]) -> list[Any]:
+        return looked_up(ids)
 
-    def forward(ids: Any, trigger: Any) -> tuple[Any, Any]:
+    def forward(ids: tuple[Any, ...], triggers: tuple[Any, ...]) -> tuple[list[Any], Any]:
         _trace.forward()
-        return looked_up_rows(ids), ids
+        return looked_up(ids), ids
 
-    def backward(ids: Any, upstream: Any) -> tuple[None, Any]:
-        step = _trace.backward(layer, fusion)
+    def backward(ids: tuple[Any, ...], upstream: list[Any]) -> tuple[Any, Any]:
+        # Each call counts one push of its table, all in the step being traced.
+        step = [_trace.backward(requests[i].layer, requests[i].fusion) for i in pushing][-1]
 
-        def push(host_ids: Any, grads: Any) -> np.ndarray:
-            return step.push(fusion, host_keys(name, host_ids), np.asarray(grads, np.float32))
+        def push(*arrays: Any) -> np.ndarray:
+            n = len(pushing)
+            keys = {
+                i: host_keys(requests[i].layer.name, a)
+                for i, a in zip(pushing, arrays[:n], strict=True)
+            }
+            grads = dict(zip(pushing, arrays[n:], strict=True))
+            finite: dict[int, bool] = {}
 
-        trigger_grad = host_callback(
-            name,
-            cluster,
+            def push_one(i: int) -> None:
+                trigger = step.push(requests[i].fusion, keys[i], np.asarray(grads[i], np.float32))
+                finite[i] = not np.isnan(trigger).any()
+
+            # The local tables in parallel; the remote ones (queued, sent as one) here.
+            _in_parallel(pushing_local, push_one, keys)
+            for i in pushing_remote:
+                push_one(i)
+            return np.full((1,), 0.0 if all(finite.values()) else np.nan, np.float32)
+
+        trigger_grad = _callback(
             push,
             jax.ShapeDtypeStruct((1,), jnp.float32),
-            ids,
-            upstream.astype(jnp.float32),
+            *(ids[i] for i in pushing),
+            *(upstream[i].astype(jnp.float32) for i in pushing),
             summed=True,
         )
-        return None, trigger_grad
+        return tuple(None for _ in ids), tuple(trigger_grad for _ in triggers)
 
     pushed_rows.defvjp(forward, backward)
-    trigger = layer.push_trigger.value
-    return pushed_rows(ids, trigger)
+    # Each layer's push trigger once (a layer called twice has one).
+    triggers = {id(r.layer): r.layer.push_trigger.value for r in requests if r.expects_push}
+    return list(pushed_rows(ids, tuple(triggers.values())))
+
+
+def _fused_call(model: Any, inputs: Any, training: bool | None, call: Callable[[], Any]) -> Any:
+    """`call()`, the Functional `model` run on `inputs`, with the lookups of its
+    `ee.Embedding` calls made together, ahead of the model (`model_lookups`): one
+    callback per direction for all of them. Only while JAX traces (a jitted step), and
+    only where the plan is exact; otherwise each layer looks up on its own."""
+    if not any(isinstance(x, jax.core.Tracer) for x in keras.tree.flatten(inputs)):
+        return call()
+    plan = model_lookups.plan_of(model, Embedding)
+    if plan is None or len(plan.layers) < 2 or jax.process_count() > 1:
+        return call()  # (several JAX processes: each lookup's own per-process callback)
+    ids = model_lookups.ids_of(plan, model, inputs)
+    flat = [
+        jnp.reshape(jnp.asarray(layer._keys_of_strings(x)), (-1,))
+        for layer, x in zip(plan.layers, ids, strict=True)
+    ]
+    rows = _rows_of(list(zip(plan.layers, flat, strict=True)), training)
+    return model_lookups.run_with_rows(model, plan, rows, call)
 
 
 def _hold_loss_scaled_gradients() -> None:

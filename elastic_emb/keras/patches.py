@@ -11,9 +11,12 @@ where an exact fallback exists, warns once and takes it.
 
 - `fuse_functional_lookups()` wraps the private `Functional.call` (which
   Sequential models run too) so that a model looks up the rows of all its
-  ee.Embedding layers in one call (`elastic_emb.keras.lookup.fused_call`, which
-  reads `_nodes_by_depth`, `_standardize_inputs`, `_run_through_graph` and
-  `Sequential._functional`). Keras has no public hook before a model's
+  ee.Embedding layers in one call (`elastic_emb.keras.lookup.fused_call` on
+  TensorFlow, `elastic_emb.keras.on_jax` on JAX, both through
+  `elastic_emb.keras.model_lookups`, which reads `_nodes_by_depth`,
+  `_standardize_inputs` and `_run_through_graph`; `lookahead` reads
+  `Sequential._functional`). TensorFlow is imported only by the functions that
+  need it, so that the JAX layer can use this module. Keras has no public hook before a model's
   layers run. Fallback: every layer looks up on its own (the same results,
   one lookup per layer).
 - `after_compile()` wraps `compile` where Keras defines it (the private
@@ -69,7 +72,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from elastic_emb.errors import ElasticEmbWarning
 from elastic_emb.keras_range import LAST_TESTED, OLDEST, check_keras, keras_version, require, tested
@@ -148,6 +150,8 @@ def save_through_serving(
     global _tf_save_wrapped
     if _tf_save_wrapped:
         return
+    import tensorflow as tf
+
     tf_save = tf.saved_model.save
 
     @functools.wraps(tf_save)
@@ -248,6 +252,7 @@ def fix_keras_multi_worker() -> None:
     global _applied
     if _applied:
         return
+    import tensorflow as tf
     from keras.src import tree
     from keras.src.backend.tensorflow import trainer
 

@@ -1,5 +1,6 @@
 """ee.Embedding on JAX against real `elastic-emb serve` shards: training is bit for bit
-the in-process run's, one pull and one push per table per step, sync and async."""
+the in-process run's, one Pull and one Push per shard per step for all tables, sync and
+async."""
 
 import keras
 import numpy as np
@@ -34,11 +35,11 @@ def test_one_worker_on_shards_trains_exactly_as_in_process(mode):
                     np.testing.assert_array_equal(got, want)
             for weight, local_weight in zip(model.get_weights(), local.get_weights(), strict=True):
                 np.testing.assert_array_equal(weight, local_weight)
-            # Each table pulls once per shard per step; the step's gradients of both tables
-            # go in one Push per shard (the cluster pushes once every table that pulled has).
+            # The rows of both tables come in one Pull per shard per step (the model's
+            # lookups fused), and their gradients go in one Push per shard.
             for stats in cluster.server_stats():
                 calls = {m.method: m.calls for m in stats.methods}
-                assert calls["Pull"] == 2 * STEPS and calls["Push"] == STEPS, calls
+                assert calls["Pull"] == STEPS and calls["Push"] == STEPS, calls
         finally:
             ee.shutdown()
 
