@@ -291,12 +291,6 @@ def connect(options: InitOptions) -> Cluster | None:
                 "call ee.shutdown() first"
             )
         dense = options.dense_placement()
-        if dense == "ps" and _keras_backend() == "jax":
-            raise ValueError(
-                "Dense weights on the PS (dense='ps', the default with a coordinator in async "
-                "mode) need Keras' TensorFlow backend; this is JAX. Pass dense='local' (each "
-                "worker then trains its own dense weights) or run on KERAS_BACKEND=tensorflow."
-            )
         if options.dense_pull_every > 1 and dense != "ps":
             raise ValueError(
                 f"`dense_pull_every`={options.dense_pull_every} needs the dense weights on the "

@@ -16,10 +16,11 @@ where an exact fallback exists, warns once and takes it.
   `Sequential._functional`). Keras has no public hook before a model's
   layers run. Fallback: every layer looks up on its own (the same results,
   one lookup per layer).
-- `after_compile()` wraps `compile` where Keras defines it (the private
-  `Trainer`, so `load_model` still compiles loaded models; fallback: the
-  public `keras.Model.compile`): `ee.init(dense="ps")` and `mixed_float16`
-  need the compiled optimizer, and Keras has no compile callback.
+- `after_compile()` (`elastic_emb.keras.compile_hook`, shared with the JAX
+  backend) wraps `compile` where Keras defines it (the private `Trainer`, so
+  `load_model` still compiles loaded models; fallback: the public
+  `keras.Model.compile`): `ee.init(dense="ps")` and `mixed_float16` need the
+  compiled optimizer, and Keras has no compile callback.
 - `fix_keras_multi_worker()` replaces two private functions of Keras'
   TensorFlow trainer for `model.fit` under MultiWorkerMirroredStrategy
   (below; the first only where it exists, Keras 3.5 and newer); required.
@@ -72,6 +73,7 @@ import keras
 import tensorflow as tf
 
 from elastic_emb.errors import ElasticEmbWarning
+from elastic_emb.keras.compile_hook import after_compile
 from elastic_emb.keras_range import LAST_TESTED, OLDEST, check_keras, keras_version, require, tested
 
 __all__ = [
@@ -93,7 +95,6 @@ _export_wrapped = False
 _save_wrapped = False
 _tf_save_wrapped = False
 _call_wrapped = False
-_compile_wrapped = False
 _data_checked = False
 
 
@@ -184,31 +185,6 @@ def _checking_data(keras_method: Any, check: Callable[[keras.Model, Any], None])
         return keras_method(self, *args, **kwargs)
 
     return checked
-
-
-def after_compile(attach: Callable[[keras.Model], None]) -> None:
-    """Runs `attach(model)` after every `model.compile(...)` (idempotent).
-
-    Patched where Keras defines `compile` (its `Trainer`), so that
-    `load_model` still sees the stock method and compiles loaded models.
-    """
-    global _compile_wrapped
-    if _compile_wrapped:
-        return
-    try:
-        from keras.src.trainers.trainer import Trainer as owner
-    except ImportError:  # another Keras layout: the public class
-        owner = keras.Model
-    keras_compile = owner.compile
-
-    @functools.wraps(keras_compile)
-    def compile(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
-        result = keras_compile(self, *args, **kwargs)
-        attach(self)
-        return result
-
-    owner.compile = compile
-    _compile_wrapped = True
 
 
 def fuse_functional_lookups(fused_call: Callable[..., Any]) -> None:
