@@ -241,10 +241,12 @@ def init(
             mode): in one more table on the PS, pulled at each step and
             updated there with the optimizer given to `model.compile`; each
             worker runs plain `model.fit`, without all-reduce
-            (`elastic_emb.keras.dense_ps`, docs/distributed.md). None (default):
-            "ps" with a coordinator in async mode, for models compiled
-            without a multi-replica `tf.distribute` strategy (elastic workers
-            come and go, which an all-reduce cannot survive); else "local".
+            (`elastic_emb.keras.dense_ps_base`, docs/distributed.md; on Keras'
+            TensorFlow and JAX backends). None (default): "ps" with a
+            coordinator in async mode, for models compiled without a
+            multi-replica `tf.distribute` strategy or `keras.distribution`
+            (elastic workers come and go, which an all-reduce cannot survive);
+            else "local".
         dense_pull_every: with dense weights on the PS, a training step pulls
             them only every this many steps (a named staleness): the steps
             between compute with the weights last pulled, older by up to
