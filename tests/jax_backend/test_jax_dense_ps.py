@@ -63,6 +63,7 @@ def test_one_async_worker_with_dense_weights_on_the_ps_trains_as_in_process(opti
         cluster = ee.init(ps=[s.address for s in ps], mode="async", dense="ps")
         try:
             model = _model("jdps", optimizer())
+            initial = model.get_weights()
             history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
             dense_table = cluster.describe("ee_dense/jdps_model")
             # Every step pushed once per shard for all three tables.
@@ -73,6 +74,14 @@ def test_one_async_worker_with_dense_weights_on_the_ps_trains_as_in_process(opti
             evaluated = model.evaluate(x, y, batch_size=64, verbose=0)
             # The PS holds what the variables hold (fit ends with the PS's values).
             on_ps = _rows_on(ps, "ee_dense/jdps_model")
+            dense = sorted(
+                (v.path, keras.ops.convert_to_numpy(v))
+                for v in model.trainable_variables
+                if not hasattr(v, "ee_push_trigger")
+            )
+            # set_weights puts its dense values on the PS (EarlyStopping's restore does).
+            model.set_weights(initial)
+            restored = _rows_on(ps, "ee_dense/jdps_model")
         finally:
             ee.shutdown()
     tolerance = 1e-5
@@ -87,11 +96,6 @@ def test_one_async_worker_with_dense_weights_on_the_ps_trains_as_in_process(opti
     # (2 rows), hidden/kernel 16x300 (19), out/bias (1), out/kernel 300x1 (2).
     assert sum(t.rows for t in dense_table) == 24
     assert {t.iterations for t in dense_table} == {16}  # one update per step
-    dense = sorted(
-        (v.path, keras.ops.convert_to_numpy(v))
-        for v in model.trainable_variables
-        if not hasattr(v, "ee_push_trigger")
-    )
     assert ROW_WIDTH == 256 and [path for path, _ in dense] == [
         "hidden/bias", "hidden/kernel", "out/bias", "out/kernel"
     ]  # fmt: skip
@@ -99,6 +103,10 @@ def test_one_async_worker_with_dense_weights_on_the_ps_trains_as_in_process(opti
     np.testing.assert_array_equal(on_ps[2:21].ravel()[: 16 * 300], dense[1][1].ravel())
     np.testing.assert_array_equal(on_ps[21, :1], dense[2][1])
     np.testing.assert_array_equal(on_ps[22:24].ravel()[:300], dense[3][1].ravel())
+    first = [w for w in initial if w.shape in ((300,), (16, 300))]  # hidden's, as made
+    np.testing.assert_array_equal(restored[0:2].ravel()[:300], first[1])
+    np.testing.assert_array_equal(restored[2:21].ravel()[: 16 * 300], first[0].ravel())
+    assert np.abs(restored[2:21] - on_ps[2:21]).max() > 1e-4  # training had moved them
 
 
 def _rows_on(ps: list, table: str) -> np.ndarray:
