@@ -42,8 +42,10 @@ backend, `elastic_emb.keras.weights` wraps Keras's weights by value
 (`get_weights`, `set_weights`, the state tree, `count_params`) so that they
 carry the tables' rows, and refuses `use_ema` and `OrbaxCheckpoint`. Per
 instance: `dense_ps.attach` wraps a compiled model's `train_step`,
-`test_step`, `predict_step`, `fit` and its optimizer's `apply_gradients`;
-`loss_scaling.attach` a `LossScaleOptimizer`'s `apply`.
+`test_step`, `predict_step`, `fit` and its optimizer's `apply_gradients`
+(on JAX, `dense_ps_jax.attach` the same steps, `make_train_function`,
+`make_test_function`, `make_predict_function`, `fit` and the optimizer's
+`apply`); `loss_scaling.attach` a `LossScaleOptimizer`'s `apply`.
 
 The rest of this docstring is about the multi-worker fix.
 
