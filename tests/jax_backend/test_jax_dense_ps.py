@@ -214,3 +214,54 @@ def test_elastic_jax_workers_through_a_worker_s_and_a_primary_s_sigkill_lose_not
 
     assert list(dense["keys"]) == [0, 1]
     assert any(matches(want) for want in candidates), (ids, dense["values"][:, :4], candidates)
+
+
+def _dense_only() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)],
+        name="jstale_model",
+    )
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def test_dense_weights_pulled_every_k_steps_train_with_that_staleness():
+    """k=3, as on TensorFlow: a step computes its gradient with the weights pulled at its
+    last multiple of 3, and the PS applies every gradient. The reference does that by
+    hand with plain SGD (jax.grad of the model's stateless call)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 4)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [0.0]], np.float32)).astype(np.float32)
+    reference = _dense_only()
+    weights = [np.array(w) for w in reference.get_weights()]  # all trainable, in order
+
+    def loss(values, batch):
+        out, _ = reference.stateless_call(values, [], x[batch])
+        return jnp.mean((y[batch] - out) ** 2)
+
+    for step in range(12):  # 6 batches of 16, 2 epochs
+        if step % 3 == 0:
+            pulled = [jnp.asarray(w) for w in weights]
+        batch = slice(16 * (step % 6), 16 * (step % 6 + 1))
+        grads = jax.grad(loss)(pulled, batch)
+        weights = [w - np.float32(0.1) * np.asarray(g) for w, g in zip(weights, grads, strict=True)]
+    with shards(1) as ps:
+        ee.init(ps=[ps[0].address], mode="async", dense="ps", dense_pull_every=3)
+        try:
+            model = _dense_only()
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+            got = model.get_weights()  # fit ends with the PS's values
+        finally:
+            ee.shutdown()
+    for g, w in zip(got, weights, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    # Pulling every step instead gives other weights: the check can fail.
+    every_step = _dense_only()
+    every_step.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    differences = [np.abs(a - b).max() for a, b in zip(every_step.get_weights(), weights,
+                   strict=True)]  # fmt: skip
+    assert max(differences) > 1e-4
