@@ -243,10 +243,12 @@ def init(
             mode): in one more table on the PS, pulled at each step and
             updated there with the optimizer given to `model.compile`; each
             worker runs plain `model.fit`, without all-reduce
-            (`elastic_emb.keras.dense_ps`, docs/distributed.md). None (default):
-            "ps" with a coordinator in async mode, for models compiled
-            without a multi-replica `tf.distribute` strategy (elastic workers
-            come and go, which an all-reduce cannot survive); else "local".
+            (`elastic_emb.keras.dense_ps_base`, docs/distributed.md; on Keras'
+            TensorFlow and JAX backends). None (default): "ps" with a
+            coordinator in async mode, for models compiled without a
+            multi-replica `tf.distribute` strategy or `keras.distribution`
+            (elastic workers come and go, which an all-reduce cannot survive);
+            else "local".
         dense_pull_every: with dense weights on the PS, a training step pulls
             them only every this many steps (a named staleness): the steps
             between compute with the weights last pulled, older by up to
@@ -293,12 +295,6 @@ def connect(options: InitOptions) -> Cluster | None:
                 "call ee.shutdown() first"
             )
         dense = options.dense_placement()
-        if dense == "ps" and _keras_backend() == "jax":
-            raise ValueError(
-                "Dense weights on the PS (dense='ps', the default with a coordinator in async "
-                "mode) need Keras' TensorFlow backend; this is JAX. Pass dense='local' (each "
-                "worker then trains its own dense weights) or run on KERAS_BACKEND=tensorflow."
-            )
         if options.dense_pull_every > 1 and dense != "ps":
             raise ValueError(
                 f"`dense_pull_every`={options.dense_pull_every} needs the dense weights on the "

@@ -289,9 +289,15 @@ class ShardQueue:
         import keras
 
         queue = self
+        # On JAX a step returns before its host callbacks (the pushes) have run.
+        on_jax = keras.backend.backend() == "jax"
 
         class RecordTrainedBatches(keras.callbacks.Callback):
             def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                if on_jax:
+                    import jax
+
+                    jax.effects_barrier()  # the step's push is handed to the PS client
                 queue.trained_one()
 
         return RecordTrainedBatches()

@@ -211,6 +211,9 @@ FORBIDDEN = {
     "elastic_emb.keras.model_lookups": {"tensorflow", "jax"},
     "elastic_emb.keras.on_jax": {"tensorflow"},
     "elastic_emb.keras.jax_processes": {"tensorflow"},
+    "elastic_emb.keras.dense_ps_base": {"tensorflow", "jax"},
+    "elastic_emb.keras.compile_hook": {"tensorflow", "jax"},
+    "elastic_emb.keras.dense_ps_jax": {"tensorflow"},
     "elastic_emb.serving": {"grpc"},
     "elastic_emb.placement": {"grpc", "tensorflow"},
     # The library never depends on its examples.
@@ -296,7 +299,11 @@ def _every_module(package: str, but: tuple[str, ...] = ()) -> str:
     return "\n".join(f"import {n}" for n in names)
 
 
-JAX_ONLY = ("elastic_emb.keras.on_jax", "elastic_emb.keras.jax_processes")
+JAX_ONLY = (
+    "elastic_emb.keras.on_jax",
+    "elastic_emb.keras.jax_processes",
+    "elastic_emb.keras.dense_ps_jax",
+)
 
 
 def test_the_keras_package_loads_neither_grpc_nor_the_ps_in_a_fresh_process():

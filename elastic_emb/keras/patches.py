@@ -19,10 +19,11 @@ where an exact fallback exists, warns once and takes it.
   need it, so that the JAX layer can use this module. Keras has no public hook before a model's
   layers run. Fallback: every layer looks up on its own (the same results,
   one lookup per layer).
-- `after_compile()` wraps `compile` where Keras defines it (the private
-  `Trainer`, so `load_model` still compiles loaded models; fallback: the
-  public `keras.Model.compile`): `ee.init(dense="ps")` and `mixed_float16`
-  need the compiled optimizer, and Keras has no compile callback.
+- `after_compile()` (`elastic_emb.keras.compile_hook`, shared with the JAX
+  backend) wraps `compile` where Keras defines it (the private `Trainer`, so
+  `load_model` still compiles loaded models; fallback: the public
+  `keras.Model.compile`): `ee.init(dense="ps")` and `mixed_float16` need the
+  compiled optimizer, and Keras has no compile callback.
 - `fix_keras_multi_worker()` replaces two private functions of Keras'
   TensorFlow trainer for `model.fit` under MultiWorkerMirroredStrategy
   (below; the first only where it exists, Keras 3.5 and newer); required.
@@ -44,8 +45,10 @@ backend, `elastic_emb.keras.weights` wraps Keras's weights by value
 (`get_weights`, `set_weights`, the state tree, `count_params`) so that they
 carry the tables' rows, and refuses `use_ema` and `OrbaxCheckpoint`. Per
 instance: `dense_ps.attach` wraps a compiled model's `train_step`,
-`test_step`, `predict_step`, `fit` and its optimizer's `apply_gradients`;
-`loss_scaling.attach` a `LossScaleOptimizer`'s `apply`.
+`test_step`, `predict_step`, `fit` and its optimizer's `apply_gradients`
+(on JAX, `dense_ps_jax.attach` the same steps, `make_train_function`,
+`make_test_function`, `make_predict_function`, `fit` and the optimizer's
+`apply`); `loss_scaling.attach` a `LossScaleOptimizer`'s `apply`.
 
 The rest of this docstring is about the multi-worker fix.
 
@@ -74,6 +77,7 @@ from typing import Any
 import keras
 
 from elastic_emb.errors import ElasticEmbWarning
+from elastic_emb.keras.compile_hook import after_compile
 from elastic_emb.keras_range import LAST_TESTED, OLDEST, check_keras, keras_version, require, tested
 
 __all__ = [
@@ -95,7 +99,6 @@ _export_wrapped = False
 _save_wrapped = False
 _tf_save_wrapped = False
 _call_wrapped = False
-_compile_wrapped = False
 _data_checked = False
 
 
@@ -188,31 +191,6 @@ def _checking_data(keras_method: Any, check: Callable[[keras.Model, Any], None])
         return keras_method(self, *args, **kwargs)
 
     return checked
-
-
-def after_compile(attach: Callable[[keras.Model], None]) -> None:
-    """Runs `attach(model)` after every `model.compile(...)` (idempotent).
-
-    Patched where Keras defines `compile` (its `Trainer`), so that
-    `load_model` still sees the stock method and compiles loaded models.
-    """
-    global _compile_wrapped
-    if _compile_wrapped:
-        return
-    try:
-        from keras.src.trainers.trainer import Trainer as owner
-    except ImportError:  # another Keras layout: the public class
-        owner = keras.Model
-    keras_compile = owner.compile
-
-    @functools.wraps(keras_compile)
-    def compile(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
-        result = keras_compile(self, *args, **kwargs)
-        attach(self)
-        return result
-
-    owner.compile = compile
-    _compile_wrapped = True
 
 
 def fuse_functional_lookups(fused_call: Callable[..., Any]) -> None:

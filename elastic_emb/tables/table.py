@@ -48,7 +48,7 @@ POLICY_COUNTS = ("evicted_rows", "evicted_bytes", "admitted_keys", "rejected_upd
 # What a table does with a push whose gradients hold NaN or ±Inf (`nonfinite=`).
 NONFINITE_POLICIES = ("raise", "skip")
 
-# The names of the tables of models' dense weights (`elastic_emb.keras.dense_ps`); the
+# The names of the tables of models' dense weights (`elastic_emb.keras.dense_ps_base`); the
 # servers let workers create them and store their first values (`ps.security`).
 DENSE_TABLE_PREFIX = "ee_dense/"
 

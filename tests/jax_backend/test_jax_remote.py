@@ -44,14 +44,6 @@ def test_one_worker_on_shards_trains_exactly_as_in_process(mode):
             ee.shutdown()
 
 
-def test_dense_weights_on_the_ps_are_refused_on_jax():
-    with shards(1) as ps:
-        with pytest.raises(ValueError, match=r"TensorFlow backend.*dense='local'"):
-            ee.init(ps=[ps[0].address], mode="async", dense="ps")
-        # Nothing was connected: tables stay in-process.
-        assert type(ee.Table(dim=2, name="after_refusal")).__name__ == "LocalTable"
-
-
 def test_loss_scaling_with_tables_on_shards_is_refused():
     """A step Keras skips would leave the shards waiting for its pushes (as on TensorFlow)."""
     x, y = np.arange(8).reshape(4, 2), np.zeros((4, 1), np.float32)
