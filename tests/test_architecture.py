@@ -209,6 +209,7 @@ FORBIDDEN = {
     # What every Keras backend shares; the JAX layer, in venvs without TensorFlow.
     "elastic_emb.keras.base": {"tensorflow", "jax"},
     "elastic_emb.keras.on_jax": {"tensorflow"},
+    "elastic_emb.keras.jax_ids": {"tensorflow"},
     "elastic_emb.serving": {"grpc"},
     "elastic_emb.placement": {"grpc", "tensorflow"},
     # The library never depends on its examples.

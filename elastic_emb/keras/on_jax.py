@@ -10,10 +10,10 @@ next step's pulls (several steps per execution) after them. A table looked up by
 calls in one step sums their gradients into one push, as on TensorFlow: the
 backward passes traced together for a step count them.
 
-JAX holds int64 ids only with 64-bit types on (`JAX_ENABLE_X64=1`, or
-`jax.config.update("jax_enable_x64", True)` before the model is built); without
-them it would cut ids to 32 bits before the layer sees them, so the layer
-refuses to be built. Neither TensorFlow nor `elastic_emb.keras.layers` is imported here.
+JAX holds int64 ids only with 64-bit types on (`JAX_ENABLE_X64=1`); without them
+the ids of a model's inputs reach the layer as their two 32-bit halves
+(`elastic_emb.keras.jax_ids.SplitIds`), which the callbacks join on the host.
+Neither TensorFlow nor `elastic_emb.keras.layers` is imported here.
 """
 
 from __future__ import annotations
@@ -29,22 +29,12 @@ import keras
 import numpy as np
 from jax.experimental import io_callback
 
+from elastic_emb.keras import jax_ids
 from elastic_emb.keras.base import FLOAT_MANTISSA_BITS, EmbeddingBase
 from elastic_emb.keras_range import require
 from elastic_emb.tables.string_keys import EMPTY_STRING_KEY, string_keys
 
-__all__ = ["Embedding", "require_x64"]
-
-
-def require_x64() -> None:
-    """Raises unless JAX keeps 64-bit integers (else int64 ids lose their high bits)."""
-    if not jax.config.jax_enable_x64:
-        raise ValueError(
-            "elastic_emb.Embedding on JAX needs 64-bit integers, or JAX cuts int64 ids to "
-            "32 bits before the layer sees them (distinct ids would share rows). Set "
-            "JAX_ENABLE_X64=1 in the environment, or call "
-            'jax.config.update("jax_enable_x64", True) before building the model.'
-        )
+__all__ = ["Embedding", "host_keys"]
 
 
 @keras.saving.register_keras_serializable(package="elastic_emb")
@@ -53,8 +43,8 @@ class Embedding(EmbeddingBase):
     SUPPORTS_JIT = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        require_x64()
         _hold_loss_scaled_gradients()
+        jax_ids.feed_halves()
         super().__init__(*args, **kwargs)
         # Ids given as NumPy arrays stay ids (Keras before 3.4 casts them to the compute
         # dtype otherwise, as Keras's own preprocessing layers avoid in the same way).
@@ -72,13 +62,16 @@ class Embedding(EmbeddingBase):
                 f"elastic_emb.Embedding {self.name!r} is not supported on TPUs: it reaches its "
                 "table through host callbacks, untried there. Use CPUs or GPUs."
             )
-        ids = jnp.asarray(self._keys_of_strings(inputs))
+        ids = self._ids(inputs)
         if self.combiner is not None and ids.ndim != 2:
             raise ValueError(
                 "With a `combiner`, dense ids must have shape (batch, k). "
                 f"Received: shape={ids.shape}"
             )
-        rows = _rows(self, jnp.reshape(ids, (-1,)), training)
+        if isinstance(ids, jax_ids.SplitIds):
+            rows = _rows(self, jnp.reshape(ids.halves, (-1, 2)), training)
+        else:
+            rows = _rows(self, jnp.reshape(ids, (-1,)), training)
         rows = jnp.reshape(rows, (*ids.shape, self.output_dim))
         if self.combiner is not None:
             summed = jnp.sum(rows, axis=1)
@@ -93,11 +86,25 @@ class Embedding(EmbeddingBase):
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero:
             return None
-        if self.key_dtype != "string":
-            return keras.ops.not_equal(inputs, 0)
+        padding = EMPTY_STRING_KEY if self.key_dtype == "string" else 0
         keys = self._keys_of_strings(inputs)
-        empty = np.array(EMPTY_STRING_KEY, np.int64).astype(keys.dtype)  # as uint64 too
+        if not jax_ids.x64():
+            keys = jax_ids.as_split_ids(keys)
+        if isinstance(keys, jax_ids.SplitIds):
+            halves = jnp.asarray(jax_ids.split(padding)).astype(keys.halves.dtype)
+            return jnp.any(keys.halves != halves, axis=-1)
+        empty = np.array(padding, np.int64).astype(keys.dtype)  # as uint64 too
         return keras.ops.not_equal(keys, empty)
+
+    def _ids(self, inputs: Any) -> Any:
+        """The ids (keys of strings) as a JAX array, or as `SplitIds` where JAX would cut
+        them (64-bit types off)."""
+        keys = self._keys_of_strings(inputs)
+        if not jax_ids.x64():
+            keys = jax_ids.as_split_ids(keys)
+        if isinstance(keys, jax_ids.SplitIds):
+            return keys
+        return jnp.asarray(keys)
 
     def _keys_of_strings(self, inputs: Any) -> Any:
         """With key_dtype="string": ids as their keys. JAX arrays hold no strings, so a
@@ -110,6 +117,14 @@ class Embedding(EmbeddingBase):
                 return string_keys(inputs)
         dtype = keras.backend.standardize_dtype(inputs.dtype)
         if dtype not in ("int64", "uint64"):
+            if not jax_ids.x64() and dtype in ("int32", "uint32"):
+                raise ValueError(
+                    f'With key_dtype="string", {self.name!r} takes the int64 keys of '
+                    "ee.string_keys(strings), which JAX (64-bit types off) cut to 32 bits "
+                    "here: feed them as NumPy int64 to an input that only elastic_emb "
+                    "layers read, in a functional or Sequential model, or set "
+                    f"JAX_ENABLE_X64=1. Received dtype={dtype}"
+                )
             raise ValueError(
                 f'With key_dtype="string", {self.name!r} takes strings, or on JAX their int64 '
                 f"keys from ee.string_keys(strings) in the input pipeline. Received dtype={dtype}"
@@ -211,15 +226,21 @@ _trace = _StepTrace()
 
 
 def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
-    """float32 `(n, dim)` rows of flat ids `(n,)`; their gradient, if computed, is pushed."""
+    """float32 `(n, dim)` rows of flat ids `(n,)`, or of int64 ids as halves `(n, 2)`
+    (`jax_ids.split`); their gradient, if computed, is pushed."""
     train = training if layer.trainable else False  # frozen: no rows added, none trained
     insert, expects_push = bool(train), train is not False
     fusion = layer.table.step_fusion()
     name = layer.name
     rows_shape = jax.ShapeDtypeStruct((ids.shape[0], layer.output_dim), jnp.float32)
 
+    halves = ids.ndim == 2  # (n, 2): int64 ids as their halves (jax_ids.split)
+
+    def keys_of(host_ids: Any) -> np.ndarray:
+        return jax_ids.join(host_ids) if halves else host_keys(name, host_ids)
+
     def pull(host_ids: Any) -> np.ndarray:
-        keys = host_keys(name, host_ids)
+        keys = keys_of(host_ids)
         if fusion.two_phase:
             return fusion.collect(fusion.submit(keys, insert, expects_push))
         return fusion.lookup(keys, insert, expects_push)
@@ -242,7 +263,7 @@ def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
         step = _trace.backward(layer, fusion)
 
         def push(host_ids: Any, grads: Any) -> np.ndarray:
-            return step.push(fusion, host_keys(name, host_ids), np.asarray(grads, np.float32))
+            return step.push(fusion, keys_of(host_ids), np.asarray(grads, np.float32))
 
         trigger_grad = io_callback(
             push,

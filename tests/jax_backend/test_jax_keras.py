@@ -228,11 +228,34 @@ def test_mixed_bfloat16_trains_with_bfloat16_outputs():
     assert layer.table.iterations == 4 and layer.table.row_dtype == "float32"
 
 
-def test_without_64_bit_integers_the_layer_refuses_to_be_built():
+def test_without_64_bit_integers_ids_reach_the_table_whole(tmp_path):
+    """With JAX_ENABLE_X64=0 (a subprocess): ids above 2**31, ids that share their low 32
+    bits, -1, and string keys get rows of their own, and the model trains as with 64-bit
+    types on (this process); a subclassed model fed int64 ids is refused."""
+    script = Path(__file__).with_name("_narrow_ids.py")
+    out = tmp_path / "narrow.npz"
     env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "0"}
-    code = "import elastic_emb as ee\nee.Embedding(4, name='narrow')\n"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert done.returncode != 0 and "JAX_ENABLE_X64=1" in done.stderr, done.stderr
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    narrow = np.load(out)
+    assert not narrow["x64"] and jax.config.jax_enable_x64
+    assert "JAX_ENABLE_X64=1" in str(narrow["refusal"]), narrow["refusal"]
+    sys.path.insert(0, str(script.parent))
+    import _narrow_ids
+
+    wide = _narrow_ids.train()
+    np.testing.assert_array_equal(narrow["narrow_ids_keys"], np.sort(_narrow_ids.IDS))
+    words = ee.string_keys(_narrow_ids.WORDS)
+    np.testing.assert_array_equal(narrow["narrow_words_keys"], np.sort(words))
+    assert sorted(wide) == sorted(f for f in narrow.files if f not in ("x64", "refusal"))
+    for name, value in wide.items():
+        if name.endswith(("keys", "mask")):
+            np.testing.assert_array_equal(narrow[name], value, err_msg=name)
+        else:
+            np.testing.assert_allclose(narrow[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_data_parallel_over_two_devices_trains_as_one_device_does():
