@@ -106,22 +106,34 @@ def _nodes_of(model: keras.Model) -> list[Any]:
     return [node for nodes in nodes_by_depth.values() for node in nodes]
 
 
-_id_inputs: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+# No lock: two threads that miss both compute the same value.
+_plans: weakref.WeakKeyDictionary[Any, tuple[frozenset[int], frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def id_inputs(functional: Any) -> frozenset[int]:
-    """Positions of the Functional model's int64 inputs that only ee.Embedding layers read."""
-    if functional not in _id_inputs:
+def _plan(functional: Any) -> tuple[frozenset[int], frozenset[int]]:
+    """Positions of the Functional model's int64 inputs that only ee.Embedding layers
+    read, and of those that ee.Embedding layers and others read."""
+    if functional not in _plans:
         nodes = _nodes_of(functional)
-        found = set()
+        only, mixed = set(), set()
         for i, tensor in enumerate(functional._inputs):
             if keras.backend.standardize_dtype(tensor.dtype) not in ("int64", "uint64"):
                 continue
             readers = [n.operation for n in nodes if any(t is tensor for t in n.input_tensors)]
-            if readers and all(isinstance(r, EmbeddingBase) for r in readers):
-                found.add(i)
-        _id_inputs[functional] = frozenset(found)
-    return _id_inputs[functional]
+            ours = [isinstance(r, EmbeddingBase) for r in readers]
+            if ours and all(ours):
+                only.add(i)
+            elif any(ours):
+                mixed.add(i)
+        _plans[functional] = (frozenset(only), frozenset(mixed))
+    return _plans[functional]
+
+
+def id_inputs(functional: Any) -> frozenset[int]:
+    """Positions of the Functional model's int64 inputs that only ee.Embedding layers read."""
+    return _plan(functional)[0]
 
 
 def _functional_class() -> Any:
@@ -211,16 +223,35 @@ def _split_x(model: keras.Model, x: Any) -> Any:
                     'dtype="int64")), or set JAX_ENABLE_X64=1.'
                 )
         return x
-    ids = id_inputs(functional)
-    if not ids:
+    ids, mixed = _plan(functional)
+    if not ids and not mixed:
         return x
+    found = _x_positions(functional, x)
+    if not (ids | mixed) <= {i for _, i in found}:
+        names = sorted(functional._inputs[i].name for i in ids | mixed)
+        raise ValueError(
+            f"Model {model.name!r}: which of the data's arrays are the ids of its "
+            f"elastic_emb.Embedding inputs {names} is unclear, and JAX's 64-bit types are "
+            "off (JAX would cut int64 ids to 32 bits). Pass one array per model input, as a "
+            "list in the inputs' order or a dict by their names, or set JAX_ENABLE_X64=1."
+        )
+    for key, i in found:
+        leaf = x if key is None else x[key]
+        if i in mixed and (_is_wide(leaf) or isinstance(leaf, list)):
+            raise ValueError(
+                f"Model {model.name!r}: its input {functional._inputs[i].name!r} is read by "
+                "elastic_emb.Embedding layers and by other layers, and is fed 64-bit data "
+                "while JAX's 64-bit types are off: JAX would cut the ids to 32 bits. Give the "
+                "elastic_emb.Embedding layers a keras.Input of their own (the same data "
+                "twice), or set JAX_ENABLE_X64=1."
+            )
+    positions = [(key, i) for key, i in found if i in ids]
+    kind = type(x)
     if isinstance(x, (list, tuple)):
         x = list(x)
     elif isinstance(x, dict):
         x = dict(x)
-    for key, i in _x_positions(functional, x):
-        if i not in ids:
-            continue
+    for key, i in positions:
         leaf = x if key is None else x[key]
         if isinstance(leaf, list):
             leaf = np.asarray(leaf)
@@ -231,7 +262,7 @@ def _split_x(model: keras.Model, x: Any) -> Any:
             if key is None:
                 return leaf
             x[key] = leaf
-    return x
+    return kind(x) if kind in (list, tuple) else x
 
 
 def _split_batch(model: keras.Model, batch: Any) -> Any:
