@@ -28,10 +28,10 @@ import jax
 import keras
 import numpy as np
 
-from elastic_emb.keras.base import EmbeddingBase
+from elastic_emb.keras.base import FLOAT_MANTISSA_BITS, EmbeddingBase
 from elastic_emb.keras_range import require
 
-__all__ = ["SplitIds", "as_split_ids", "feed_halves", "join", "split", "x64"]
+__all__ = ["SplitIds", "as_split_ids", "feed_halves", "host_keys", "join", "split", "x64"]
 
 
 def x64() -> bool:
@@ -74,6 +74,25 @@ class SplitIds:
         return f"SplitIds(shape={self.shape})"
 
 
+def host_keys(layer_name: str, ids: Any) -> np.ndarray:
+    """The int64 keys of ids as the host gets them; float ids only if whole and exact."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind == "f" or ids.dtype.name == "bfloat16":
+        bits = FLOAT_MANTISSA_BITS.get(ids.dtype.name, 24)
+        if not np.all((np.abs(ids) < 2.0**bits) & (np.floor(ids) == ids)):
+            raise ValueError(
+                f"`{layer_name}` received {ids.dtype.name} ids that are not whole numbers below "
+                f"2**{bits}: distinct ids may have been merged on their way through a float. "
+                "Feed ids as int64: keras.Input(..., dtype='int64'), and the data cast with "
+                ".astype('int64')."
+            )
+    elif ids.dtype.kind not in "iub":
+        raise ValueError(
+            f"`{layer_name}` expects integer ids (int32 or int64). Received dtype={ids.dtype.name}"
+        )
+    return ids.astype(np.int64)
+
+
 def _is_halves(x: Any, rank: int) -> bool:
     dtype = getattr(x, "dtype", None)
     return (
@@ -94,8 +113,6 @@ def as_split_ids(x: Any, rank: int | None = None) -> Any:
     if isinstance(x, (list, tuple, int)):
         x = np.asarray(x)
     if isinstance(x, np.ndarray) and x.dtype.kind in "iuf" and x.dtype.itemsize == 8:
-        from elastic_emb.keras.on_jax import host_keys
-
         return SplitIds(jax.numpy.asarray(split(host_keys("ids", x))))
     return x
 
@@ -256,8 +273,6 @@ def _split_x(model: keras.Model, x: Any) -> Any:
         if isinstance(leaf, list):
             leaf = np.asarray(leaf)
         if _is_wide(leaf):
-            from elastic_emb.keras.on_jax import host_keys
-
             leaf = split(host_keys(functional._inputs[i].name, leaf))
             if key is None:
                 return leaf

@@ -30,11 +30,11 @@ import numpy as np
 from jax.experimental import io_callback
 
 from elastic_emb.keras import jax_ids
-from elastic_emb.keras.base import FLOAT_MANTISSA_BITS, EmbeddingBase
+from elastic_emb.keras.base import EmbeddingBase
 from elastic_emb.keras_range import require
 from elastic_emb.tables.string_keys import EMPTY_STRING_KEY, string_keys
 
-__all__ = ["Embedding", "host_keys"]
+__all__ = ["Embedding"]
 
 
 @keras.saving.register_keras_serializable(package="elastic_emb")
@@ -132,25 +132,6 @@ class Embedding(EmbeddingBase):
         return inputs
 
 
-def host_keys(layer_name: str, ids: Any) -> np.ndarray:
-    """The int64 keys of ids as the host gets them; float ids only if whole and exact."""
-    ids = np.asarray(ids)
-    if ids.dtype.kind == "f" or ids.dtype.name == "bfloat16":
-        bits = FLOAT_MANTISSA_BITS.get(ids.dtype.name, 24)
-        if not np.all((np.abs(ids) < 2.0**bits) & (np.floor(ids) == ids)):
-            raise ValueError(
-                f"`{layer_name}` received {ids.dtype.name} ids that are not whole numbers below "
-                f"2**{bits}: distinct ids may have been merged on their way through a float. "
-                "Feed ids as int64: keras.Input(..., dtype='int64'), and the data cast with "
-                ".astype('int64')."
-            )
-    elif ids.dtype.kind not in "iub":
-        raise ValueError(
-            f"`{layer_name}` expects integer ids (int32 or int64). Received dtype={ids.dtype.name}"
-        )
-    return ids.astype(np.int64)
-
-
 class _TracedStep:
     """One traced step's pushes: how many per table, and under a LossScaleOptimizer the
     pushes held (scaled) until the step's `settle` has seen whether Keras applied it."""
@@ -237,7 +218,7 @@ def _rows(layer: Embedding, ids: Any, training: bool | None) -> Any:
     halves = ids.ndim == 2  # (n, 2): int64 ids as their halves (jax_ids.split)
 
     def keys_of(host_ids: Any) -> np.ndarray:
-        return jax_ids.join(host_ids) if halves else host_keys(name, host_ids)
+        return jax_ids.join(host_ids) if halves else jax_ids.host_keys(name, host_ids)
 
     def pull(host_ids: Any) -> np.ndarray:
         keys = keys_of(host_ids)
