@@ -117,17 +117,16 @@ class Embedding(EmbeddingBase):
                 return string_keys(inputs)
         dtype = keras.backend.standardize_dtype(inputs.dtype)
         if dtype not in ("int64", "uint64"):
-            if not jax_ids.x64() and dtype in ("int32", "uint32"):
-                raise ValueError(
-                    f'With key_dtype="string", {self.name!r} takes the int64 keys of '
-                    "ee.string_keys(strings), which JAX (64-bit types off) cut to 32 bits "
-                    "here: feed them as NumPy int64 to an input that only elastic_emb "
-                    "layers read, in a functional or Sequential model, or set "
-                    f"JAX_ENABLE_X64=1. Received dtype={dtype}"
-                )
+            cut = (
+                " (JAX's 64-bit types are off: int64 keys reach the layer whole through a "
+                "model input that only elastic_emb layers read, or set JAX_ENABLE_X64=1)"
+                if not jax_ids.x64() and dtype in ("int32", "uint32")
+                else ""
+            )
             raise ValueError(
                 f'With key_dtype="string", {self.name!r} takes strings, or on JAX their int64 '
-                f"keys from ee.string_keys(strings) in the input pipeline. Received dtype={dtype}"
+                f"keys from ee.string_keys(strings) in the input pipeline{cut}. "
+                f"Received dtype={dtype}"
             )
         return inputs
 
