@@ -7,8 +7,9 @@ step, silently. So the ids of a model's `ee.Embedding` inputs travel as their tw
 - `feed_halves()` wraps `fit`, `evaluate`, `predict` and `*_on_batch`: there each
   batch of a Functional (or Sequential) model's inputs that only `ee.Embedding`
   layers read, declared int64, is split into halves, uint32 `(*shape, 2)` (a view),
-  before Keras converts the batch. For a subclassed model, which inputs reach a
-  layer is unknown before it runs: 64-bit integer data is refused there.
+  before Keras converts the batch. A subclassed model (which inputs reach which
+  layers is unknown before it runs) gets each 64-bit integer input as `SplitIds`,
+  which JAX carries as its halves and which refuses to become a JAX array.
 - `Functional._convert_inputs_to_tensors` (wrapped, where Keras converts a model's
   inputs to its `Input` dtypes, which would cast the halves) hands such an input to
   the layers as `SplitIds`, and splits NumPy int64 ids given to `model(x)` itself.
@@ -54,8 +55,9 @@ def join(halves: Any) -> np.ndarray:
 class SplitIds:
     """int64 ids in JAX as their halves, `halves`: uint32 `(*shape, 2)`, `split`'s layout.
 
-    What `ee.Embedding` layers receive for a model input they alone read; `shape`,
-    `ndim` and `dtype` are the ids'."""
+    What `ee.Embedding` layers receive for a model input they alone read, and a
+    subclassed model for each of its 64-bit integer inputs; `shape`, `ndim` and
+    `dtype` are the ids'."""
 
     dtype = "int64"
 
@@ -71,7 +73,24 @@ class SplitIds:
         return len(self.halves.shape) - 1
 
     def __repr__(self) -> str:
-        return f"SplitIds(shape={self.shape})"
+        # Shown in errors where other layers get them: names what they are and the fix.
+        return (
+            f"SplitIds(shape={self.shape}: int64 ids as 32-bit halves, which JAX's 64-bit "
+            "types being off calls for; only elastic_emb.Embedding layers take them. Feed "
+            "other integer inputs as int32, or set JAX_ENABLE_X64=1)"
+        )
+
+    def __jax_array__(self) -> Any:
+        raise ValueError(
+            f"{self!r} reached something other than an elastic_emb.Embedding layer (a "
+            "subclassed model's 64-bit integer inputs all arrive so)."
+        )
+
+
+# Through `jax.jit` and `jax.device_put` as its halves; one leaf to Keras.
+jax.tree_util.register_pytree_node(
+    SplitIds, lambda ids: ((ids.halves,), None), lambda _, halves: SplitIds(halves[0])
+)
 
 
 def host_keys(layer_name: str, ids: Any) -> np.ndarray:
@@ -229,17 +248,13 @@ def _is_wide(x: Any) -> bool:
 def _split_x(model: keras.Model, x: Any) -> Any:
     """`x` with the int64 ids of the model's ee.Embedding-only inputs split into halves."""
     functional = _functional_of(model)
-    if functional is None:
-        for leaf in keras.tree.flatten(x):
-            if _is_wide(leaf) and leaf.dtype.kind in "iu":
-                raise ValueError(
-                    f"Model {model.name!r} (subclassed) has elastic_emb.Embedding layers and "
-                    "is fed 64-bit integers while JAX's 64-bit types are off: JAX would cut "
-                    "them to 32 bits, and which of them are ids is unknown before the model "
-                    "runs. Build it as a functional or Sequential model (keras.Input(..., "
-                    'dtype="int64")), or set JAX_ENABLE_X64=1.'
-                )
-        return x
+    if functional is None:  # subclassed: which inputs are ids shows only as it runs
+        return keras.tree.map_structure(
+            lambda leaf: (
+                SplitIds(split(leaf)) if _is_wide(leaf) and leaf.dtype.kind in "iu" else leaf
+            ),
+            x,
+        )
     ids, mixed = _plan(functional)
     if not ids and not mixed:
         return x

@@ -49,7 +49,25 @@ def train() -> dict[str, np.ndarray]:
         order = np.argsort(keys)
         out[f"{layer.name}_keys"], out[f"{layer.name}_rows"] = keys[order], rows[order]
     out["kernel"], out["bias"] = dense.get_weights()
+    # A subclassed model: its int64 input reaches the layer as it is called.
+    subclassed = _Subclassed()
+    subclassed.compile(keras.optimizers.SGD(0.1), "mse")
+    subclassed.fit(x["ids"], y[:, 0], batch_size=8, shuffle=False, verbose=0)
+    keys, rows = subclassed.rows.table.export_rows()
+    out["narrow_subclassed_keys"], out["narrow_subclassed_rows"] = (
+        np.sort(keys),
+        rows[np.argsort(keys)],
+    )
     return out
+
+
+class _Subclassed(keras.Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = ee.Embedding(2, optimizer=ee.optimizers.SGD(0.5), name="narrow_subclassed")
+
+    def call(self, ids: object) -> object:
+        return keras.ops.sum(self.rows(ids), axis=(1, 2))
 
 
 if __name__ == "__main__":
@@ -57,18 +75,15 @@ if __name__ == "__main__":
 
     result = train()
 
-    class Subclassed(keras.Model):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rows = ee.Embedding(2, name="narrow_subclassed")
-
-        def call(self, ids: object) -> object:
-            return keras.ops.sum(self.rows(ids), axis=(1, 2))
-
-    model = Subclassed()
+    # An int64 input that an ee.Embedding layer and another layer read: refused.
+    ids = keras.Input((2,), dtype="int64")
+    both = keras.layers.Concatenate()(
+        [keras.ops.sum(ee.Embedding(2, name="narrow_both")(ids), axis=2), ids]
+    )
+    model = keras.Model(ids, both)
     model.compile("sgd", "mse")
     try:
-        model.fit(IDS.reshape(2, 2), np.zeros(2, np.float32), verbose=0)
+        model.fit(IDS.reshape(2, 2), np.zeros((2, 4), np.float32), verbose=0)
         refusal = ""
     except ValueError as e:
         refusal = str(e)

@@ -230,8 +230,9 @@ def test_mixed_bfloat16_trains_with_bfloat16_outputs():
 
 def test_without_64_bit_integers_ids_reach_the_table_whole(tmp_path):
     """With JAX_ENABLE_X64=0 (a subprocess): ids above 2**31, ids that share their low 32
-    bits, -1, and string keys get rows of their own, and the model trains as with 64-bit
-    types on (this process); a subclassed model fed int64 ids is refused."""
+    bits, -1, and string keys get rows of their own, in functional and subclassed models,
+    which train as with 64-bit types on (this process); an int64 input that another layer
+    reads too is refused."""
     script = Path(__file__).with_name("_narrow_ids.py")
     out = tmp_path / "narrow.npz"
     env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "0"}
@@ -250,6 +251,7 @@ def test_without_64_bit_integers_ids_reach_the_table_whole(tmp_path):
     np.testing.assert_array_equal(narrow["narrow_ids_keys"], np.sort(_narrow_ids.IDS))
     words = ee.string_keys(_narrow_ids.WORDS)
     np.testing.assert_array_equal(narrow["narrow_words_keys"], np.sort(words))
+    np.testing.assert_array_equal(narrow["narrow_subclassed_keys"], np.sort(_narrow_ids.IDS))
     assert sorted(wide) == sorted(f for f in narrow.files if f not in ("x64", "refusal"))
     for name, value in wide.items():
         if name.endswith(("keys", "mask")):
