@@ -150,21 +150,37 @@ _plans: weakref.WeakKeyDictionary[Any, tuple[frozenset[int], frozenset[int]]] = 
 
 def _plan(functional: Any) -> tuple[frozenset[int], frozenset[int]]:
     """Positions of the Functional model's int64 inputs that only ee.Embedding layers
-    read, and of those that ee.Embedding layers and others read."""
+    read, and of the others from which an ee.Embedding layer's ids come."""
     if functional not in _plans:
         nodes = _nodes_of(functional)
-        only, mixed = set(), set()
+        only, reaching = set(), set()
         for i, tensor in enumerate(functional._inputs):
             if keras.backend.standardize_dtype(tensor.dtype) not in ("int64", "uint64"):
                 continue
             readers = [n.operation for n in nodes if any(t is tensor for t in n.input_tensors)]
-            ours = [isinstance(r, EmbeddingBase) for r in readers]
-            if ours and all(ours):
+            if readers and all(isinstance(r, EmbeddingBase) for r in readers):
                 only.add(i)
-            elif any(ours):
-                mixed.add(i)
-        _plans[functional] = (frozenset(only), frozenset(mixed))
+            elif _reaches_embedding(tensor, nodes):
+                reaching.add(i)
+        _plans[functional] = (frozenset(only), frozenset(reaching))
     return _plans[functional]
+
+
+def _reaches_embedding(tensor: Any, nodes: list[Any]) -> bool:
+    """Whether an ee.Embedding layer reads `tensor` or a tensor made from it."""
+    made = {id(tensor)}
+    grew = True
+    while grew:
+        grew = False
+        for node in nodes:
+            if any(id(t) in made for t in node.input_tensors):
+                if isinstance(node.operation, EmbeddingBase):
+                    return True
+                for t in node.output_tensors:
+                    if id(t) not in made:
+                        made.add(id(t))
+                        grew = True
+    return False
 
 
 def id_inputs(functional: Any) -> frozenset[int]:
@@ -269,13 +285,13 @@ def _split_x(model: keras.Model, x: Any) -> Any:
         )
     for key, i in found:
         leaf = x if key is None else x[key]
-        if i in mixed and (_is_wide(leaf) or isinstance(leaf, list)):
+        if i in mixed and not _fits_32_bits(leaf):
             raise ValueError(
-                f"Model {model.name!r}: its input {functional._inputs[i].name!r} is read by "
-                "elastic_emb.Embedding layers and by other layers, and is fed 64-bit data "
-                "while JAX's 64-bit types are off: JAX would cut the ids to 32 bits. Give the "
-                "elastic_emb.Embedding layers a keras.Input of their own (the same data "
-                "twice), or set JAX_ENABLE_X64=1."
+                f"Model {model.name!r}: its input {functional._inputs[i].name!r} reaches "
+                "elastic_emb.Embedding layers through other layers, and is fed ids beyond 32 "
+                "bits while JAX's 64-bit types are off: JAX would cut them. Give the "
+                "elastic_emb.Embedding layers keras.Input of their own, read by them alone "
+                "(split the data, not the tensor), or set JAX_ENABLE_X64=1."
             )
     positions = [(key, i) for key, i in found if i in ids]
     kind = type(x)
@@ -293,6 +309,17 @@ def _split_x(model: keras.Model, x: Any) -> Any:
                 return leaf
             x[key] = leaf
     return kind(x) if kind in (list, tuple) else x
+
+
+def _fits_32_bits(x: Any) -> bool:
+    """Whether JAX keeps host data `x` whole with 64-bit types off (no value cut)."""
+    if isinstance(x, list):
+        x = np.asarray(x)
+    if not _is_wide(x) or x.size == 0:
+        return True
+    if x.dtype.kind == "f":
+        return bool(np.all(np.abs(x) < 2.0**24))  # whole float32 ids, as the layer checks
+    return bool(x.min() >= -(2**31) and x.max() < 2**31)
 
 
 def _split_batch(model: keras.Model, batch: Any) -> Any:

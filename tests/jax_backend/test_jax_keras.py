@@ -232,7 +232,7 @@ def test_without_64_bit_integers_ids_reach_the_table_whole(tmp_path):
     """With JAX_ENABLE_X64=0 (a subprocess): ids above 2**31, ids that share their low 32
     bits, -1, and string keys get rows of their own, in functional and subclassed models,
     which train as with 64-bit types on (this process, or a subprocess where this one has
-    them off); an int64 input that another layer reads too is refused."""
+    them off); wide ids for an input sliced before the layer are refused."""
     script = Path(__file__).with_name("_narrow_ids.py")
 
     def run(x64: str) -> dict[str, np.ndarray]:
