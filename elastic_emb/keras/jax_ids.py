@@ -222,7 +222,16 @@ def _wrap_input_conversion() -> None:
 
     @functools.wraps(convert)
     def convert_inputs(self: Any, flat_inputs: list[Any]) -> list[Any]:
-        ids = id_inputs(self) if not x64() else frozenset()
+        ids, reaching = _plan(self) if not x64() else (frozenset(), frozenset())
+        for i in reaching:
+            if not _fits_32_bits(flat_inputs[i]):
+                raise ValueError(
+                    f"Model {self.name!r}: its input {self._inputs[i].name!r} reaches "
+                    "elastic_emb.Embedding layers through other layers, and gets ids beyond "
+                    "32 bits while JAX's 64-bit types are off: JAX would cut them. Give the "
+                    "elastic_emb.Embedding layers keras.Input of their own, or set "
+                    "JAX_ENABLE_X64=1."
+                )
         if not ids:
             return convert(self, flat_inputs)
         others = [i for i in range(len(flat_inputs)) if i not in ids]
@@ -375,6 +384,10 @@ def _wrap_model_methods() -> None:
         def wrapped(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
             if x64() or not any(isinstance(lr, EmbeddingBase) for lr in _layers(self)):
                 return method(self, *args, **kwargs)
+            x = kwargs.get("x", args[0] if args else None)
+            if all(isinstance(leaf, np.ndarray) for leaf in keras.tree.flatten(x)):
+                _split_x(self, x)  # refuses before Keras starts (a refusal mid-fit
+                # would leave the model's variables purged)
             outer, _feeding.model = _feeding.model, self
             try:
                 return method(self, *args, **kwargs)
