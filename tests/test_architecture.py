@@ -214,6 +214,7 @@ FORBIDDEN = {
     "elastic_emb.keras.dense_ps_base": {"tensorflow", "jax"},
     "elastic_emb.keras.compile_hook": {"tensorflow", "jax"},
     "elastic_emb.keras.dense_ps_jax": {"tensorflow"},
+    "elastic_emb.keras.jax_ids": {"tensorflow"},
     "elastic_emb.serving": {"grpc"},
     "elastic_emb.placement": {"grpc", "tensorflow"},
     # The library never depends on its examples.
@@ -303,6 +304,7 @@ JAX_ONLY = (
     "elastic_emb.keras.on_jax",
     "elastic_emb.keras.jax_processes",
     "elastic_emb.keras.dense_ps_jax",
+    "elastic_emb.keras.jax_ids",
 )
 
 

@@ -1,5 +1,6 @@
 """The Keras face of elastic_emb: the `ee.Embedding` layer (`base`, what every backend
-shares; `layers`, TensorFlow; `on_jax`, JAX), the lookup path TensorFlow layers share
+shares; `layers`, TensorFlow; `on_jax`, JAX, with `jax_ids` for int64 ids without
+64-bit types), the lookup path TensorFlow layers share
 (`lookup`), `ee.DistributedEmbedding` (`multi_feature`), callbacks, dense weights on
 the PS (`dense_ps_base`, what every backend shares; `dense_ps`, TensorFlow;
 `dense_ps_jax`, JAX), mixed precision (`loss_scaling`), a model's export (`models`),

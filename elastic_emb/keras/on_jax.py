@@ -14,10 +14,10 @@ execution) after them. A table looked up by several calls in one step sums
 their gradients into one push, as on TensorFlow: the backward passes traced
 together for a step count them.
 
-JAX holds int64 ids only with 64-bit types on (`JAX_ENABLE_X64=1`, or
-`jax.config.update("jax_enable_x64", True)` before the model is built); without
-them it would cut ids to 32 bits before the layer sees them, so the layer
-refuses to be built. Neither TensorFlow nor `elastic_emb.keras.layers` is imported here.
+JAX holds int64 ids only with 64-bit types on (`JAX_ENABLE_X64=1`); without them
+the ids of a model's inputs reach the layer as their two 32-bit halves
+(`elastic_emb.keras.jax_ids.SplitIds`), which the callbacks join on the host.
+Neither TensorFlow nor `elastic_emb.keras.layers` is imported here.
 """
 
 from __future__ import annotations
@@ -37,24 +37,13 @@ import keras
 import numpy as np
 from jax.experimental import io_callback
 
-from elastic_emb.keras import model_lookups, patches
-from elastic_emb.keras.base import FLOAT_MANTISSA_BITS, EmbeddingBase
+from elastic_emb.keras import jax_ids, model_lookups, patches
+from elastic_emb.keras.base import EmbeddingBase
 from elastic_emb.keras.jax_processes import host_callback
 from elastic_emb.keras_range import require
 from elastic_emb.tables.string_keys import EMPTY_STRING_KEY, string_keys
 
-__all__ = ["Embedding", "require_x64"]
-
-
-def require_x64() -> None:
-    """Raises unless JAX keeps 64-bit integers (else int64 ids lose their high bits)."""
-    if not jax.config.jax_enable_x64:
-        raise ValueError(
-            "elastic_emb.Embedding on JAX needs 64-bit integers, or JAX cuts int64 ids to "
-            "32 bits before the layer sees them (distinct ids would share rows). Set "
-            "JAX_ENABLE_X64=1 in the environment, or call "
-            'jax.config.update("jax_enable_x64", True) before building the model.'
-        )
+__all__ = ["Embedding"]
 
 
 @keras.saving.register_keras_serializable(package="elastic_emb")
@@ -63,9 +52,9 @@ class Embedding(EmbeddingBase):
     SUPPORTS_JIT = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        require_x64()
         _hold_loss_scaled_gradients()
         patches.fuse_functional_lookups(_fused_call)
+        jax_ids.feed_halves()
         super().__init__(*args, **kwargs)
         # Ids given as NumPy arrays stay ids (Keras before 3.4 casts them to the compute
         # dtype otherwise, as Keras's own preprocessing layers avoid in the same way).
@@ -83,7 +72,7 @@ class Embedding(EmbeddingBase):
                 f"elastic_emb.Embedding {self.name!r} is not supported on TPUs: it reaches its "
                 "table through host callbacks, untried there. Use CPUs or GPUs."
             )
-        ids = jnp.asarray(self._keys_of_strings(inputs))
+        ids = self._ids(inputs)
         if self.combiner is not None and ids.ndim != 2:
             raise ValueError(
                 "With a `combiner`, dense ids must have shape (batch, k). "
@@ -91,7 +80,7 @@ class Embedding(EmbeddingBase):
             )
         rows = model_lookups.take(self)  # looked up with the model's others
         if rows is None:
-            rows = _rows_of([(self, jnp.reshape(ids, (-1,)))], training)[0]
+            rows = _rows_of([(self, _flat(ids))], training)[0]
         rows = jnp.reshape(rows, (*ids.shape, self.output_dim))
         if self.combiner is not None:
             summed = jnp.sum(rows, axis=1)
@@ -112,11 +101,25 @@ class Embedding(EmbeddingBase):
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero:
             return None
-        if self.key_dtype != "string":
-            return keras.ops.not_equal(inputs, 0)
+        padding = EMPTY_STRING_KEY if self.key_dtype == "string" else 0
         keys = self._keys_of_strings(inputs)
-        empty = np.array(EMPTY_STRING_KEY, np.int64).astype(keys.dtype)  # as uint64 too
+        if not jax_ids.x64():
+            keys = jax_ids.as_split_ids(keys)
+        if isinstance(keys, jax_ids.SplitIds):
+            halves = jnp.asarray(jax_ids.split(padding)).astype(keys.halves.dtype)
+            return jnp.any(keys.halves != halves, axis=-1)
+        empty = np.array(padding, np.int64).astype(keys.dtype)  # as uint64 too
         return keras.ops.not_equal(keys, empty)
+
+    def _ids(self, inputs: Any) -> Any:
+        """The ids (keys of strings) as a JAX array, or as `SplitIds` where JAX would cut
+        them (64-bit types off)."""
+        keys = self._keys_of_strings(inputs)
+        if not jax_ids.x64():
+            keys = jax_ids.as_split_ids(keys)
+        if isinstance(keys, jax_ids.SplitIds):
+            return keys
+        return jnp.asarray(keys)
 
     def _keys_of_strings(self, inputs: Any) -> Any:
         """With key_dtype="string": ids as their keys. JAX arrays hold no strings, so a
@@ -129,30 +132,18 @@ class Embedding(EmbeddingBase):
                 return string_keys(inputs)
         dtype = keras.backend.standardize_dtype(inputs.dtype)
         if dtype not in ("int64", "uint64"):
+            cut = (
+                " (JAX's 64-bit types are off: int64 keys reach the layer whole through a "
+                "model input that only elastic_emb layers read, or set JAX_ENABLE_X64=1)"
+                if not jax_ids.x64() and dtype in ("int32", "uint32")
+                else ""
+            )
             raise ValueError(
                 f'With key_dtype="string", {self.name!r} takes strings, or on JAX their int64 '
-                f"keys from ee.string_keys(strings) in the input pipeline. Received dtype={dtype}"
+                f"keys from ee.string_keys(strings) in the input pipeline{cut}. "
+                f"Received dtype={dtype}"
             )
         return inputs
-
-
-def host_keys(layer_name: str, ids: Any) -> np.ndarray:
-    """The int64 keys of ids as the host gets them; float ids only if whole and exact."""
-    ids = np.asarray(ids)
-    if ids.dtype.kind == "f" or ids.dtype.name == "bfloat16":
-        bits = FLOAT_MANTISSA_BITS.get(ids.dtype.name, 24)
-        if not np.all((np.abs(ids) < 2.0**bits) & (np.floor(ids) == ids)):
-            raise ValueError(
-                f"`{layer_name}` received {ids.dtype.name} ids that are not whole numbers below "
-                f"2**{bits}: distinct ids may have been merged on their way through a float. "
-                "Feed ids as int64: keras.Input(..., dtype='int64'), and the data cast with "
-                ".astype('int64')."
-            )
-    elif ids.dtype.kind not in "iub":
-        raise ValueError(
-            f"`{layer_name}` expects integer ids (int32 or int64). Received dtype={ids.dtype.name}"
-        )
-    return ids.astype(np.int64)
 
 
 class _TracedStep:
@@ -285,6 +276,20 @@ def _in_parallel(groups: list[list[int]], work: Callable[[int], None], keys: Any
             future.result()
 
 
+def _flat(ids: Any) -> Any:
+    """A call's ids flat, `(n,)`, or as their halves `(n, 2)` (`jax_ids.SplitIds`)."""
+    if isinstance(ids, jax_ids.SplitIds):
+        return jnp.reshape(ids.halves, (-1, 2))
+    return jnp.reshape(ids, (-1,))
+
+
+def _keys(layer: Embedding, host_ids: Any) -> np.ndarray:
+    """The int64 keys of a call's flat ids (`_flat`) as the host gets them."""
+    if np.ndim(host_ids) == 2:  # (n, 2): the halves
+        return jax_ids.join(host_ids)
+    return jax_ids.host_keys(layer.name, host_ids)
+
+
 def _rows_of(lookups: list[tuple[Embedding, Any]], training: bool | None) -> list[Any]:
     """The float32 `(n, dim)` rows of each layer's flat ids `(n,)`, in one ordered callback
     (remote tables: all submitted, then collected, so a cluster pulls them at once); their
@@ -303,7 +308,7 @@ def _rows_of(lookups: list[tuple[Embedding, Any]], training: bool | None) -> lis
     remote = [i for i, r in enumerate(requests) if r.fusion.two_phase]
 
     def pull(*host_ids: Any) -> list[np.ndarray]:
-        keys = [host_keys(r.layer.name, i) for r, i in zip(requests, host_ids, strict=True)]
+        keys = [_keys(r.layer, i) for r, i in zip(requests, host_ids, strict=True)]
         out: list[np.ndarray] = [np.empty(0)] * len(requests)
         tickets = [(i, requests[i].fusion.submit(keys[i], *requests[i].flags())) for i in remote]
 
@@ -351,8 +356,7 @@ def _rows_of(lookups: list[tuple[Embedding, Any]], training: bool | None) -> lis
         def push(*arrays: Any) -> np.ndarray:
             n = len(pushing)
             keys = {
-                i: host_keys(requests[i].layer.name, a)
-                for i, a in zip(pushing, arrays[:n], strict=True)
+                i: _keys(requests[i].layer, a) for i, a in zip(pushing, arrays[:n], strict=True)
             }
             grads = dict(zip(pushing, arrays[n:], strict=True))
             finite: dict[int, bool] = {}
@@ -393,10 +397,7 @@ def _fused_call(model: Any, inputs: Any, training: bool | None, call: Callable[[
     if plan is None or len(plan.layers) < 2 or jax.process_count() > 1:
         return call()  # (several JAX processes: each lookup's own per-process callback)
     ids = model_lookups.ids_of(plan, model, inputs)
-    flat = [
-        jnp.reshape(jnp.asarray(layer._keys_of_strings(x)), (-1,))
-        for layer, x in zip(plan.layers, ids, strict=True)
-    ]
+    flat = [_flat(layer._ids(x)) for layer, x in zip(plan.layers, ids, strict=True)]
     rows = _rows_of(list(zip(plan.layers, flat, strict=True)), training)
     return model_lookups.run_with_rows(model, plan, rows, call)
 

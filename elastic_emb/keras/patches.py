@@ -50,6 +50,13 @@ instance: `dense_ps.attach` wraps a compiled model's `train_step`,
 `make_test_function`, `make_predict_function`, `fit` and the optimizer's
 `apply`); `loss_scaling.attach` a `LossScaleOptimizer`'s `apply`.
 
+On JAX with 64-bit types off, `elastic_emb.keras.jax_ids.feed_halves()` wraps
+`keras.Model.fit`, `evaluate`, `predict` and `*_on_batch`, the private
+`trainers.data_adapters.get_data_adapter` and `Functional._convert_inputs_to_tensors`
+(Keras converts a batch to JAX, and a model's inputs to their dtypes, there),
+so that int64 ids reach `ee.Embedding` as 32-bit halves; both private ones
+required (`require()`).
+
 The rest of this docstring is about the multi-worker fix.
 
 Keras 3 (through at least 3.15) fails in `model.fit` under

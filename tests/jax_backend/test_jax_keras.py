@@ -228,11 +228,45 @@ def test_mixed_bfloat16_trains_with_bfloat16_outputs():
     assert layer.table.iterations == 4 and layer.table.row_dtype == "float32"
 
 
-def test_without_64_bit_integers_the_layer_refuses_to_be_built():
-    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "0"}
-    code = "import elastic_emb as ee\nee.Embedding(4, name='narrow')\n"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert done.returncode != 0 and "JAX_ENABLE_X64=1" in done.stderr, done.stderr
+def test_without_64_bit_integers_ids_reach_the_table_whole(tmp_path):
+    """With JAX_ENABLE_X64=0 (a subprocess): ids above 2**31, ids that share their low 32
+    bits, -1, and string keys get rows of their own, in functional and subclassed models,
+    which train as with 64-bit types on (this process, or a subprocess where this one has
+    them off); wide ids for an input sliced before the layer are refused."""
+    script = Path(__file__).with_name("_narrow_ids.py")
+
+    def run(x64: str) -> dict[str, np.ndarray]:
+        out = tmp_path / f"x64_{x64}.npz"
+        env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_ENABLE_X64": x64}
+        done = subprocess.run(
+            [sys.executable, str(script), str(out)], capture_output=True, text=True, env=env,
+            timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        result = dict(np.load(out))
+        assert bool(result.pop("x64")) == (x64 == "1")
+        return result
+
+    narrow = run("0")
+    assert "JAX_ENABLE_X64=1" in str(narrow.pop("refusal")), narrow
+    sys.path.insert(0, str(script.parent))
+    import _narrow_ids
+
+    if jax.config.jax_enable_x64:
+        wide = _narrow_ids.train()
+    else:
+        wide = run("1")
+        wide.pop("refusal")
+    np.testing.assert_array_equal(narrow["narrow_ids_keys"], np.sort(_narrow_ids.IDS))
+    words = ee.string_keys(_narrow_ids.WORDS)
+    np.testing.assert_array_equal(narrow["narrow_words_keys"], np.sort(words))
+    np.testing.assert_array_equal(narrow["narrow_subclassed_keys"], np.sort(_narrow_ids.IDS))
+    assert sorted(wide) == sorted(narrow)
+    for name, value in wide.items():
+        if name.endswith(("keys", "mask")):
+            np.testing.assert_array_equal(narrow[name], value, err_msg=name)
+        else:
+            np.testing.assert_allclose(narrow[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_data_parallel_over_two_devices_trains_as_one_device_does():
