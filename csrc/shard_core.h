@@ -1,4 +1,4 @@
-// The data plane's side of a parameter server (decision 13: Python configures, C++ serves).
+// The data plane's side of a parameter server (Python configures, C++ serves).
 //
 // A `ShardCore` is the part of one slot range's shard (elastic_emb.ps.server.shard.Shard)
 // that requests read and change: its step clock, its slot bounds and, as Python last

@@ -148,7 +148,7 @@ struct ExportedChanges {
   uint64_t change_set = 0;
 };
 
-// A key's virtual slot, as elastic_emb.sharding.slot_of computes it
+// A key's virtual slot, as elastic_emb.tables.sharding.slot_of computes it
 // (MurmurHash3's 64-bit finalizer, modulo num_slots).
 inline int64_t VirtualSlot(int64_t key, int64_t num_slots) {
   uint64_t h = static_cast<uint64_t>(key);
@@ -202,7 +202,7 @@ class Table {
   // `with_state`, keys and values only (slots and metadata left empty).
   ExportedRows Export(bool with_state = true) const;
 
-  // Slot ranges (elastic_emb.sharding: a key's virtual slot is
+  // Slot ranges (elastic_emb.tables.sharding: a key's virtual slot is
   // VirtualSlot(key, num_slots)). A consistent copy of the rows whose slot
   // is in [begin, end); and their removal, which returns how many went.
   ExportedRows ExportSlots(int64_t num_slots, int64_t begin, int64_t end) const;

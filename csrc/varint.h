@@ -1,4 +1,4 @@
-// The wire's compact key encoding (elastic_emb.ps.protocol, KEYS_DELTA_VARINT):
+// The wire's compact key encoding (elastic_emb.ps.wire.protocol, KEYS_DELTA_VARINT):
 // each int64 key minus the previous one, modulo 2^64, as an LEB128 varint
 // (7 bits a byte, low bits first, the high bit set on all but the last byte).
 #pragma once

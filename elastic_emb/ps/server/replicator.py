@@ -31,12 +31,9 @@ __all__ = [
 log = logging.getLogger("elastic_emb.server")
 
 # The requests that change a shard's state: every replica applies them, in order.
-REPLICATED_METHODS = (
-    "CreateTables", "Join", "Leave", "Push", "ImportRows", "EraseRows", "Restore",
-    "ShrinkRange", "DropRange", "MoveIn",
-)  # fmt: skip
-# The changes a worker sends (the others: servers moving ranges).
-WORKER_CHANGES = REPLICATED_METHODS[:7]
+# The changes a worker sends, and the servers' own (moving ranges).
+WORKER_CHANGES = ("CreateTables", "Join", "Leave", "Push", "ImportRows", "EraseRows", "Restore")
+REPLICATED_METHODS = (*WORKER_CHANGES, "ShrinkRange", "DropRange", "MoveIn")
 FORWARD_TIMEOUT = 30.0  # a backup that takes longer to apply a change is removed
 DROP_CHECK_SECONDS = 0.05  # how often a primary waiting for a backup looks if it was dropped
 GAP_TIMEOUT = 10.0  # a backup waits this long for a missing earlier change
